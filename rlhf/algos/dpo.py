@@ -1,0 +1,115 @@
+"""Direct Preference Optimization (Rafailov et al., 2023, arXiv:2305.18290).
+
+With policy log-ratios against a frozen reference, ``h = (log pi(y_w|x) - log ref(y_w|x)) -
+(log pi(y_l|x) - log ref(y_l|x))``, the sigmoid loss is ``-log sigmoid(beta * h)``. Log-probabilities are
+summed over completion tokens (EOS included). Loss variants are separate functions chosen in
+``conf/algo/*.yaml`` by ``loss._target_``; they all take the two log-ratios and ``beta``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlhf.algos.base import completion_stats
+from rlhf.algos.sft import nll_loss
+from rlhf.data.collate import collate_sequences, encode
+from rlhf.models.reference import FrozenCopy
+
+LossFn = Callable[[Tensor, Tensor, float], Tensor]
+
+
+def sigmoid_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float,
+                 label_smoothing: float = 0.0) -> Tensor:
+    """DPO's loss per pair, ``[B]``. ``label_smoothing`` > 0 gives conservative DPO (cDPO, Mitchell 2023):
+    the preference label is assumed flipped with that probability."""
+    logits = beta * (chosen_logratios - rejected_logratios)
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+
+
+class DPO:
+    """DPO on ``prompt``/``chosen``/``rejected`` rows; chosen and rejected share one forward pass.
+
+    Args:
+        beta: strength of the implicit KL penalty; rewards are ``beta * log(pi/ref)``.
+        loss: the per-pair loss (a partial function of chosen/rejected log-ratios and beta).
+        reference: builds the frozen reference model from the initial policy.
+        nll_weight: weight of an added NLL term on the chosen completion (RPO, Pang et al. 2024,
+            arXiv:2404.19733); 0 is plain DPO.
+        disable_dropout: turn dropout off in policy and reference (as TRL does), so log-ratios start at 0.
+        max_prompt_length: prompts longer than this many tokens keep their end.
+        max_length: sequences longer than this many tokens lose their end.
+    """
+
+    columns = ("prompt", "chosen", "rejected")
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        loss: LossFn = sigmoid_loss,
+        reference: Any = None,
+        nll_weight: float = 0.0,
+        disable_dropout: bool = True,
+        max_prompt_length: int | None = 512,
+        max_length: int | None = 1024,
+    ) -> None:
+        self.beta, self.loss_fn, self.nll_weight = beta, loss, nll_weight
+        self.reference = reference if reference is not None else FrozenCopy()
+        self.disable_dropout = disable_dropout
+        self.max_prompt_length, self.max_length = max_prompt_length, max_length
+        self.pad_id = 0
+        self.ref_model: torch.nn.Module | None = None
+
+    def tokenize(self, row: dict[str, str], tokenizer) -> dict[str, list[int]]:
+        out = {}
+        for side in ("chosen", "rejected"):
+            encoded = encode(tokenizer, row["prompt"], row[side], self.max_prompt_length, self.max_length)
+            out[f"{side}_input_ids"], out[f"{side}_completion_mask"] = encoded["input_ids"], encoded["completion_mask"]
+        return out
+
+    def setup(self, policy, tokenizer, accelerator) -> None:
+        self.pad_id = tokenizer.pad_token_id
+        if self.disable_dropout:
+            for module in policy.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        self.ref_model = self.reference(policy, accelerator)
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass."""
+        ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
+        masks = [r["chosen_completion_mask"] for r in rows] + [r["rejected_completion_mask"] for r in rows]
+        return collate_sequences(ids, masks, self.pad_id)
+
+    def loss(self, model, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        policy = completion_stats(model, batch)
+        with torch.no_grad():
+            ref_logps = completion_stats(self.ref_model, batch).logps
+        n = batch["input_ids"].shape[0] // 2
+        chosen_logratios = policy.logps[:n] - ref_logps[:n]
+        rejected_logratios = policy.logps[n:] - ref_logps[n:]
+        losses = self.loss_fn(chosen_logratios, rejected_logratios, self.beta)
+        loss = losses.mean()
+        if self.nll_weight:
+            loss = loss + self.nll_weight * nll_loss(policy.token_logps[:n], policy.mask[:n])
+        chosen_rewards = self.beta * chosen_logratios.detach()
+        rejected_rewards = self.beta * rejected_logratios.detach()
+        # Metric names are TRL's, so runs can be compared with DPOTrainer's logs.
+        metrics = {
+            "loss": loss.detach(),
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": policy.logps[:n].detach().mean(),
+            "logps/rejected": policy.logps[n:].detach().mean(),
+            "exact_match": policy.greedy_match[:n].float().mean(),
+        }
+        return loss, metrics
+
+    def evaluate(self, model, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        return self.loss(model, batch)[1]

@@ -1,0 +1,63 @@
+"""Supervised fine-tuning: maximize the likelihood of demonstrations.
+
+Loss: mean negative log-likelihood per token, over the completion tokens (``completion_only_loss=True``,
+TRL's default for prompt-completion data) or over every token (``False``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from rlhf.algos.base import completion_stats
+from rlhf.data.collate import collate_sequences, encode
+
+
+def nll_loss(token_logps: Tensor, mask: Tensor) -> Tensor:
+    """Mean negative log-likelihood over the masked tokens of the batch. Shapes ``[B, T]`` -> scalar."""
+    return -(token_logps * mask).sum() / mask.sum().clamp(min=1)
+
+
+class SFT:
+    """Supervised fine-tuning on ``prompt``/``completion`` rows (or ``messages``/``text``).
+
+    Args:
+        completion_only_loss: train on completion tokens only (True) or on prompt and completion (False).
+        max_prompt_length: prompts longer than this many tokens keep their end.
+        max_length: sequences longer than this many tokens lose their end.
+    """
+
+    columns = ("prompt", "completion")
+
+    def __init__(self, completion_only_loss: bool = True, max_prompt_length: int | None = 512,
+                 max_length: int | None = 1024) -> None:
+        self.completion_only_loss = completion_only_loss
+        self.max_prompt_length, self.max_length = max_prompt_length, max_length
+        self.pad_id = 0
+
+    def tokenize(self, row: dict[str, str], tokenizer) -> dict[str, list[int]]:
+        out = encode(tokenizer, row["prompt"], row["completion"], self.max_prompt_length, self.max_length,
+                     add_special_tokens=True)
+        if not self.completion_only_loss:
+            out["completion_mask"] = [1] * len(out["input_ids"])
+        return out
+
+    def setup(self, policy, tokenizer, accelerator) -> None:
+        self.pad_id = tokenizer.pad_token_id
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        return collate_sequences([r["input_ids"] for r in rows], [r["completion_mask"] for r in rows], self.pad_id)
+
+    def loss(self, model, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        stats = completion_stats(model, batch)
+        loss = nll_loss(stats.token_logps, stats.mask)
+        metrics = {
+            "loss": loss.detach(),
+            "num_tokens": stats.num_tokens.float().mean(),
+            "exact_match": stats.greedy_match.float().mean(),
+        }
+        return loss, metrics
+
+    def evaluate(self, model, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        return self.loss(model, batch)[1]

@@ -1,0 +1,105 @@
+"""Checks on the composed config that turn type mistakes into one clear message before anything is built.
+
+Every node with a ``_target_`` is checked against the target's signature: a field the target does not take,
+or a value of the wrong type for an annotated ``int``/``float``/``bool``/``str`` argument (``algo.beta=abc``),
+raises :class:`rlhf.errors.UserError` naming the field, the expected type and a valid example.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from rlhf.errors import UserError
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _allowed_types(annotation: Any) -> tuple[type, ...] | None:
+    """The plain types an annotation admits, or None when it is not a simple scalar annotation."""
+    if annotation in _SCALARS:
+        return (annotation,)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        if all(isinstance(a, type) for a in args) and any(a in _SCALARS[:-1] for a in args):
+            return args
+    return None
+
+
+def _matches(value: Any, allowed: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in allowed
+    if isinstance(value, int) and float in allowed:
+        return True
+    return isinstance(value, allowed)
+
+
+def _signature(target: Callable) -> tuple[inspect.Signature, dict[str, Any]] | None:
+    function = target.__init__ if inspect.isclass(target) else target
+    try:
+        signature = inspect.signature(target)
+        hints = typing.get_type_hints(function)
+    except (TypeError, ValueError, NameError, AttributeError):
+        return None
+    return signature, hints
+
+
+def check_fields(values: dict[str, Any], target: Callable, where: str) -> None:
+    """Raise UserError if `values` has a field `target` does not accept, or a scalar of the wrong type."""
+    found = _signature(target)
+    if found is None:
+        return
+    signature, hints = found
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for key, value in values.items():
+        if key.startswith("_"):
+            continue
+        name = f"{where}.{key}" if where else key
+        if key not in params:
+            if not takes_any:
+                valid = ", ".join(k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL)
+                raise UserError(f"{name}: {target.__module__}.{target.__qualname__} has no argument {key!r}. "
+                                f"Valid fields: {valid}.")
+            continue
+        allowed = _allowed_types(hints.get(key, inspect.Parameter.empty))
+        if allowed is None or isinstance(value, (dict, list)):
+            continue
+        if not _matches(value, allowed):
+            expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            default = params[key].default
+            example = f" Fix: e.g. {name}={default}" if default not in (inspect.Parameter.empty, None) else ""
+            raise UserError(f"{name}={value!r} is a {type(value).__name__}, but {target.__qualname__} expects "
+                            f"{expected} for {key!r}.{example}")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Check every ``_target_`` node of `cfg` (recursively)."""
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as error:  # an interpolation that cannot resolve
+        raise UserError(f"config: {error}") from error
+    _walk(container, "")
+
+
+def _walk(node: Any, where: str) -> None:
+    if isinstance(node, dict):
+        target = node.get("_target_")
+        if isinstance(target, str):
+            try:
+                obj = get_object(target)
+            except Exception as error:
+                raise UserError(f"{where}._target_={target}: cannot import it ({error}). Fix: check the name, or "
+                                "install the package that provides it.") from error
+            check_fields(node, obj, where)
+        for key, value in node.items():
+            _walk(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(node, (list, ListConfig)):
+        for i, value in enumerate(node):
+            _walk(value, f"{where}[{i}]")

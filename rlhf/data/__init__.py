@@ -1,0 +1,1 @@
+"""Data: sources (embedded task, files, Hub), TRL dataset formats, tokenization and collation."""

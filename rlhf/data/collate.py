@@ -1,0 +1,52 @@
+"""Tokenize prompt/completion pairs as TRL does, and pad them into batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def encode(
+    tokenizer,
+    prompt: str,
+    completion: str,
+    max_prompt_length: int | None = None,
+    max_length: int | None = None,
+    add_special_tokens: bool = False,
+) -> dict[str, list[int]]:
+    """Token ids of prompt + completion + EOS, and a mask that is 1 on the completion (EOS included).
+
+    Prompt and completion are tokenized separately and EOS is appended to the completion, as TRL's DPO
+    trainer does, so log-probabilities match TRL's on the same model and data. ``add_special_tokens`` adds the
+    tokenizer's own specials (e.g. BOS) to the prompt, as TRL's SFT trainer does. A prompt longer than
+    ``max_prompt_length`` keeps its last tokens; a sequence longer than ``max_length`` loses its end.
+    """
+    prompt_ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if max_prompt_length is not None:
+        prompt_ids = prompt_ids[-max_prompt_length:] if max_prompt_length > 0 else []
+    input_ids = prompt_ids + completion_ids
+    completion_mask = [0] * len(prompt_ids) + [1] * len(completion_ids)
+    if max_length is not None:
+        input_ids, completion_mask = input_ids[:max_length], completion_mask[:max_length]
+    return {"input_ids": input_ids, "completion_mask": completion_mask}
+
+
+def pad(sequences: Sequence[Sequence[int]], value: int) -> torch.Tensor:
+    """Right-pad lists of ints to one ``[len(sequences), longest]`` tensor."""
+    longest = max(len(s) for s in sequences)
+    out = torch.full((len(sequences), longest), value, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def collate_sequences(input_ids: Sequence[Sequence[int]], completion_masks: Sequence[Sequence[int]], pad_id: int):
+    """A right-padded batch: ``input_ids``, ``attention_mask`` and ``completion_mask``, each ``[B, T]``."""
+    ids = pad(input_ids, pad_id)
+    return {
+        "input_ids": ids,
+        "attention_mask": pad([[1] * len(s) for s in input_ids], 0),
+        "completion_mask": pad(completion_masks, 0),
+    }

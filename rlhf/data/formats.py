@@ -1,0 +1,123 @@
+"""Bring any of TRL's dataset formats to plain text columns an algorithm can tokenize.
+
+Accepted formats (https://huggingface.co/docs/trl/dataset_formats):
+
+=====================  =========================================  ===========================================
+kind                   standard (strings)                         conversational (lists of role/content)
+=====================  =========================================  ===========================================
+language modeling      ``text``                                   ``messages``
+prompt-completion      ``prompt``, ``completion``                 ``prompt``, ``completion``
+preference             ``prompt``, ``chosen``, ``rejected``       same, as message lists
+implicit-prompt pref.  ``chosen``, ``rejected``                   same, as message lists
+=====================  =========================================  ===========================================
+
+Conversational rows are rendered with the tokenizer's chat template: the prompt with the generation prompt
+appended, each completion as the rest of the rendered conversation, as TRL does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from datasets import Dataset
+
+from rlhf.errors import UserError
+
+Messages = list[dict[str, str]]
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+def _render(tokenizer, messages: Messages, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _split_conversation(tokenizer, prompt: Messages, completion: Messages) -> tuple[str, str]:
+    """Render prompt (with generation prompt) and the completion as the remainder of the whole chat."""
+    prompt_text = _render(tokenizer, prompt, add_generation_prompt=True)
+    full_text = _render(tokenizer, prompt + completion, add_generation_prompt=False)
+    if not full_text.startswith(prompt_text):
+        # Some templates render the last turn differently; fall back to rendering without generation prompt.
+        prompt_text = _render(tokenizer, prompt, add_generation_prompt=False)
+    return prompt_text, full_text[len(prompt_text) :]
+
+
+def _common_prefix(a: Sequence, b: Sequence) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _extract_prompt(row: dict[str, Any]) -> dict[str, Any]:
+    """Implicit-prompt preference rows: the shared beginning of chosen and rejected is the prompt."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    n = _common_prefix(chosen, rejected)
+    if isinstance(chosen, str) and n > 0 and chosen[n - 1] != " " and " " in chosen[:n]:
+        n = chosen[:n].rindex(" ") + 1  # cut at a word boundary, not inside a word
+    return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
+def to_text(row: dict[str, Any], columns: Sequence[str], tokenizer) -> dict[str, str]:
+    """One row of any accepted format -> a row with exactly `columns`, all strings."""
+    if "chosen" in columns and "prompt" not in row:
+        row = _extract_prompt(row)
+    if "completion" in columns and "completion" not in row:
+        if "messages" in row:
+            messages = row["messages"]
+            cut = len(messages) - 1 if messages and messages[-1]["role"] == "assistant" else 0
+            row = {"prompt": messages[:cut], "completion": messages[cut:]}
+        elif "text" in row:
+            row = {"prompt": "", "completion": row["text"]}
+    prompt = row["prompt"]
+    out: dict[str, str] = {}
+    for column in columns:
+        if column == "prompt":
+            continue
+        value = row[column]
+        if _is_conversation(prompt) or _is_conversation(value):
+            prompt_messages = prompt if _is_conversation(prompt) else [{"role": "user", "content": prompt}]
+            value_messages = value if _is_conversation(value) else [{"role": "assistant", "content": value}]
+            out["prompt"], out[column] = _split_conversation(tokenizer, prompt_messages, value_messages)
+        else:
+            out["prompt"], out[column] = prompt, value
+    if "prompt" not in out:  # prompt-only format (online algorithms)
+        out["prompt"] = _render(tokenizer, prompt, True) if _is_conversation(prompt) else prompt
+    return out
+
+
+# Which raw columns can stand in for the columns an algorithm asks for.
+_ALTERNATIVES = {
+    ("prompt", "completion"): [("prompt", "completion"), ("messages",), ("text",)],
+    ("prompt", "chosen", "rejected"): [("prompt", "chosen", "rejected"), ("chosen", "rejected")],
+    ("prompt",): [("prompt",), ("messages",)],
+}
+
+
+def standardize(dataset: Dataset, columns: Sequence[str], tokenizer, where: str = "the dataset") -> Dataset:
+    """Check `dataset` has a format that provides `columns`, then convert every row to text columns."""
+    columns = tuple(columns)
+    options = _ALTERNATIVES.get(columns, [columns])
+    if not any(set(option) <= set(dataset.column_names) for option in options):
+        wanted = " or ".join("/".join(option) for option in options)
+        raise UserError(
+            f"{where} has columns {dataset.column_names}, but this algorithm needs {wanted}. "
+            "Fix: rename the columns (e.g. dataset.rename_column) or pick an algorithm that fits the data "
+            "(preference pairs -> algo=dpo, demonstrations -> algo=sft)."
+        )
+    sample = dataset[0] if len(dataset) else {}
+    conversational = any(_is_conversation(v) for v in sample.values())
+    if conversational and getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(
+            f"{where} is conversational but the tokenizer has no chat template. "
+            "Fix: use an instruct model or set model.chat_template='<jinja template>'."
+        )
+    return dataset.map(
+        to_text,
+        fn_kwargs={"columns": columns, "tokenizer": tokenizer},
+        remove_columns=dataset.column_names,
+        desc="formatting",
+    )

@@ -1,0 +1,83 @@
+"""Load the policy (model + tokenizer) from the Hub, a local folder, or the embedded tiny spec."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Policy:
+    """The model being trained and its tokenizer."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+
+
+def _looks_local(name_or_path: str) -> bool:
+    return name_or_path.startswith((".", "/", "~")) or os.path.exists(name_or_path) or name_or_path.count("/") > 1
+
+
+def load_policy(
+    name_or_path: str | None = None,
+    dtype: str = "float32",
+    chat_template: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+    tiny: Any = None,
+) -> Policy:
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        name_or_path: a Hub model id or a folder saved with ``save_pretrained`` (e.g. ``<run dir>/final``);
+            ``None`` builds the embedded tiny model from ``tiny``.
+        dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (as stored).
+        chat_template: a Jinja chat template replacing the tokenizer's (needed for conversational data on
+            base models without one).
+        revision: Hub branch, tag or commit.
+        trust_remote_code: allow model code from the Hub repository.
+        attn_implementation: e.g. ``sdpa``, ``eager``, ``flash_attention_2``; ``None`` lets transformers pick.
+        tiny: a :class:`rlhf.models.tiny.TinySpec`, used when ``name_or_path`` is ``None``.
+    """
+    if dtype != "auto" and dtype not in DTYPES:
+        raise UserError(f"model.dtype={dtype!r} is not one of {[*DTYPES, 'auto']}. Fix: e.g. model.dtype=bfloat16")
+    if name_or_path is None:
+        if tiny is None:
+            raise UserError("model.name_or_path is null and no tiny spec is given. Fix: model=tiny or "
+                            "model.name_or_path=<hub id or folder>")
+        policy = tiny.build()
+    else:
+        path = os.path.expanduser(str(name_or_path))
+        if _looks_local(path) and not os.path.isdir(path):
+            raise UserError(f"model.name_or_path={name_or_path}: no such folder (looked in {os.path.abspath(path)})."
+                            " Fix: point it at a folder with config.json, e.g. <run dir>/final, or a Hub id.")
+        kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust_remote_code}
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype="auto" if dtype == "auto" else DTYPES[dtype],
+                attn_implementation=attn_implementation, **kwargs,
+            )
+        except OSError as error:
+            raise UserError(f"model.name_or_path={name_or_path}: could not load it ({error}). Fix: check the id or "
+                            "folder; Hub ids need network access (or a cache with HF_HUB_OFFLINE=1).") from error
+        policy = Policy(model, tokenizer)
+    if dtype != "auto":
+        policy.model.to(DTYPES[dtype])
+    tokenizer = policy.tokenizer
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if tokenizer.pad_token_id is None:
+        # Padding is masked explicitly everywhere, so reusing EOS as PAD cannot hide real EOS tokens.
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return policy
