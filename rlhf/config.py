@@ -13,7 +13,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from hydra.utils import get_object
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf.errors import UserError
@@ -77,6 +78,20 @@ def check_fields(values: dict[str, Any], target: Callable, where: str) -> None:
             example = f" Fix: e.g. {name}={default}" if default not in (inspect.Parameter.empty, None) else ""
             raise UserError(f"{name}={value!r} is a {type(value).__name__}, but {target.__qualname__} expects "
                             f"{expected} for {key!r}.{example}")
+
+
+def build(node: DictConfig, *args: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate``, but a :class:`UserError` raised while building surfaces as itself, not
+    wrapped in Hydra's InstantiationException."""
+    try:
+        return instantiate(node, *args, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__
+        while cause is not None and not isinstance(cause, UserError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        raise
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -20,12 +21,12 @@ from pathlib import Path
 import torch
 from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
-from rlhf.config import check_config, check_fields
+from rlhf.config import build, check_config, check_fields
 from rlhf.errors import UserError
 from rlhf.optim import param_groups
 
@@ -108,21 +109,21 @@ def save_pretrained_atomically(model, tokenizer, folder: Path) -> None:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Train as `cfg` says; return the final metrics (held-out ``eval/*`` and last ``train/*``)."""
     # --- configuration -----------------------------------------------------------------------------------
-    check_config(cfg)
     check_fields(OmegaConf.to_container(cfg.train), TrainSettings, "train")
+    check_config(cfg)
     settings = TrainSettings(**cfg.train)
     run_dir = Path(cfg.output_dir)
     AcceleratorState._reset_state()  # each train() call gets the hardware its own config asks for
-    accelerator = instantiate(cfg.hardware)
+    accelerator = build(cfg.hardware)
     set_seed(cfg.seed)
     is_main = accelerator.is_main_process
 
     # --- components, each built from its config group ----------------------------------------------------
     with accelerator.main_process_first():  # e.g. the tiny model's warm start is built once
-        policy = instantiate(cfg.model)
+        policy = build(cfg.model)
     model, tokenizer = policy.model, policy.tokenizer
-    algo = instantiate(cfg.algo)
-    data = instantiate(cfg.data)
+    algo = build(cfg.algo)
+    data = build(cfg.data)
     with accelerator.main_process_first():
         splits = data.load(algo.columns, tokenizer)
         tokenized = splits.map(algo.tokenize, fn_kwargs={"tokenizer": tokenizer},
@@ -131,8 +132,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         raise UserError(f"the training split has {len(tokenized['train'])} rows, fewer than "
                         f"train.per_device_batch_size={settings.per_device_batch_size}. Fix: lower the batch size.")
     algo.setup(model, tokenizer, accelerator)  # before prepare(): e.g. the reference copies the initial policy
-    optimizer = instantiate(cfg.optimizer)(param_groups(model))
-    scheduler = instantiate(cfg.scheduler)(optimizer)
+    optimizer = build(cfg.optimizer)(param_groups(model))
+    scheduler = build(cfg.scheduler)(optimizer)
     train_loader = DataLoader(tokenized["train"], batch_size=settings.per_device_batch_size, shuffle=True,
                               drop_last=True, collate_fn=algo.collate,
                               generator=torch.Generator().manual_seed(cfg.seed))
@@ -149,7 +150,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
              global_batch, settings.per_device_batch_size, accelerator.num_processes, accum)
     log.info("parameters: %s (%s trainable); %d training rows, %d held-out rows; device %s",
              f"{total:,}", f"{trainable:,}", len(tokenized["train"]), len(tokenized["eval"]), accelerator.device)
-    logger = instantiate(cfg.logger)
+    logger = build(cfg.logger)
     if is_main:
         logger.start(str(run_dir), OmegaConf.to_container(cfg, resolve=True))
 
@@ -165,43 +166,45 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     # --- the loop ----------------------------------------------------------------------------------------
     batches = _forever(train_loader)
-    window, tokens, window_start = _Mean(), 0, time.perf_counter()
-    bar = tqdm(range(1, settings.max_steps + 1), desc="training", disable=not is_main, dynamic_ncols=True)
-    for step in bar:
-        for micro in range(accum):
-            batch = next(batches)
-            # Gradients are all-reduced only on the last micro-batch of the step.
-            with accelerator.no_sync(model) if micro < accum - 1 else nullcontext():
-                loss, metrics = algo.loss(model, batch)
-                accelerator.backward(loss / accum)
-            window.add(metrics, 1.0 / accum)
-            tokens += int(batch["attention_mask"].sum())
-        grad_norm = None
-        if settings.max_grad_norm is not None:
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+    window, tokens, window_steps, window_start = _Mean(), 0, 0, time.perf_counter()
+    bar = tqdm(range(1, settings.max_steps + 1), desc="training", disable=not is_main, dynamic_ncols=True,
+               mininterval=0.5 if sys.stderr.isatty() else 15.0)
+    with logging_redirect_tqdm():  # log lines print above the progress bar
+        for step in bar:
+            for micro in range(accum):
+                batch = next(batches)
+                # Gradients are all-reduced only on the last micro-batch of the step.
+                with accelerator.no_sync(model) if micro < accum - 1 else nullcontext():
+                    loss, metrics = algo.loss(model, batch)
+                    accelerator.backward(loss / accum)
+                window.add(metrics, 1.0 / accum)
+                tokens += int(batch["attention_mask"].sum())
+            grad_norm = None
+            if settings.max_grad_norm is not None:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            window_steps += 1
 
-        if step % settings.log_every_steps == 0 or step == settings.max_steps:
-            elapsed = time.perf_counter() - window_start
-            steps_in_window = len(window.weights) and max(window.weights.values())
-            train_metrics = {**window.means("train/"), "train/lr": scheduler.get_last_lr()[0],
-                             "perf/tokens_per_s": tokens * accelerator.num_processes / elapsed,
-                             "perf/step_time_s": elapsed / max(steps_in_window, 1)}
-            if grad_norm is not None:
-                train_metrics["train/grad_norm"] = float(grad_norm)
-            record(train_metrics, step)
-            final.update(train_metrics)
-            bar.set_postfix(loss=f"{train_metrics['train/loss']:.4f}")
-            window, tokens, window_start = _Mean(), 0, time.perf_counter()
-        every = settings.eval_every_steps
-        if (every and step % every == 0) or step == settings.max_steps:
-            eval_metrics = evaluate(model, algo, eval_loader, accelerator)
-            record(eval_metrics, step)
-            final.update(eval_metrics)
-            bar.write(f"step {step}: {_brief(eval_metrics)}") if is_main else None
-    bar.close()
+            if step % settings.log_every_steps == 0 or step == settings.max_steps:
+                elapsed = time.perf_counter() - window_start
+                train_metrics = {**window.means("train/"), "train/lr": scheduler.get_last_lr()[0],
+                                 "perf/tokens_per_s": tokens * accelerator.num_processes / elapsed,  # non-pad, all processes
+                                 "perf/step_time_s": elapsed / window_steps}
+                if grad_norm is not None:
+                    train_metrics["train/grad_norm"] = float(grad_norm)
+                record(train_metrics, step)
+                final.update(train_metrics)
+                bar.set_postfix(loss=f"{train_metrics['train/loss']:.4f}", refresh=False)
+                window, tokens, window_steps, window_start = _Mean(), 0, 0, time.perf_counter()
+            every = settings.eval_every_steps
+            if (every and step % every == 0) or step == settings.max_steps:
+                eval_metrics = evaluate(model, algo, eval_loader, accelerator)
+                record(eval_metrics, step)
+                final.update(eval_metrics)
+                log.info("step %d: %s", step, _brief(eval_metrics))
+        bar.close()
 
     # --- results -----------------------------------------------------------------------------------------
     accelerator.wait_for_everyone()

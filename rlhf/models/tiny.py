@@ -18,10 +18,16 @@ from pathlib import Path
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, get_linear_schedule_with_warmup
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    get_linear_schedule_with_warmup,
+)
 
-from rlhf.algos.sft import SFT, nll_loss
 from rlhf.algos.base import completion_stats
+from rlhf.algos.sft import SFT, nll_loss
 from rlhf.data.tasks import ReverseTask
 from rlhf.models.loading import Policy
 from rlhf.models.tokenizer import VOCAB_SIZE, byte_tokenizer

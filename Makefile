@@ -1,0 +1,22 @@
+.PHONY: help setup train test test-fast lint clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+setup:  ## create .venv with torch and rlhf (editable, with test tools)
+	bash scripts/setup.sh
+
+train: setup  ## the main job: DPO with Lion on the embedded default
+	.venv/bin/python train.py algo=dpo optimizer=lion
+
+test: setup  ## the whole test suite, as CI runs it
+	.venv/bin/python -m pytest -n 2 --dist loadfile tests
+
+test-fast: setup  ## the suite without the slow "it learns" tests
+	.venv/bin/python -m pytest -n 2 --dist loadfile -m "not slow" tests
+
+lint: setup  ## ruff
+	.venv/bin/ruff check .
+
+clean:  ## remove run outputs (keeps .venv)
+	rm -rf outputs/2* outputs/multirun .ci-cache

@@ -1,0 +1,81 @@
+import math
+
+import pytest
+import torch
+
+from rlhf.algos.dpo import DPO, sigmoid_loss
+from rlhf.models.reference import FrozenCopy
+from rlhf.models.tiny import TinySpec
+
+
+class _CPU:
+    device = torch.device("cpu")
+
+
+def test_sigmoid_loss_matches_hand_computed_values():
+    # beta 0.1, h = (c - r) logratio difference: h=10 -> -log(sigmoid(1)) = log(1 + e^-1)
+    chosen = torch.tensor([2.0, 0.0, -1.0])
+    rejected = torch.tensor([-8.0, 0.0, 4.0])
+    losses = sigmoid_loss(chosen, rejected, beta=0.1)
+    expected = [math.log(1 + math.exp(-1.0)), math.log(2.0), math.log(1 + math.exp(0.5))]
+    assert losses.tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_label_smoothing_mixes_both_directions():
+    chosen, rejected = torch.tensor([1.0]), torch.tensor([-1.0])
+    plain = sigmoid_loss(chosen, rejected, beta=1.0)
+    flipped = sigmoid_loss(rejected, chosen, beta=1.0)
+    smoothed = sigmoid_loss(chosen, rejected, beta=1.0, label_smoothing=0.25)
+    assert smoothed.item() == pytest.approx(0.75 * plain.item() + 0.25 * flipped.item(), rel=1e-6)
+
+
+def _batch(policy, algo):
+    rows = [{"prompt": "abc=", "chosen": "cba", "rejected": "cab"}, {"prompt": "hello=", "chosen": "olleh", "rejected": "hello"}]
+    return algo.collate([algo.tokenize(r, policy.tokenizer) for r in rows])
+
+
+def test_dpo_at_init_has_zero_rewards_and_log2_loss():
+    policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+    algo = DPO(beta=0.1, reference=FrozenCopy())
+    algo.setup(policy.model, policy.tokenizer, _CPU())
+    loss, metrics = algo.loss(policy.model, _batch(policy, algo))
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
+    assert metrics["rewards/chosen"].item() == pytest.approx(0.0, abs=1e-6)
+    assert metrics["rewards/margins"].item() == pytest.approx(0.0, abs=1e-6)
+    assert metrics["rewards/accuracies"].item() == 0.0  # ties do not count, as in TRL
+
+
+def test_dpo_rewards_are_beta_times_logratios_and_nll_term_adds():
+    policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+    algo = DPO(beta=0.5, reference=FrozenCopy())
+    algo.setup(policy.model, policy.tokenizer, _CPU())
+    with torch.no_grad():  # move the policy away from the reference
+        for p in policy.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = _batch(policy, algo)
+    loss, metrics = algo.loss(policy.model, batch)
+    from rlhf.algos.base import completion_stats
+
+    pol, ref = completion_stats(policy.model, batch).logps, completion_stats(algo.ref_model, batch).logps
+    chosen_rewards = 0.5 * (pol[:2] - ref[:2])
+    rejected_rewards = 0.5 * (pol[2:] - ref[2:])
+    assert metrics["rewards/chosen"].item() == pytest.approx(chosen_rewards.mean().item(), rel=1e-5)
+    assert metrics["rewards/margins"].item() == pytest.approx((chosen_rewards - rejected_rewards).mean().item(), rel=1e-5)
+    assert metrics["logps/rejected"].item() == pytest.approx(pol[2:].mean().item(), rel=1e-5)
+    expected = sigmoid_loss(pol[:2] - ref[:2], pol[2:] - ref[2:], 0.5).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+    algo.nll_weight = 1.0
+    with_nll, _ = algo.loss(policy.model, batch)
+    assert with_nll.item() > loss.item()
+
+
+def test_dpo_collate_puts_chosen_first_in_one_batch():
+    policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+    algo = DPO()
+    algo.setup(policy.model, policy.tokenizer, _CPU())
+    batch = _batch(policy, algo)
+    assert batch["input_ids"].shape[0] == 4
+    eos = policy.tokenizer.eos_token_id
+    assert batch["input_ids"][0].tolist()[:8] == list(b"abc=cba") + [eos]
+    assert batch["input_ids"][2].tolist()[:8] == list(b"abc=cab") + [eos]

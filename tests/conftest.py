@@ -1,0 +1,59 @@
+"""Shared fixtures: composing the real configs, a small and fast variant of the embedded default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# A few-step run of a ~10k-parameter model on a small slice of the embedded task: seconds, not minutes.
+FAST = [
+    "hardware=cpu",
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_layers=1",
+    "model.tiny.num_heads=2",
+    "model.tiny.intermediate_size=64",
+    "model.tiny.warm_start_steps=0",
+    "data.task.num_train=64",
+    "data.task.num_eval=16",
+    "train.max_steps=3",
+    "train.per_device_batch_size=4",
+    "train.eval_batch_size=8",
+    "train.eval_every_steps=0",
+    "train.log_every_steps=1",
+]
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # two workers on two cores: one thread each, or both crawl
+
+
+def compose_config(*overrides: str, output_dir: Path | None = None) -> DictConfig:
+    """The composed config for `overrides`, as `python train.py <overrides>` would see it."""
+    extra = [f"output_dir={output_dir}"] if output_dir is not None else ["output_dir=unused"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=[*overrides, *extra])
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Warm-start models go to a per-session temporary cache, never the user's."""
+    monkeypatch.setenv("RLHF_CACHE", str(tmp_path_factory.getbasetemp() / "rlhf-cache"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def fast_config(tmp_path):
+    """Compose a fast config with extra overrides, writing into a fresh temporary run folder."""
+
+    def make(*overrides: str) -> DictConfig:
+        return compose_config(*FAST, *overrides, output_dir=tmp_path / "run")
+
+    return make

@@ -1,0 +1,23 @@
+from rlhf.data.collate import collate_sequences, encode
+from rlhf.models.tokenizer import byte_tokenizer
+
+
+def test_encode_appends_eos_and_masks_the_completion():
+    tok = byte_tokenizer()
+    out = encode(tok, "ab=", "ba")
+    assert out["input_ids"] == [97, 98, 61, 98, 97, tok.eos_token_id]
+    assert out["completion_mask"] == [0, 0, 0, 1, 1, 1]
+
+
+def test_truncation_keeps_prompt_end_and_sequence_start():
+    tok = byte_tokenizer()
+    out = encode(tok, "abcdef=", "xyz", max_prompt_length=3, max_length=5)
+    assert out["input_ids"] == list(b"ef=xy")
+    assert out["completion_mask"] == [0, 0, 0, 1, 1]
+
+
+def test_collate_right_pads_with_masks():
+    batch = collate_sequences([[1, 2, 3], [4]], [[0, 1, 1], [1]], pad_id=9)
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["completion_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]

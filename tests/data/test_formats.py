@@ -1,0 +1,55 @@
+import pytest
+from datasets import Dataset
+
+from rlhf.data.formats import standardize
+from rlhf.errors import UserError
+from rlhf.models.tokenizer import byte_tokenizer
+
+PREF = ("prompt", "chosen", "rejected")
+SFT = ("prompt", "completion")
+
+
+def test_standard_preference_rows_pass_through():
+    ds = Dataset.from_list([{"prompt": "q", "chosen": "a", "rejected": "b"}])
+    assert standardize(ds, PREF, byte_tokenizer())[0] == {"prompt": "q", "chosen": "a", "rejected": "b"}
+
+
+def test_implicit_prompt_is_the_shared_beginning():
+    ds = Dataset.from_list([{"chosen": "Q: why? A: because", "rejected": "Q: why? A: no idea"}])
+    row = standardize(ds, PREF, byte_tokenizer())[0]
+    assert row == {"prompt": "Q: why? A: ", "chosen": "because", "rejected": "no idea"}
+
+
+def test_conversational_preference_uses_the_chat_template():
+    tok = byte_tokenizer()
+    ds = Dataset.from_list([{
+        "prompt": [{"role": "user", "content": "hi"}],
+        "chosen": [{"role": "assistant", "content": "hello"}],
+        "rejected": [{"role": "assistant", "content": "go away"}],
+    }])
+    row = standardize(ds, PREF, tok)[0]
+    assert row["prompt"] == "<|user|>\nhi\n<|assistant|>\n"
+    assert row["chosen"].startswith("hello") and row["rejected"].startswith("go away")
+
+
+def test_messages_and_text_become_prompt_completion():
+    tok = byte_tokenizer()
+    messages = Dataset.from_list([{"messages": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}]}])
+    row = standardize(messages, SFT, tok)[0]
+    assert row["prompt"].endswith("<|assistant|>\n") and row["completion"].startswith("4")
+    text = standardize(Dataset.from_list([{"text": "plain"}]), SFT, tok)[0]
+    assert text == {"prompt": "", "completion": "plain"}
+
+
+def test_missing_columns_name_the_problem_and_the_fix():
+    ds = Dataset.from_list([{"question": "q", "answer": "a"}])
+    with pytest.raises(UserError, match=r"columns \['question', 'answer'\].*prompt/chosen/rejected.*Fix"):
+        standardize(ds, PREF, byte_tokenizer())
+
+
+def test_conversational_data_without_chat_template_is_refused():
+    tok = byte_tokenizer()
+    tok.chat_template = None
+    ds = Dataset.from_list([{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}])
+    with pytest.raises(UserError, match="chat template"):
+        standardize(ds, SFT, tok)

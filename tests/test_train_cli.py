@@ -1,0 +1,65 @@
+"""`train.py` as a user runs it: help, printed config, multirun folders, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import FAST, ROOT
+
+
+def run(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_help_lists_every_config_group_and_its_options():
+    out = run("--help")
+    assert out.returncode == 0
+    for group, option in [("algo", "dpo"), ("algo", "sft"), ("optimizer", "lion"), ("optimizer", "adam8bit"),
+                          ("model", "qwen2.5-0.5b"), ("scheduler", "cosine"), ("hardware", "cpu"),
+                          ("launcher", "local"), ("logger", "wandb"), ("data", "reverse")]:
+        assert f"{group}: " in out.stdout and option in out.stdout, (group, option)
+
+
+def test_cfg_job_prints_the_composed_config():
+    out = run("--cfg", "job", "algo=dpo", "optimizer=lion")
+    assert out.returncode == 0
+    assert "_target_: rlhf.algos.dpo.DPO" in out.stdout and "_target_: lion_pytorch.Lion" in out.stdout
+
+
+def test_multirun_gives_one_run_folder_per_job(tmp_path):
+    out = run("-m", "algo=dpo", "optimizer=sgd,adam8bit,lion", *FAST, f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert [p.name.split("_", 1)[1] for p in runs] == [f"algo=dpo,optimizer={o}" for o in ("sgd", "adam8bit", "lion")]
+    for folder in runs:
+        assert (folder / "final" / "config.json").exists()
+        assert (folder / ".hydra" / "config.yaml").exists()
+        assert json.loads((folder / "summary.json").read_text())["final"]["train/loss"] > 0
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("optimizer=nonexistent", "Could not find 'optimizer/nonexistent'"),
+    ("algo.beta=abc", "algo.beta='abc' is a str, but DPO expects float"),
+    ("model.name_or_path=/no/such/run/final", "model.name_or_path=/no/such/run/final: no such folder"),
+    ("data.path=no_such_file.jsonl", "data.path=no_such_file.jsonl: no such file"),
+])
+def test_bad_input_stops_with_one_clear_message(override, message, tmp_path):
+    out = run(*FAST, override, f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 1
+    assert message in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr
+
+
+def test_dataset_without_the_needed_columns_names_them(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": "a"}) for i in range(10)))
+    out = run(*FAST, "algo=dpo", f"data.path={path}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "has columns ['question', 'answer'], but this algorithm needs prompt/chosen/rejected" in out.stderr
