@@ -1,5 +1,6 @@
 """rlhf: post-training language models (SFT, DPO, ...) with one Accelerate loop and Hydra configs."""
 
+from rlhf import config as _config  # noqa: F401  (registers the config resolvers)
 from rlhf.loop import train
 
 __all__ = ["train"]

@@ -7,6 +7,7 @@ raises :class:`rlhf.errors.UserError` naming the field, the expected type and a 
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import types
 import typing
@@ -20,6 +21,17 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rlhf.errors import UserError
 
 _SCALARS = (bool, int, float, str, type(None))
+
+
+def short_name(text: str, limit: int = 96) -> str:
+    """`text` if it fits in `limit` characters, else its start plus a hash of the whole (for folder names)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 9]}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
+
+
+# ${rlhf.short:...} in conf/config.yaml keeps multirun folder names under the file-system limit.
+OmegaConf.register_new_resolver("rlhf.short", short_name, replace=True)
 
 
 def _allowed_types(annotation: Any) -> tuple[type, ...] | None:

@@ -37,11 +37,17 @@ def test_multirun_gives_one_run_folder_per_job(tmp_path):
     out = run("-m", "algo=dpo", "optimizer=sgd,adam8bit,lion", *FAST, f"hydra.sweep.dir={tmp_path}")
     assert out.returncode == 0, out.stderr[-2000:]
     runs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert [p.name.split("_", 1)[1] for p in runs] == [f"algo=dpo,optimizer={o}" for o in ("sgd", "adam8bit", "lion")]
+    assert [p.name[:2] for p in runs] == ["0_", "1_", "2_"]
+    for folder, optimizer in zip(runs, ("sgd", "adam8bit", "lion")):
+        assert f"optimizer={optimizer}" in (folder / ".hydra" / "overrides.yaml").read_text()
     for folder in runs:
         assert (folder / "final" / "config.json").exists()
         assert (folder / ".hydra" / "config.yaml").exists()
         assert json.loads((folder / "summary.json").read_text())["final"]["train/loss"] > 0
+    table = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"), str(tmp_path), "--csv"],
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    assert table[0].startswith("run,optimizer,eval/")
+    assert [line.split(",")[1] for line in table[1:]] == ["sgd", "adam8bit", "lion"]
 
 
 @pytest.mark.parametrize(("override", "message"), [
