@@ -22,6 +22,8 @@ def encode(
     tokenizer's own specials (e.g. BOS) to the prompt, as TRL's SFT trainer does. A prompt longer than
     ``max_prompt_length`` keeps its last tokens; a sequence longer than ``max_length`` loses its end.
     """
+    if add_special_tokens and tokenizer.bos_token and prompt.startswith(tokenizer.bos_token):
+        add_special_tokens = False  # a rendered chat template already starts with BOS: do not double it
     prompt_ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     if max_prompt_length is not None:

@@ -21,3 +21,22 @@ def test_collate_right_pads_with_masks():
     assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["completion_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+
+
+class _BosTokenizer:
+    """Behaves like a Llama tokenizer: special tokens mean a leading BOS (id 1); "<s>" in text is BOS too."""
+
+    bos_token, eos_token_id = "<s>", 2
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [1] if add_special_tokens else []
+        if text.startswith(self.bos_token):
+            ids, text = ids + [1], text[len(self.bos_token) :]
+        return {"input_ids": ids + [ord(c) for c in text]}
+
+
+def test_special_tokens_add_bos_once_even_when_the_chat_template_wrote_it():
+    tok = _BosTokenizer()
+    assert encode(tok, "ab", "c", add_special_tokens=True)["input_ids"] == [1, 97, 98, 99, 2]
+    assert encode(tok, "ab", "c", add_special_tokens=False)["input_ids"] == [97, 98, 99, 2]
+    assert encode(tok, "<s>ab", "c", add_special_tokens=True)["input_ids"] == [1, 97, 98, 99, 2]
