@@ -80,7 +80,7 @@ def evaluate(model, algo, loader, accelerator) -> dict[str, float]:
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     count = torch.zeros((), device=accelerator.device)
-    for batch in loader:
+    for batch in tqdm(loader, desc="evaluating", leave=False, disable=not accelerator.is_main_process):
         rows = torch.tensor(float(batch["input_ids"].shape[0]), device=accelerator.device)
         for key, value in algo.evaluate(model, batch).items():
             sums[key] = sums.get(key, 0) + value.float() * rows
