@@ -19,6 +19,7 @@ class JsonlLogger:
     def start(self, run_dir: str, config: dict[str, Any]) -> None:
         self.path = Path(run_dir) / self.filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("")  # a new run starts a new file
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}

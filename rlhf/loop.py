@@ -47,6 +47,14 @@ class TrainSettings:
     eval_at_start: bool = True  # evaluate before the first step, to show where training starts from
     save_final: bool = True  # save the trained model and tokenizer to <run dir>/final
 
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "per_device_batch_size", "grad_accumulation_steps", "eval_batch_size",
+                     "log_every_steps"):
+            if getattr(self, name) < 1:
+                raise UserError(f"train.{name}={getattr(self, name)} must be at least 1.")
+        if self.eval_every_steps < 0 or (self.max_grad_norm is not None and self.max_grad_norm <= 0):
+            raise UserError("train.eval_every_steps must be >= 0 and train.max_grad_norm > 0 (or null).")
+
 
 class _Mean:
     """Running weighted means of scalar metrics."""

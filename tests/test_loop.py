@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf import train
+from rlhf.errors import UserError
 from rlhf.models.tiny import TinySpec
 from tests.conftest import CONF
 
@@ -69,8 +70,15 @@ def test_sft_then_dpo_from_the_saved_model(fast_config, tmp_path):
     assert math.isfinite(metrics["eval/rewards/margins"])
 
 
-def test_too_large_batch_is_a_clear_error(fast_config):
-    from rlhf.errors import UserError
-
+def test_impossible_training_settings_are_clear_errors(fast_config):
     with pytest.raises(UserError, match="per_device_batch_size"):
         train(fast_config("data.task.num_train=4", "train.per_device_batch_size=8"))
+    with pytest.raises(UserError, match=r"train.max_steps=0 must be at least 1"):
+        train(fast_config("train.max_steps=0"))
+
+
+def test_rerun_in_the_same_folder_starts_a_fresh_metrics_file(fast_config, tmp_path):
+    train(fast_config())
+    train(fast_config())
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps.count(0) == 1
