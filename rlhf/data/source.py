@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from datasets import Dataset, DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from rlhf.data.formats import standardize
 from rlhf.data.tasks import ReverseTask
@@ -14,14 +14,16 @@ from rlhf.errors import UserError
 
 # File extension -> the `datasets` builder that reads it.
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# Files that mark a folder written by `save_to_disk`.
+_SAVED_MARKERS = ("dataset_dict.json", "state.json")
 
 
 class DataSource:
     """Train and held-out splits for one run.
 
     Args:
-        path: a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file, a local dataset folder, or a Hub dataset
-            id, as ``datasets.load_dataset`` takes it. ``None`` uses ``task`` (the embedded default).
+        path: a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file, a folder (of data files, or written by
+            ``save_to_disk``), or a Hub dataset id, as ``datasets.load_dataset`` takes it. ``None`` uses ``task`` (the embedded default).
         name: the Hub dataset's configuration name, if it has several.
         split: the split to train on.
         eval_split: the held-out split; ``None`` holds out ``eval_size`` rows of ``split`` instead.
@@ -55,6 +57,14 @@ class DataSource:
             raise UserError(f"data.path={self.path}: no such file or folder. Fix: check the path (it is "
                             f"relative to {os.getcwd()}, the directory train.py was started from).")
         try:
+            if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in _SAVED_MARKERS):
+                saved = load_from_disk(path)  # a folder written by Dataset(Dict).save_to_disk
+                if isinstance(saved, DatasetDict):
+                    if split not in saved:
+                        raise UserError(f"data.path={self.path} has splits {list(saved)}, not {split!r}. Fix: set "
+                                        "data.split / data.eval_split to one of them.")
+                    return saved[split]
+                return saved
             if suffix in _FILE_BUILDERS and os.path.isfile(path):
                 return load_dataset(_FILE_BUILDERS[suffix], data_files={split: path}, split=split)
             return load_dataset(path, self.name, split=split)

@@ -36,3 +36,13 @@ def test_missing_file_is_a_clear_error(tmp_path):
 def test_embedded_task_is_used_without_a_path():
     splits = DataSource(task=ReverseTask(num_train=10, num_eval=3)).load(("prompt", "completion"), byte_tokenizer())
     assert (len(splits["train"]), len(splits["eval"])) == (10, 3)
+
+
+def test_a_saved_dataset_dict_folder_loads_with_its_own_eval_split(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"train": Dataset.from_list(ROWS[:12]), "test": Dataset.from_list(ROWS[12:])}).save_to_disk(tmp_path / "d")
+    splits = DataSource(path=str(tmp_path / "d"), eval_split="test").load(("prompt", "chosen", "rejected"), byte_tokenizer())
+    assert (len(splits["train"]), len(splits["eval"])) == (12, 8)
+    with pytest.raises(UserError, match=r"has splits \['train', 'test'\], not 'validation'"):
+        DataSource(path=str(tmp_path / "d"), eval_split="validation").load(("prompt", "chosen", "rejected"), byte_tokenizer())
