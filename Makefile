@@ -1,4 +1,4 @@
-.PHONY: help setup train test test-fast lint clean
+.PHONY: help setup train seeds test test-fast lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -8,6 +8,9 @@ setup:  ## create .venv with torch and rlhf (editable, with test tools)
 
 train: setup  ## the main job: DPO with Lion on the embedded default
 	.venv/bin/python train.py algo=dpo optimizer=lion
+
+seeds: setup  ## the main job over seeds 0-4 and the range of its results (SEEDS=0-9 for more)
+	.venv/bin/python scripts/seeds.py --seeds $${SEEDS:-0-4}
 
 test: setup  ## the whole test suite, as CI runs it
 	.venv/bin/python -m pytest -n 2 --dist loadfile tests

@@ -1,4 +1,16 @@
-"""It really learns: the embedded default improves on the held-out split. Slow (tens of seconds)."""
+"""It really learns: the embedded default improves on the held-out split. Slow (tens of seconds).
+
+Each threshold sits well below the worst of seeds 0-5 measured with `scripts/seeds.py --jobs 2` (two runs at
+a time, one thread each, as the parallel test workers run) on a 2-CPU AMD EPYC, torch 2.13.0+cpu:
+
+- DPO, 200 steps (AdamW): held-out preference accuracy 0.953-0.967; gate 0.9 (margin 0.05). Exact match
+  0.592 -> 0.738-0.762; gate: no worse than the start minus 0.05 (margin 0.19).
+- SFT, 100 steps: exact match 0.592 -> 0.828-0.852, a gain of 0.236-0.260; gate +0.15 (margin 0.09).
+
+Regenerate: python scripts/seeds.py --jobs 2 --seeds 0-5 hardware=cpu train.max_steps=200 train.eval_every_steps=100
+            python scripts/seeds.py --jobs 2 --seeds 0-5 --metrics eval/exact_match --gate eval/exact_match=0 \
+                hardware=cpu algo=sft train.max_steps=100 train.eval_every_steps=0
+"""
 
 from __future__ import annotations
 
@@ -23,7 +35,7 @@ def test_dpo_on_the_embedded_default_learns_preferences_without_collapse(tmp_pat
     accuracy = _eval_trajectory(tmp_path, "eval/rewards/accuracies")
     exact = _eval_trajectory(tmp_path, "eval/exact_match")
     assert accuracy[0] < 0.1  # at step 0 the policy is the reference: every implicit reward ties at 0
-    assert metrics["eval/rewards/accuracies"] >= 0.85
+    assert metrics["eval/rewards/accuracies"] >= 0.9
     assert exact[0] > 0.3  # the SFT warm start already solves part of the task
     assert metrics["eval/exact_match"] >= exact[0] - 0.05  # and DPO does not destroy it
 
@@ -32,4 +44,4 @@ def test_sft_on_the_embedded_default_raises_exact_match(tmp_path):
     metrics = train(compose_config("hardware=cpu", "algo=sft", "train.max_steps=100", "train.eval_every_steps=0",
                                    output_dir=tmp_path))
     exact = _eval_trajectory(tmp_path, "eval/exact_match")
-    assert metrics["eval/exact_match"] >= exact[0] + 0.2
+    assert metrics["eval/exact_match"] >= exact[0] + 0.15

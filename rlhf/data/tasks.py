@@ -32,7 +32,7 @@ class ReverseTask:
         min_chars: int = 3,
         max_chars: int = 8,
         num_train: int = 10_000,
-        num_eval: int = 256,
+        num_eval: int = 512,
         eval_one_in: int = 16,
         seed: int = 0,
     ) -> None:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Regenerate the measured numbers in README.md (a few minutes on 2 CPU cores). Each part prints its table.
+#   bash scripts/readme_numbers.sh [main] [optimizers] [sft_dpo]     (default: all three)
+# Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=outputs/readme
+parts=${*:-main optimizers sft_dpo}
+for part in $parts; do
+  case $part in
+    main)  # "What the main job shows": the README's main command over seeds 0-4
+      $PY scripts/seeds.py --seeds 0-4 --markdown --name readme-main ;;
+    optimizers)  # "Comparing optimizers": one job per optimizer, seed 0
+      rm -rf $OUT/optimizers
+      $PY train.py -m algo=dpo optimizer=sgd,adam8bit,lion hydra.sweep.dir=$OUT/optimizers >/dev/null 2>&1
+      $PY scripts/compare_runs.py $OUT/optimizers --metrics eval/rewards/accuracies eval/exact_match eval/logps/chosen ;;
+    sft_dpo)  # "SFT, then DPO from the SFT model": SFT, plain DPO and DPO + NLL from it, seed 0
+      rm -rf $OUT/sft $OUT/dpo $OUT/rpo
+      $PY train.py algo=sft hydra.run.dir=$OUT/sft >/dev/null 2>&1
+      $PY train.py algo=dpo model.name_or_path=$OUT/sft/final hydra.run.dir=$OUT/dpo >/dev/null 2>&1
+      $PY train.py algo=dpo model.name_or_path=$OUT/sft/final algo.nll_weight=1.0 hydra.run.dir=$OUT/rpo >/dev/null 2>&1
+      for run in sft dpo rpo; do
+        $PY - "$OUT/$run" <<'PY'
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+evals = [r for r in lines if "eval/exact_match" in r]
+first, last = evals[0], evals[-1]
+keys = [k for k in ("eval/rewards/accuracies", "eval/exact_match", "eval/logps/chosen") if k in last]
+print(f"{run.name:4s}", "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys),
+      f"({sum(r.get('perf/step_time_s', 0) for r in lines if 'perf/step_time_s' in r) * 10:.0f} s of steps)")
+PY
+      done ;;
+    *) echo "unknown part: $part (main, optimizers, sft_dpo)" >&2; exit 2 ;;
+  esac
+done
