@@ -31,7 +31,10 @@ FAST = [
 ]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)  # two workers on two cores: one thread each, or both crawl
+    # Two workers on two cores: one thread each, or both crawl. The env var is what rlhf's hardware strategies
+    # read (they set torch's thread count at the start of every run).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def compose_config(*overrides: str, output_dir: Path | None = None) -> DictConfig:

@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from rlhf import train
-from rlhf.config import check_config, check_fields
+from rlhf.config import build, check_config, check_fields
 from rlhf.errors import UserError
 from rlhf.loop import TrainSettings
 from tests.conftest import CONF, FAST, compose_config
@@ -61,7 +61,17 @@ def test_option_composes_checks_and_builds(group, option, tmp_path):
         algo = instantiate(node)
         assert set(algo.columns) >= {"prompt"} and callable(algo.loss)
     elif group == "hardware":
-        assert instantiate(node).device.type in ("cpu", "cuda", "mps", "xpu")
+        if node.num_nodes > 1 and node.rdzv_endpoint is None:  # multinode: says what every machine needs
+            with pytest.raises(UserError, match="rdzv_endpoint=<main machine>:<port>"):
+                build(node)
+            node.rdzv_endpoint = "127.0.0.1:29500"
+        strategy = build(node)
+        assert strategy.processes_per_node() >= 1 and strategy.num_nodes >= 1
+        if strategy.uses_cuda() and not torch.cuda.is_available():
+            with pytest.raises(UserError, match="sees no GPU"):  # refuses; never silently runs on the CPU
+                strategy.start()
+        elif strategy.processes_per_node() * strategy.num_nodes == 1:
+            assert strategy.start().device.type in ("cpu", "cuda")
     elif group == "logger":
         logger = instantiate(node)
         logger.start(str(tmp_path), {"a": 1})

@@ -1,0 +1,7 @@
+"""Hardware strategies: one object per ``conf/hardware`` option decides processes, devices and sharding."""
+
+from rlhf.hardware.base import DataParallel, cpus_available
+from rlhf.hardware.fsdp import FSDP2
+from rlhf.hardware.zero import ZeRO
+
+__all__ = ["FSDP2", "DataParallel", "ZeRO", "cpus_available"]

@@ -1,0 +1,180 @@
+"""How a run uses its hardware: the one object that differs between one process, DDP, FSDP2 and ZeRO.
+
+A ``conf/hardware/*.yaml`` option builds a :class:`DataParallel` (or a subclass) through ``_target_``. The loop
+calls the same methods whatever the option: ``start`` (the Accelerator and the process group), ``prepare``,
+``accumulate``/``backward``, ``optimizer_step`` (clip, step, zero the gradients) and ``save_model`` (one whole
+Hugging Face model, written by the main process). :mod:`rlhf.launch` reads ``processes_per_node`` and
+``num_nodes`` to start the processes; nothing else in the package knows about hardware.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.state import AcceleratorState
+
+from rlhf.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("no", "bf16", "fp16")
+
+
+def cpus_available() -> int:
+    """CPUs this job may use: Slurm's allocation inside a Slurm job (not the node's), else this process's
+    CPU affinity."""
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return int(os.environ["SLURM_CPUS_PER_TASK"])
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class DataParallel:
+    """One process, or several that each hold the whole model and average gradients (DDP via Accelerate).
+
+    Args:
+        device: ``cpu``, ``cuda``, or ``auto`` (CUDA when present, else the CPU).
+        num_processes: processes per machine; ``null``: one per local GPU (at least one).
+        num_nodes: machines taking part (``multinode``); each runs the same command.
+        mixed_precision: ``no``, ``bf16`` or ``fp16`` autocast (parameters stay in ``model.dtype``).
+        threads_per_process: torch threads of each process; ``null``: ``OMP_NUM_THREADS`` if set, else the
+            CPUs the job has divided by the processes on this machine (never oversubscribed).
+        rdzv_endpoint: ``host:port`` where the processes of all machines meet (``multinode``); ``null``: a
+            free port on 127.0.0.1 (one machine).
+        node_rank: this machine's rank among ``num_nodes`` (``multinode``; 0 is the main one).
+        timeout_s: how long a process waits for the others in a collective before failing.
+    """
+
+    def __init__(
+        self,
+        device: str = "auto",
+        num_processes: int | None = 1,
+        num_nodes: int = 1,
+        mixed_precision: str = "no",
+        threads_per_process: int | None = None,
+        rdzv_endpoint: str | None = None,
+        node_rank: int = 0,
+        timeout_s: int = 600,
+    ) -> None:
+        if device not in DEVICES:
+            raise UserError(f"hardware.device={device!r} is not one of {list(DEVICES)}. Fix: e.g. hardware.device=cpu")
+        if mixed_precision not in PRECISIONS:
+            raise UserError(f"hardware.mixed_precision={mixed_precision!r} is not one of {list(PRECISIONS)}. "
+                            "Fix: e.g. hardware.mixed_precision=bf16")
+        for name, value, low in (("num_processes", num_processes, 1), ("num_nodes", num_nodes, 1),
+                                 ("threads_per_process", threads_per_process, 1), ("timeout_s", timeout_s, 1)):
+            if value is not None and value < low:
+                raise UserError(f"hardware.{name}={value} must be at least {low}.")
+        if not 0 <= node_rank < num_nodes:
+            raise UserError(f"hardware.node_rank={node_rank} must be in 0..{num_nodes - 1} (hardware.num_nodes="
+                            f"{num_nodes}).")
+        if num_nodes > 1 and not rdzv_endpoint:
+            raise UserError(f"hardware.num_nodes={num_nodes} needs hardware.rdzv_endpoint=<main machine>:<port>, the "
+                            "same on every machine. Fix: e.g. hardware.rdzv_endpoint=10.0.0.1:29500")
+        self.device, self.num_processes, self.num_nodes = device, num_processes, num_nodes
+        self.mixed_precision, self.threads_per_process = mixed_precision, threads_per_process
+        self.rdzv_endpoint, self.node_rank, self.timeout_s = rdzv_endpoint, node_rank, timeout_s
+        self.accelerator: Accelerator | None = None
+
+    # --- processes ---------------------------------------------------------------------------------------
+    def uses_cuda(self) -> bool:
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+
+    def processes_per_node(self) -> int:
+        """How many processes :mod:`rlhf.launch` starts on this machine."""
+        if self.num_processes is not None:
+            return self.num_processes
+        return max(1, torch.cuda.device_count()) if self.uses_cuda() else 1
+
+    def threads(self, local_processes: int) -> int:
+        """Torch threads per process: never more processes x threads than the CPUs the job has."""
+        if self.threads_per_process is not None:
+            return self.threads_per_process
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            return max(1, int(os.environ["OMP_NUM_THREADS"]))
+        return max(1, cpus_available() // max(1, local_processes))
+
+    # --- the Accelerator -----------------------------------------------------------------------------------
+    def start(self, grad_accumulation_steps: int = 1) -> Accelerator:
+        """Build this process's Accelerator (joining the process group when there are several processes).
+
+        Accelerate keeps its state in process-wide singletons; each call starts from a clean one so that
+        several ``train()`` calls in one process each get the hardware their config asks for (tested in
+        tests/hardware). The process group, once created, is reused.
+        """
+        if self.uses_cuda() and not torch.cuda.is_available():
+            raise UserError("hardware.device=cuda but torch sees no GPU. Fix: hardware=cpu (or cpu_ddp), or install "
+                            "a CUDA build of torch.")
+        if self.mixed_precision == "fp16" and not self.uses_cuda():
+            raise UserError("hardware.mixed_precision=fp16 needs a GPU. Fix: hardware.mixed_precision=bf16 on a CPU.")
+        AcceleratorState._reset_state()
+        self.accelerator = Accelerator(
+            # cpu=True whenever CUDA is not used: otherwise Accelerate reports one process under torchrun on a
+            # CPU-only machine and every rank trains its own copy.
+            cpu=not self.uses_cuda(),
+            mixed_precision=self.mixed_precision,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=self.timeout_s))],
+        )
+        # After the Accelerator, which sets its own count (from the node's cores) for several CPU processes.
+        torch.set_num_threads(self.threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        return self.accelerator
+
+    def describe(self) -> str:
+        acc = self.accelerator
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        kind = type(self).__name__ if acc.num_processes > 1 else "one process"
+        return (f"{acc.num_processes} process(es) ({kind}, {acc.distributed_type.value}) on {acc.device}, "
+                f"{torch.get_num_threads()} thread(s) each, {local} process(es) on {cpus_available()} CPU(s) here, "
+                f"mixed precision {self.mixed_precision}")
+
+    # --- training -------------------------------------------------------------------------------------------
+    def prepare(self, model, make_optimizer, train_loader):
+        """Wrap the model for this hardware, build its optimizer with ``make_optimizer(model)`` and shard the
+        training loader; return ``(model, optimizer, train_loader)``. The scheduler is built on that optimizer."""
+        return self.accelerator.prepare(model, make_optimizer(model), train_loader)
+
+    @contextlib.contextmanager
+    def accumulate(self, model, sync: bool) -> Iterator[None]:
+        """Around one micro-batch: gradients are averaged across processes only when ``sync`` (the last one)."""
+        with self.accelerator.no_sync(model) if not sync else contextlib.nullcontext():
+            yield
+
+    def backward(self, loss: torch.Tensor, model) -> None:
+        self.accelerator.backward(loss)
+
+    def optimizer_step(self, model, optimizer, max_grad_norm: float | None) -> float | None:
+        """Clip (when ``max_grad_norm`` is set), step and zero the gradients; return the norm before clipping."""
+        norm = None
+        if max_grad_norm is not None:
+            norm = float(self.accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # --- saving -------------------------------------------------------------------------------------------
+    def unwrap(self, model) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(model)
+
+    def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on the main process (``None`` elsewhere). Called on every process."""
+        return None  # replicas: save_pretrained reads the unwrapped model itself
+
+    def save_model(self, model, tokenizer, folder: Path, save_fn: Any) -> None:
+        """Write one whole Hugging Face model to ``folder`` (main process), via ``save_fn(model, tokenizer,
+        folder, state_dict)``. Called on every process: sharded strategies gather first."""
+        state_dict = self.full_state_dict(model)
+        if self.accelerator.is_main_process:
+            save_fn(self.unwrap(model), tokenizer, folder, state_dict)
+        self.accelerator.wait_for_everyone()

@@ -1,0 +1,185 @@
+"""Starting the processes of one run: `rlhf.train(cfg)` is one Hydra job, one run folder, any number of processes.
+
+- One process (``hardware=cpu``, ``gpu``, ``auto`` on one device): the loop runs here.
+- Several (``cpu_ddp``, ``ddp``, ``fsdp``, ``zero*``, ``multinode``): this process starts them with torch's elastic
+  launch API (``spawn``; a c10d rendezvous on a free port of 127.0.0.1, or ``hardware.rdzv_endpoint`` across
+  machines), hands them the config resolved once here, and returns rank 0's metrics. A failing rank stops the
+  others within seconds; its error comes back as one plain exception (a :class:`UserError` stays one).
+- Already started by someone else (``torchrun``, ``accelerate launch``: ``WORLD_SIZE`` is set): the loop runs
+  here on the ranks it was given, and never launches again.
+
+Whatever the number of processes, only global rank 0 writes the run folder (metrics, log, checkpoints, model).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import logging.config
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf.config import build, check_config
+from rlhf.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_USER_ERROR = "rlhf.UserError: "
+
+
+def launched_elsewhere() -> bool:
+    """True when a launcher (torchrun, accelerate launch, or this module) already started this process as a rank."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Train as `cfg` says, on as many processes as ``cfg.hardware`` asks for; return the final metrics."""
+    from rlhf import loop
+
+    check_config(cfg)
+    strategy = build(cfg.hardware)
+    processes = strategy.processes_per_node()
+    if launched_elsewhere() or (processes == 1 and strategy.num_nodes == 1):
+        return loop.train(cfg)
+    return _start(cfg, processes, strategy.threads(processes), strategy.num_nodes, strategy.node_rank,
+                  strategy.rdzv_endpoint)
+
+
+def _start(cfg: DictConfig, processes: int, threads: int, nodes: int, node_rank: int,
+           endpoint: str | None) -> dict[str, float]:
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    container = OmegaConf.to_container(cfg, resolve=True)  # resolved here: ${hydra:...} means nothing in a child
+    run_id = hashlib.sha1(str(cfg.output_dir).encode()).hexdigest()[:12]  # the same on every machine
+    config = LaunchConfig(
+        min_nodes=nodes, max_nodes=nodes, nproc_per_node=processes, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=endpoint or f"127.0.0.1:{free_port()}",
+        rdzv_configs={"is_host": node_rank == 0, "join_timeout": 600},
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=None),
+    )
+    log.info("starting %d process(es) on this machine (%d machine(s) in all)", processes, nodes)
+    quiet = logging.getLogger("torch.distributed.elastic")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # the agent's INFO lines mean nothing to a user
+    omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the children's thread count: processes x threads <= CPUs
+    try:
+        results = elastic_launch(config, _worker)(container, _logging_config())
+    except ChildFailedError as error:
+        raise _plain(error) from None  # ChildFailedError does not survive submitit's pickling of a result
+    finally:
+        quiet.setLevel(level)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
+    return results.get(0, {}) if results else {}
+
+
+def _plain(error: Exception) -> Exception:
+    """The failing ranks' own message as a plain exception (a UserError when a rank raised one)."""
+    failures = getattr(error, "failures", {})
+    messages = {rank: _failure_message(f) for rank, f in failures.items()}
+    for _, message in sorted(messages.items()):
+        if _USER_ERROR in message:
+            return UserError(message.split(_USER_ERROR, 1)[1].strip())
+    first = getattr(error, "get_first_failure", lambda: (None, None))()[0]
+    rank = first if first in messages else min(messages, default=None)
+    detail = messages.get(rank, str(error))
+    return RuntimeError(f"rank {rank} failed: {detail}")
+
+
+def _failure_message(failure: Any) -> str:
+    message = getattr(failure, "message", "")
+    if isinstance(message, dict):
+        message = message.get("message", "") or str(message)
+    return str(message) or f"exit code {getattr(failure, 'exitcode', '?')}"
+
+
+def _logging_config() -> dict | None:
+    """Hydra's logging setup for this job, resolved, for the children (spawned processes start with none)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True)
+    except Exception:  # not under Hydra (rlhf.train called from Python)
+        pass
+    return None
+
+
+def configure_worker_logging(logging_config: dict | None, rank: int) -> None:
+    """Rank 0 logs like the parent (console and train.log); the others print warnings and errors only."""
+    if rank == 0 and logging_config:
+        logging.config.dictConfig(logging_config)
+    elif rank == 0:
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    else:
+        logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}][%(name)s][%(levelname)s] - %(message)s")
+        import datasets
+
+        datasets.disable_progress_bars()
+
+
+def _worker(container: dict, logging_config: dict | None) -> dict[str, float]:
+    """One rank: rebuild the config and run the loop. Errors are logged here, where the cause is known."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from rlhf import loop
+
+    rank = int(os.environ.get("RANK", "0"))
+    configure_worker_logging(logging_config, rank)
+
+    @record
+    def run() -> dict[str, float]:
+        try:
+            return loop.train(OmegaConf.create(container))
+        except UserError as error:
+            raise RuntimeError(f"{_USER_ERROR}{error}") from None
+
+    return run()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- one run folder under torchrun / accelerate launch ----------------------------------------------------------
+def launch_time() -> datetime.datetime:
+    """When this run was started: for ranks started by torchrun or `accelerate launch`, the start of their common
+    parent (the launcher), so that every rank names the same Hydra run folder; else now."""
+    if launched_elsewhere() and "TORCHELASTIC_RUN_ID" in os.environ:
+        try:
+            ticks = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+            boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                        if line.startswith("btime"))
+            return datetime.datetime.fromtimestamp(boot + ticks / os.sysconf("SC_CLK_TCK"))
+        except (OSError, ValueError, IndexError, StopIteration):
+            pass
+    return _NOW
+
+
+_NOW = datetime.datetime.fromtimestamp(time.time())
+
+
+def hydra_overrides_for_this_rank() -> list[str]:
+    """Extra Hydra overrides for a rank other than 0 started by an outside launcher: Hydra still composes the
+    config in every rank, but only rank 0 writes ``.hydra/`` and ``train.log``."""
+    if launched_elsewhere() and os.environ.get("RANK", "0") != "0":
+        return ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    return []
+
+
+# hydra.run.dir / hydra.sweep.dir use ${rlhf.now:<format>}: the same folder for every rank of a torchrun launch.
+OmegaConf.register_new_resolver("rlhf.now", lambda fmt: launch_time().strftime(fmt), replace=True)

@@ -1,0 +1,150 @@
+"""One process or several (DDP): the same optimization, the same evaluation, one run folder.
+
+Tests marked ``serial`` start processes; they run alone, after the parallel tests (README's test command).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf import train
+from rlhf.errors import UserError
+from rlhf.hardware import DataParallel, cpus_available
+from rlhf.launch import free_port
+from rlhf.loop import TrainSettings
+from tests.conftest import FAST, ROOT, compose_config
+
+
+def _lines(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _params(run: Path) -> list[torch.Tensor]:
+    return [p.detach() for p in AutoModelForCausalLM.from_pretrained(run / "final").parameters()]
+
+
+# --- settings and arithmetic (no processes) -----------------------------------------------------------------
+def test_global_batch_size_derives_accumulation_and_refuses_what_does_not_fit():
+    assert TrainSettings(per_device_batch_size=4, global_batch_size=16).accumulation_steps(2) == 2
+    assert TrainSettings(per_device_batch_size=4, global_batch_size=16).accumulation_steps(1) == 4
+    assert TrainSettings(per_device_batch_size=4, grad_accumulation_steps=3).accumulation_steps(2) == 3
+    assert TrainSettings(per_device_batch_size=4).accumulation_steps(2) == 1
+    with pytest.raises(UserError, match=r"global_batch_size=12 is not a multiple of .* 4 x 2 = 8"):
+        TrainSettings(per_device_batch_size=4, global_batch_size=12).accumulation_steps(2)
+    with pytest.raises(UserError, match=r"grad_accumulation_steps=3 disagrees with train.global_batch_size=16"):
+        TrainSettings(per_device_batch_size=4, grad_accumulation_steps=3, global_batch_size=16).accumulation_steps(2)
+
+
+def test_threads_never_exceed_the_cpus_of_the_job(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")  # what Slurm gave the job, whatever the node has
+    assert cpus_available() == 4
+    assert DataParallel(device="cpu").threads(local_processes=2) == 2
+    assert DataParallel(device="cpu").threads(local_processes=8) == 1
+    assert DataParallel(device="cpu", threads_per_process=3).threads(local_processes=2) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # set by the user (or a test runner): respected
+    assert DataParallel(device="cpu").threads(local_processes=1) == 1
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert DataParallel(device="cpu").threads(local_processes=1) == len(os.sched_getaffinity(0))
+
+
+def test_impossible_hardware_settings_are_clear_errors():
+    with pytest.raises(UserError, match="hardware.device='tpu'"):
+        DataParallel(device="tpu")
+    with pytest.raises(UserError, match="rdzv_endpoint"):
+        DataParallel(num_nodes=2)
+    with pytest.raises(UserError, match="node_rank=2"):
+        DataParallel(num_nodes=2, node_rank=2, rdzv_endpoint="127.0.0.1:1")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="sees no GPU"):
+            DataParallel(device="cuda").start()
+        with pytest.raises(UserError, match="fp16 needs a GPU"):
+            DataParallel(device="cpu", mixed_precision="fp16").start()
+
+
+def test_each_train_call_in_one_process_gets_the_hardware_it_asks_for(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="rlhf")
+    for precision in ("no", "bf16", "no"):
+        train(compose_config(*FAST, f"hardware.mixed_precision={precision}", output_dir=tmp_path / precision))
+        line = next(r.message for r in reversed(caplog.records) if r.message.startswith("hardware:"))
+        assert f"mixed precision {precision}" in line and "1 process(es)" in line
+
+
+# --- several processes ---------------------------------------------------------------------------------------
+@pytest.mark.serial
+@pytest.mark.parametrize("algo", ["sft", "dpo"])
+def test_two_processes_equal_one_process_with_accumulation(algo, tmp_path):
+    """2 processes x 1 micro-batch and 1 process x 2 micro-batches: the same data, steps and evaluation."""
+    common = [*FAST, f"algo={algo}", "optimizer=sgd", "train.max_steps=4", "train.global_batch_size=8",
+              "data.task.num_eval=15", "train.eval_batch_size=4"]  # 15 rows: the shards are 8 and 7 rows
+    one = train(compose_config(*common, "hardware=cpu", output_dir=tmp_path / "one"))
+    two = train(compose_config(*common, "hardware=cpu_ddp", output_dir=tmp_path / "two"))
+    for a, b in zip(_params(tmp_path / "one"), _params(tmp_path / "two")):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    start_one, start_two = _lines(tmp_path / "one")[0], _lines(tmp_path / "two")[0]
+    assert start_one["step"] == start_two["step"] == 0
+    for key, value in start_one.items():  # evaluation on 2 processes = on 1 (no padded row counted twice)
+        assert start_two[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    for key in ("train/loss", "eval/loss", "eval/exact_match"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+    log = (tmp_path / "two" / "train.log").read_text()
+    assert "2 process(es)" in log and "global batch 8 = 4 per device x 2 process(es) x 1 accumulation" in log
+
+
+def _cli(*args: str, cwd: Path, launcher: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HYDRA_FULL_ERROR": "0"}
+    command = [*(launcher or [sys.executable]), str(ROOT / "train.py"), *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.serial
+def test_torchrun_with_default_hardware_is_real_ddp_in_one_run_folder(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-backend", "c10d"]
+    out = _cli(*FAST, cwd=tmp_path, launcher=torchrun)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = [p.parent for p in (tmp_path / "outputs").rglob("metrics.jsonl")]
+    assert len(runs) == 1, runs
+    folders = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert folders == runs, "every rank must use the one run folder"
+    steps = [r["step"] for r in _lines(runs[0]) if "train/loss" in r]
+    assert steps == [1, 2, 3]  # one line per step: not two copies training side by side
+    log = (runs[0] / "train.log").read_text()
+    assert "2 process(es) (DataParallel, MULTI_CPU)" in log and "global batch 8 = 4 per device x 2" in log
+    assert log.count("run dir:") == 1
+
+
+@pytest.mark.serial
+def test_two_machines_simulated_on_loopback(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*FAST, "hardware=multinode", "hardware.device=cpu", "hardware.num_processes=1",
+            f"hardware.rdzv_endpoint=127.0.0.1:{free_port()}", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    machines = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hardware.node_rank={rank}"],
+                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for rank in (0, 1)]
+    outputs = [m.communicate(timeout=300) for m in machines]
+    assert [m.returncode for m in machines] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert "2 process(es)" in (run_dir / "train.log").read_text()
+    assert [r["step"] for r in _lines(run_dir) if "train/loss" in r] == [1, 2, 3]
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "final") is not None
+
+
+@pytest.mark.serial
+def test_a_failing_rank_reports_its_own_error(tmp_path):
+    out = _cli(*FAST, "hardware=cpu_ddp", "data.path=no_such_file.jsonl", f"hydra.run.dir={tmp_path / 'run'}",
+               cwd=tmp_path)
+    assert out.returncode == 1
+    assert "data.path=no_such_file.jsonl: no such file" in out.stderr
+    assert "Traceback" not in out.stderr.split("error: ")[-1]
