@@ -12,11 +12,11 @@ train: setup  ## the main job: DPO with Lion on the embedded default
 seeds: setup  ## the main job over seeds 0-4 and the range of its results (SEEDS=0-9 for more)
 	.venv/bin/python scripts/seeds.py --seeds $${SEEDS:-0-4}
 
-test: setup  ## the whole test suite, as CI runs it
-	.venv/bin/python -m pytest -n 2 --dist loadfile tests
+test: setup  ## the whole test suite, as CI runs it: parallel tests, then those that start processes
+	.venv/bin/python -m pytest -n 2 --dist loadfile -m "not serial" tests && .venv/bin/python -m pytest -m serial tests
 
 test-fast: setup  ## the suite without the slow "it learns" tests
-	.venv/bin/python -m pytest -n 2 --dist loadfile -m "not slow" tests
+	.venv/bin/python -m pytest -n 2 --dist loadfile -m "not slow and not serial" tests
 
 lint: setup  ## ruff
 	.venv/bin/ruff check .

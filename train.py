@@ -1,7 +1,6 @@
 """Entry point: compose the config with Hydra, then run `rlhf.train(cfg)`. See README.md and `--help`."""
 
 import logging
-import os
 import sys
 
 import hydra
@@ -10,6 +9,7 @@ from omegaconf import DictConfig
 from rlhf import train
 from rlhf.errors import UserError
 from rlhf.launch import hydra_overrides_for_this_rank
+from rlhf.slurm import for_the_sweep, in_submitit_job
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -18,9 +18,14 @@ def main(cfg: DictConfig) -> float | None:
         metrics = train(cfg)
     except UserError as error:  # a problem with the input: one message, no traceback
         logging.getLogger("rlhf").error("error: %s", error)
-        if "SUBMITIT_EXECUTOR" in os.environ:  # a submitit job (launcher=slurm, submitit_local): Hydra hands the
-            raise  # error to the sweep, which raises it where the sweep was started; an exit would read as a crash
+        if in_submitit_job():  # launcher=slurm or submitit_local: Hydra hands the error to the sweep
+            raise
         sys.exit(1)
+    except Exception as error:
+        if not in_submitit_job():
+            raise
+        logging.getLogger("rlhf").exception("the run failed")  # the job's own traceback: Hydra keeps none
+        raise for_the_sweep(error) from None
     return metrics.get("eval/loss")
 
 

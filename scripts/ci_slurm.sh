@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# CI: `python train.py -m launcher=slurm ...` against a real single-node Slurm cluster started here (root, Debian).
+#
+#   bash scripts/ci_slurm.sh          # about 2 minutes on 2 CPUs; exit status 1 with the reason on any failure
+#
+# Starts Slurm with accounting (slurmdbd + MariaDB, so that sacct works: scripts/slurm/start.sh), then runs two
+# sweeps at once, one per hardware option (a job's CPUs and GPUs are derived from the hardware, once per -m run):
+#   optimizers: optimizer=sgd,adam8bit,lion, one process each (3 jobs, 1 CPU each)
+#   cpu_ddp:    hardware=cpu_ddp, two processes started by the job itself (1 job, 2 CPUs)
+# Each is a ~20-step run of the embedded default with a small eval. Then it checks that every Slurm job ended
+# COMPLETED (sacct) and that every run folder has metrics.jsonl up to the last step, summary.json and final/ (a
+# Slurm job is COMPLETED even when the run inside failed: Hydra hands the error to the sweep, whose exit status is
+# checked too), prints a table and the timings, and stops the cluster (on any exit).
+#   SLURM_CI_DIR  where the sweeps go (default outputs/ci-slurm; emptied first)
+#   RLHF_CACHE    the tiny model's warm-start cache, inherited by the jobs (default .ci-cache, as .ci/run)
+#   SLURM_CI_KEEP=1  leave the cluster running at the end (it is stopped by default, even one that was running)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+export RLHF_CACHE=${RLHF_CACHE:-$PWD/.ci-cache}
+OUT=${SLURM_CI_DIR:-outputs/ci-slurm}
+PY=.venv/bin/python
+STEPS=20
+RUN=(train.max_steps=$STEPS train.per_device_batch_size=8 train.eval_batch_size=32 data.max_train_rows=1000
+     data.task.num_eval=32 train.eval_at_start=false train.eval_every_steps=0 train.log_every_steps=10)
+# Jobs take well under a minute. No requeue in CI: a job that hits the limit is a failure, not a second attempt.
+LAUNCH=(launcher=slurm hydra.launcher.timeout_min=5 hydra.launcher.signal_delay_s=30 hydra.launcher.max_num_timeout=0)
+
+fail() { echo "ci_slurm: FAIL: $*" >&2; exit 1; }
+now() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN{printf "%.1f", b-a}'; }
+T0=$(now)
+stop() {
+  if [[ ${SLURM_CI_KEEP:-0} == 1 ]]; then echo "ci_slurm: SLURM_CI_KEEP=1: the cluster keeps running (scripts/slurm/stop.sh)"; return; fi
+  local t; t=$(now); bash scripts/slurm/stop.sh --quiet; echo "ci_slurm: cluster stopped in $(since "$t") s"
+}
+trap stop EXIT
+
+[[ $(id -u) == 0 ]] || fail "needs root (installs Slurm with apt and starts its daemons)"
+[[ -x $PY ]] || fail "no $PY: run scripts/setup.sh first"
+rm -rf "$OUT"
+mkdir -p "$OUT"
+
+echo "== start Slurm, and warm the tiny model's cache meanwhile"
+# The jobs would each train the warm start if the cache were cold; build it once, here, while Slurm starts.
+$PY - launcher=slurm "${RUN[@]}" >"$OUT/warm_start.log" 2>&1 <<'EOF' &
+import os, sys
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+with initialize_config_dir(config_dir=os.path.abspath("conf"), version_base="1.3"):
+    cfg = compose("config", overrides=[*sys.argv[1:], "output_dir=unused"])
+instantiate(cfg.model.tiny).build()
+EOF
+warm=$!
+T=$(now)
+bash scripts/slurm/start.sh 2>"$OUT/slurm_start.log" || { tail -n 30 "$OUT/slurm_start.log" >&2; fail "Slurm did not start"; }
+T_START=$(since "$T")
+wait $warm || { tail -n 20 "$OUT/warm_start.log" >&2; fail "building the tiny model failed"; }
+echo "cluster ready in $T_START s; $(sinfo -h -o '%P %D node(s) %c CPUs %T')"
+
+echo "== sweeps: optimizer=sgd,adam8bit,lion (1 process each) and hardware=cpu_ddp (2 processes)"
+T=$(now)
+timeout 900 $PY train.py -m "${LAUNCH[@]}" optimizer=sgd,adam8bit,lion "${RUN[@]}" \
+  hydra.sweep.dir="$OUT/optimizers" >"$OUT/optimizers.log" 2>&1 &
+sweep_a=$!
+timeout 900 $PY train.py -m "${LAUNCH[@]}" hardware=cpu_ddp "${RUN[@]}" \
+  hydra.sweep.dir="$OUT/cpu_ddp" >"$OUT/cpu_ddp.log" 2>&1 &
+sweep_b=$!
+status=0
+wait $sweep_a || { status=$?; tail -n 15 "$OUT/optimizers.log" >&2; echo "ci_slurm: sweep optimizers exited $status" >&2; }
+wait $sweep_b || { status=$?; tail -n 15 "$OUT/cpu_ddp.log" >&2; echo "ci_slurm: sweep cpu_ddp exited $status" >&2; }
+T_SWEEP=$(since "$T")
+[[ $status == 0 ]] || fail "a sweep failed (exit $status; 124: timed out): see $OUT/*.log and $OUT/*/.submitit/"
+
+# The launcher returns once each job has written its result; Slurm still needs a moment to end the job.
+for _ in $(seq 1 60); do [[ -z $(squeue -h -o %i) ]] && break; sleep 0.5; done
+[[ -z $(squeue -h -o %i) ]] || fail "jobs still in the queue after the sweeps: $(squeue -h -o '%i %T' | tr '\n' ' ')"
+
+echo "== checks"
+$PY - "$OUT" "$STEPS" <<'EOF' || fail "see above"
+import json, subprocess, sys
+from pathlib import Path
+import yaml
+
+out, steps = Path(sys.argv[1]), int(sys.argv[2])
+# Every job the two sweeps submitted (submitit keeps a folder per job, and one per array with its sbatch script).
+ids = {p.name.split("_")[0] for p in out.glob("*/.submitit/*") if p.is_dir()}
+sacct = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(sorted(ids)), "-o",
+                        "JobID,State,Start,End,Elapsed,AllocCPUS"], capture_output=True, text=True)
+if sacct.returncode != 0 or not ids:
+    sys.exit(f"sacct failed (is accounting up?): {sacct.stderr.strip()}, or no job was submitted ({sorted(ids)})")
+(out / "sacct.txt").write_text(sacct.stdout)
+jobs = {}
+for line in sacct.stdout.split():
+    job, state, start, end, elapsed, cpus = line.split("|")
+    jobs[job] = (state, elapsed, cpus, start[-8:], end[-8:])
+errors = [f"Slurm job {job} ended {v[0]}" for job, v in jobs.items() if v[0] != "COMPLETED"]
+rows = []
+for sweep, expected in (("optimizers", 3), ("cpu_ddp", 1)):
+    runs = sorted(p.parent.parent for p in (out / sweep).glob("*/.hydra/hydra.yaml"))
+    if len(runs) != expected:
+        errors.append(f"{sweep}: {len(runs)} run folder(s), expected {expected}")
+    for run in runs:
+        hydra = yaml.safe_load((run / ".hydra" / "hydra.yaml").read_text())["hydra"]
+        config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+        job = str(hydra["job"]["id"])
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] if (run / "metrics.jsonl").exists() else []
+        last = max((r["step"] for r in lines), default=None)
+        final = json.loads((run / "summary.json").read_text())["final"] if (run / "summary.json").exists() else {}
+        log = (run / "train.log").read_text() if (run / "train.log").exists() else ""
+        processes = config["hardware"]["num_processes"] or 1
+        name = f"{sweep}/{run.name.split('_', 1)[0]}"
+        for ok, what in ((last == steps, f"metrics.jsonl ends at step {last}, not {steps}"),
+                         (bool(final), "no summary.json"),
+                         ((run / "final" / "config.json").exists(), "no final/ model"),
+                         (f"hardware: {processes} process(es)" in log, f"train.log does not show {processes} process(es)"),
+                         (job in jobs, f"Slurm job {job} not in sacct")):
+            if not ok:
+                errors.append(f"{name}: {what}")
+        state, elapsed, cpus, start, end = jobs.get(job, ("?",) * 5)
+        rows.append((job, state, start, end, elapsed, cpus, str(processes), hydra["runtime"]["choices"]["optimizer"],
+                     f"{final.get('eval/loss', float('nan')):.4f}", str(last), name))
+head = ("job", "state", "start", "end", "elapsed", "cpus", "procs", "optimizer", "eval/loss", "step", "run folder")
+widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+for r in [head, *rows]:
+    print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+for e in errors:
+    print("FAIL", e, file=sys.stderr)
+sys.exit(1 if errors else 0)
+EOF
+echo "== ok: cluster start $T_START s, sweeps $T_SWEEP s, total $(since "$T0") s (before stopping the cluster)"
