@@ -29,6 +29,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rlhf.config import build, check_config, check_fields
 from rlhf.errors import UserError
+from rlhf.hardware import global_numel
 from rlhf.optim import param_groups
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,10 @@ def eval_loader(dataset, batch_size: int, collate, accelerator) -> DataLoader:
     would count twice). A process left without a batch evaluates the first one with weight 0."""
     rank, world = accelerator.process_index, accelerator.num_processes
     batches = [list(range(start, min(start + batch_size, len(dataset)))) for start in range(0, len(dataset), batch_size)]
-    mine = batches[rank::world] or [[-1 - i for i in batches[0]]]  # negative indices: weight 0 (see evaluate)
+    # Every process runs the same number of forward passes (under FSDP2 or ZeRO-3 each is a collective): one with
+    # fewer batches repeats the first with weight 0 (negative indices, see evaluate).
+    mine = batches[rank::world]
+    mine += [[-1 - i for i in batches[0]]] * (-(-len(batches) // world) - len(mine))
     return DataLoader(_Weighted(dataset), batch_sampler=mine, collate_fn=lambda rows: _collate_weighted(rows, collate))
 
 
@@ -231,7 +235,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     settings = TrainSettings(**cfg.train)
     run_dir = Path(cfg.output_dir)
     strategy = build(cfg.hardware)
-    accelerator = strategy.start()
+    accelerator = strategy.start(seed=cfg.seed)
     with log_file(run_dir, accelerator.is_main_process):
         return _run(cfg, settings, run_dir, strategy, accelerator)
 
@@ -269,8 +273,8 @@ def _run(cfg: DictConfig, settings: TrainSettings, run_dir: Path, strategy, acce
 
     # --- what is about to happen -------------------------------------------------------------------------
     global_batch = settings.per_device_batch_size * accelerator.num_processes * accum
-    total = sum(p.numel() for p in strategy.unwrap(model).parameters())
-    trainable = sum(p.numel() for p in strategy.unwrap(model).parameters() if p.requires_grad)
+    total = sum(global_numel(p) for p in strategy.unwrap(model).parameters())  # ZeRO-3 keeps empty local tensors
+    trainable = sum(global_numel(p) for p in strategy.unwrap(model).parameters() if p.requires_grad)
     log.info("run dir: %s", run_dir)
     log.info("hardware: %s", strategy.describe())
     log.info("global batch %d = %d per device x %d process(es) x %d accumulation step(s)",

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Regenerate the measured numbers in README.md (a few minutes on 2 CPU cores). Each part prints its table.
-#   bash scripts/readme_numbers.sh [main] [optimizers] [sft_dpo]     (default: all three)
+#   bash scripts/readme_numbers.sh [main] [optimizers] [sft_dpo] [hardware]     (default: all four)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=outputs/readme
-parts=${*:-main optimizers sft_dpo}
+parts=${*:-main optimizers sft_dpo hardware}
 for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
@@ -29,10 +29,19 @@ lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()
 evals = [r for r in lines if "eval/exact_match" in r]
 first, last = evals[0], evals[-1]
 keys = [k for k in ("eval/rewards/accuracies", "eval/exact_match", "eval/logps/chosen") if k in last]
-print(f"{run.name:4s}", "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys),
-      f"({sum(r.get('perf/step_time_s', 0) for r in lines if 'perf/step_time_s' in r) * 10:.0f} s of steps)")
+print(f"{run.name:4s}", "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys))
 PY
       done ;;
-    *) echo "unknown part: $part (main, optimizers, sft_dpo)" >&2; exit 2 ;;
+    hardware)  # "Hardware": the main job on 1 and on 2 CPU processes at the same global batch (32), seed 0
+      rm -rf $OUT/hw-cpu $OUT/hw-cpu_ddp
+      for hw in cpu cpu_ddp; do
+        start=$SECONDS
+        $PY train.py algo=dpo optimizer=lion hardware=$hw train.global_batch_size=32 train.per_device_batch_size=$([ $hw = cpu ] && echo 32 || echo 16) \
+          hydra.run.dir=$OUT/hw-$hw >/dev/null 2>&1
+        echo "$hw: $(grep -o 'hardware: .*' $OUT/hw-$hw/train.log | head -1)"
+        echo "     $(grep -o 'global batch .*' $OUT/hw-$hw/train.log | head -1); $((SECONDS - start)) s in all"
+        $PY scripts/check_run.py $OUT/hw-$hw --min eval/rewards/accuracies=0 --min-of-start eval/exact_match=-1 | sed 's/^/     /'
+      done ;;
+    *) echo "unknown part: $part (main, optimizers, sft_dpo, hardware)" >&2; exit 2 ;;
   esac
 done

@@ -2,6 +2,7 @@
 
 from rlhf.hardware.base import DataParallel, cpus_available
 from rlhf.hardware.fsdp import FSDP2
+from rlhf.hardware.sharded import global_numel
 from rlhf.hardware.zero import ZeRO
 
-__all__ = ["FSDP2", "DataParallel", "ZeRO", "cpus_available"]
+__all__ = ["FSDP2", "DataParallel", "ZeRO", "cpus_available", "global_numel"]

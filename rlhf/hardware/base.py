@@ -106,25 +106,29 @@ class DataParallel:
         return max(1, cpus_available() // max(1, local_processes))
 
     # --- the Accelerator -----------------------------------------------------------------------------------
-    def start(self, grad_accumulation_steps: int = 1) -> Accelerator:
+    def start(self, seed: int = 0) -> Accelerator:
         """Build this process's Accelerator (joining the process group when there are several processes).
 
         Accelerate keeps its state in process-wide singletons; each call starts from a clean one so that
         several ``train()`` calls in one process each get the hardware their config asks for (tested in
-        tests/hardware). The process group, once created, is reused.
+        tests/hardware). The process group, once created, is reused. ``seed`` orders the training data (the same
+        permutation on every process, each taking its shard).
         """
         if self.uses_cuda() and not torch.cuda.is_available():
             raise UserError("hardware.device=cuda but torch sees no GPU. Fix: hardware=cpu (or cpu_ddp), or install "
                             "a CUDA build of torch.")
         if self.mixed_precision == "fp16" and not self.uses_cuda():
             raise UserError("hardware.mixed_precision=fp16 needs a GPU. Fix: hardware.mixed_precision=bf16 on a CPU.")
+        # DeepSpeed, when installed, is imported by Accelerate (e.g. while saving); tell it the device up front or
+        # it prints a guess on every rank.
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.uses_cuda() else "cpu")
         AcceleratorState._reset_state()
         self.accelerator = Accelerator(
             # cpu=True whenever CUDA is not used: otherwise Accelerate reports one process under torchrun on a
             # CPU-only machine and every rank trains its own copy.
             cpu=not self.uses_cuda(),
             mixed_precision=self.mixed_precision,
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
             kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=self.timeout_s))],
         )
         # After the Accelerator, which sets its own count (from the node's cores) for several CPU processes.

@@ -1,0 +1,143 @@
+"""FSDP2: every process holds a slice of every parameter, gradient and optimizer state (``hardware=fsdp``).
+
+PyTorch's ``fully_shard`` is called here directly, once per decoder layer and then on the whole model, because
+Accelerate's FSDP plugin silently trains plain DDP on CPU processes (measured: ``scale_findings.md``). This
+runs for real on CPU processes (gloo) as on GPUs (NCCL): the same code, tested on CPU.
+
+What differs from :class:`~rlhf.hardware.base.DataParallel`:
+
+- ``prepare`` shards the model in place (its parameters become ``Shard(0)`` DTensors), then builds the optimizer
+  on the sharded parameters; Accelerate prepares only the optimizer and the training loader.
+- ``accumulate(sync=False)`` keeps the micro-batch's gradients unsharded and unreduced until the last one.
+- ``optimizer_step`` clips with the norm of the whole (sharded) gradient, computed across processes.
+- ``full_state_dict`` gathers the whole model onto the main process's CPU (a collective: every process calls it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from rlhf.errors import UserError
+from rlhf.hardware.sharded import Sharded
+
+log = logging.getLogger(__name__)
+
+
+def layers_to_shard(model: torch.nn.Module, class_names: list[str] | None) -> list[torch.nn.Module]:
+    """The modules sharded (and gathered) one at a time: instances of `class_names`, or when that is None, of
+    the classes the Hugging Face model names in ``_no_split_modules`` (its decoder layers)."""
+    if class_names is None:
+        class_names = []
+        for module in model.modules():  # a PEFT wrapper holds the transformers model further down
+            class_names += list(getattr(module, "_no_split_modules", None) or [])
+    wanted = set(class_names)
+    return [m for m in model.modules() if type(m).__name__ in wanted]
+
+
+class FSDP2(Sharded):
+    """Fully sharded data parallel (PyTorch FSDP2): parameters, gradients and optimizer states split over the
+    processes; each layer's whole parameters are gathered just for its forward and backward.
+
+    Args (besides :class:`~rlhf.hardware.base.DataParallel`'s; ``num_processes: null`` is 2 without GPU):
+        reshard_after_forward: free each layer's gathered parameters after its forward and gather them again
+            for the backward (least memory, ZeRO-3-like); ``false`` keeps them until the backward (one
+            all-gather fewer per layer and step, ZeRO-2-like memory).
+        layer_classes: class names of the modules sharded as units (e.g. ``[LlamaDecoderLayer]``); ``null``: the
+            model's own ``_no_split_modules`` (its decoder layers for Hugging Face models).
+        mixed_precision: ``no``, or ``bf16``: FSDP2 computes and gathers parameters in bf16 and reduces gradients
+            in fp32, keeping (and saving) fp32 parameters and optimizer states (``MixedPrecisionPolicy``); the
+            logits come out in fp32 for the losses. Runs on CPU processes too (tested). ``fp16`` is refused (it
+            would need a sharded gradient scaler).
+    """
+
+    def __init__(
+        self,
+        device: str = "auto",
+        num_processes: int | None = None,
+        num_nodes: int = 1,
+        mixed_precision: str = "no",
+        threads_per_process: int | None = None,
+        rdzv_endpoint: str | None = None,
+        node_rank: int = 0,
+        timeout_s: int = 600,
+        reshard_after_forward: bool = True,
+        layer_classes: list[str] | None = None,
+    ) -> None:
+        super().__init__(device=device, num_processes=num_processes, num_nodes=num_nodes,
+                         mixed_precision=mixed_precision, threads_per_process=threads_per_process,
+                         rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, timeout_s=timeout_s)
+        if mixed_precision == "fp16":
+            raise UserError("hardware=fsdp does not support mixed_precision=fp16 (it would need a sharded gradient "
+                            "scaler). Fix: hardware.mixed_precision=bf16 (or no).")
+        self.reshard_after_forward = reshard_after_forward
+        self.layer_classes = list(layer_classes) if layer_classes is not None else None
+
+    # --- training -------------------------------------------------------------------------------------------
+    def prepare(self, model, make_optimizer, train_loader):
+        """Shard each layer, then the whole model; build the optimizer on the sharded parameters."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        acc = self.accelerator
+        if acc.num_processes < 2 or not torch.distributed.is_initialized():
+            raise UserError("hardware=fsdp needs several processes (hardware.num_processes >= 2), or a launcher "
+                            "such as torchrun. Fix: hardware.num_processes=2, or hardware=cpu / gpu for one process.")
+        mesh = init_device_mesh(acc.device.type, (acc.num_processes,))
+        options = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward, "mp_policy": self._policy()}
+        layers = layers_to_shard(model, self.layer_classes)
+        if not layers:
+            log.warning("hardware=fsdp found no layer to shard on its own (layer_classes=%s, model has no "
+                        "_no_split_modules): the whole model is one unit, gathered whole for every forward. "
+                        "Fix: hardware.layer_classes=[<decoder layer class name>]", self.layer_classes)
+        for layer in layers:  # each moved to the device as it is sharded: never the whole model there at once
+            fully_shard(layer, **options)
+        # The rest (embeddings, final norm, head). Its outputs (the logits) in fp32, as autocast gives the losses'
+        # log-softmax: computed in bf16, a sum of log-probabilities would lose most of its digits.
+        fully_shard(model, **{**options, "mp_policy": self._policy(output_dtype=torch.float32)})
+        optimizer = make_optimizer(model)  # after sharding: it must hold the sharded parameters
+        optimizer, train_loader = acc.prepare(optimizer, train_loader)
+        self._sharding = (f"; FSDP2 over {len(layers)} layer(s) + root, reshard_after_forward="
+                          f"{self.reshard_after_forward}: {self.holding(model.parameters(), 'parameter')}, "
+                          "optimizer states likewise")
+        return model, optimizer, train_loader
+
+    def _policy(self, output_dtype: torch.dtype | None = None):
+        """FSDP2's mixed precision: for bf16, parameters gathered and used in bf16, gradients reduced in fp32
+        (the sharded parameters and the optimizer stay fp32)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.mixed_precision != "bf16":
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=output_dtype)
+
+    @contextlib.contextmanager
+    def accumulate(self, model, sync: bool) -> Iterator[None]:
+        """Reduce-scatter the gradients only on the last micro-batch (the others accumulate unsharded ones)."""
+        model.set_requires_gradient_sync(sync)
+        yield
+
+    def backward(self, loss: torch.Tensor, model) -> None:
+        loss.backward()
+
+    def optimizer_step(self, model, optimizer, max_grad_norm: float | None) -> float | None:
+        norm = None
+        if max_grad_norm is not None:
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # DTensor-aware
+            norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # --- saving -------------------------------------------------------------------------------------------
+    def unwrap(self, model) -> torch.nn.Module:
+        return model  # sharded in place: still the Hugging Face model (save_pretrained needs a state dict)
+
+    def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.accelerator.is_main_process else None

@@ -1,0 +1,54 @@
+"""What the sharded strategies (FSDP2, ZeRO) share: how many processes by default, counting what a process holds."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rlhf.hardware.base import DataParallel
+
+CPU_PROCESSES = 2  # processes on a machine without GPU when hardware.num_processes is null: the fewest that shard
+
+
+def local_numel(tensor: torch.Tensor) -> int:
+    """Elements this process stores for `tensor`: its own shard for a DTensor (FSDP2) or a ZeRO-3 parameter."""
+    if hasattr(tensor, "ds_tensor"):  # DeepSpeed ZeRO-3 parameter: its partition, and the whole when it stays
+        # gathered (ds_persist: fewer elements than stage3_param_persistence_threshold)
+        return tensor.ds_tensor.numel() + (tensor.ds_numel if getattr(tensor, "ds_persist", False) else 0)
+    if hasattr(tensor, "to_local"):  # DTensor
+        return tensor.to_local().numel()
+    return tensor.numel()
+
+
+def global_numel(tensor: torch.Tensor) -> int:
+    """Elements of the whole `tensor`, however it is partitioned (a DTensor reports its global shape)."""
+    return getattr(tensor, "ds_numel", None) or tensor.numel()
+
+
+def name_deepspeed_accelerator(cuda: bool) -> None:
+    """Tell DeepSpeed, if it gets imported, which device this process uses. Accelerate imports it whenever it is
+    installed (``unwrap_model``, hence every ``save_pretrained``); left to guess, it prints "Setting accelerator to
+    CPU. If you have GPU ..." on every rank of a CPU run, and would pick the GPU for ``hardware.device=cpu``."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
+
+
+class Sharded(DataParallel):
+    """Base of the strategies that split the model's state over processes."""
+
+    _sharding = ""  # set by prepare(): what this process holds, for describe()
+
+    def processes_per_node(self) -> int:
+        """``num_processes``, or when null one per local GPU, or on a machine without GPU ``CPU_PROCESSES``."""
+        if self.num_processes is None and not self.uses_cuda():
+            return CPU_PROCESSES
+        return super().processes_per_node()
+
+    def holding(self, params, label: str) -> str:
+        """'this process holds N of M <label> elements (P%)' for `params`."""
+        params = list(params)
+        here, whole = sum(local_numel(p) for p in params), sum(global_numel(p) for p in params)
+        return f"this process holds {here:,} of {whole:,} {label} elements ({here / max(whole, 1):.0%})"
+
+    def describe(self) -> str:
+        return super().describe() + self._sharding

@@ -1,0 +1,271 @@
+"""Sharded strategies on 2 CPU processes: the partitioning is real, training equals DDP, one whole model is saved.
+
+The serial tests share one launch: 2 spawned processes (1 thread each) run every configuration below one after the
+other through the loop (``rlhf.loop.train``), so the start of a process pair (imports, process group, the first
+data: 15-30 s on 2 cores) is paid once instead of per option (each run then takes 1-2 s). Each run reports, from both ranks, the ``hardware:`` line its strategy wrote:
+what that process holds. ZeRO-3 runs last: DeepSpeed replaces ``torch.nn.functional.linear`` for the rest of the
+process (its "memory-efficient linear").
+
+The settings make the comparisons able to fail: DPO with beta=3 from a random init has a gradient norm of ~5, so
+clipping at 0.5 is active, and DeepSpeed's own default (clip at 1.0) would also change the result of a run asked
+for no clipping; 2 micro-batches per step exercise ``accumulate(sync)``; the cosine warmup schedule changes the lr
+every step, so a scheduler that DeepSpeed's optimizer ignored would show.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
+
+from rlhf.config import build
+from rlhf.errors import UserError
+from rlhf.hardware import FSDP2, ZeRO
+from rlhf.launch import free_port
+from tests.conftest import FAST, compose_config
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed not installed: pip install 'rlhf[deepspeed]'")
+
+CLIP = 0.5
+COMMON = [*FAST, "data.task.num_eval=17", "algo.beta=3.0", "optimizer=sgd", "train.max_steps=3", "train.global_batch_size=16",
+          "hardware.timeout_s=120"]  # 4 per device x 2 processes x 2 micro-batches; a stuck collective fails fast
+RUNS: dict[str, list[str]] = {  # name -> overrides, in the order they run
+    "ddp": ["hardware=cpu_ddp", f"train.max_grad_norm={CLIP}"],
+    "ddp_noclip": ["hardware=cpu_ddp", "train.max_grad_norm=null"],
+    "fsdp": ["hardware=fsdp", f"train.max_grad_norm={CLIP}"],
+    "ddp_bf16": ["hardware=cpu_ddp", "hardware.mixed_precision=bf16", f"train.max_grad_norm={CLIP}"],
+    "fsdp_bf16": ["hardware=fsdp", "hardware.mixed_precision=bf16", f"train.max_grad_norm={CLIP}"],
+}
+if HAS_DEEPSPEED:
+    RUNS |= {
+        "zero1": ["hardware=zero1", f"train.max_grad_norm={CLIP}"],
+        "zero2": ["hardware=zero2", f"train.max_grad_norm={CLIP}"],
+        "zero2_noclip": ["hardware=zero2", "train.max_grad_norm=null"],
+        # threshold 0: otherwise every parameter of a model this small stays whole on every process
+        "zero3": ["hardware=zero3", "hardware.param_persistence_threshold=0", f"train.max_grad_norm={CLIP}"],
+        "zero3_noclip": ["hardware=zero3", "hardware.param_persistence_threshold=0", "train.max_grad_norm=null"],
+        "zero3_bf16": ["hardware=zero3", "hardware.param_persistence_threshold=0", "hardware.mixed_precision=bf16",
+                       f"train.max_grad_norm={CLIP}"],
+    }
+SHARDED = [name for name in RUNS if not name.startswith("ddp") and not name.endswith("_bf16")]  # fp32: ~ DDP exactly
+BF16 = [name for name in RUNS if not name.startswith("ddp") and name.endswith("_bf16")]
+HOLDS = re.compile(r"this process holds ([\d,]+) of ([\d,]+) parameter elements")
+STEPS = re.compile(r"its optimizer steps ([\d,]+) of ([\d,]+) trainable elements")
+
+
+def _number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+# --- the launch shared by the serial tests ---------------------------------------------------------------------
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _run_all(runs: dict[str, dict], env: dict[str, str]) -> dict[str, str]:
+    """One rank: train every run in turn; return each run's ``hardware:`` line as this rank logged it (and, under
+    ``seconds:<run>``, how long the run took)."""
+    os.environ.update(env)
+    from rlhf import loop
+
+    logging.basicConfig(level=logging.WARNING)
+    lines = _Lines()
+    logger = logging.getLogger("rlhf")
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    described = {}
+    for name, container in runs.items():
+        start = time.perf_counter()
+        loop.train(OmegaConf.create(container))
+        described[f"seconds:{name}"] = f"{time.perf_counter() - start:.1f}"
+        described[name] = next(m for m in reversed(lines.messages) if m.startswith("hardware:"))
+    return described
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict[int, dict[str, str]]]:
+    """Every run of RUNS on one pair of processes: the runs' root folder and each rank's ``hardware:`` lines."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    root = tmp_path_factory.mktemp("sharded")
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "RLHF_CACHE": str(root / "cache")}
+    containers = {name: OmegaConf.to_container(
+        compose_config(*COMMON, *overrides, f"model.tiny.cache_dir={root / 'cache'}", output_dir=root / name),
+        resolve=True) for name, overrides in RUNS.items()}
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="sharded", rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.1,
+                          start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=None))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")  # the children's threads from their first import on
+        described = elastic_launch(config, _run_all)(containers, env)
+    logging.getLogger(__name__).info("seconds per run (rank 0): %s",
+                                     {name: described[0][f"seconds:{name}"] for name in RUNS})
+    return root, described
+
+
+def _model(run: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(run / "final")  # in this process: fresh relative to the workers
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _reference(name: str) -> str:
+    return "ddp_noclip" if name.endswith("_noclip") else "ddp"
+
+
+# --- (a) the partitioning is real ------------------------------------------------------------------------------
+@pytest.mark.serial
+@pytest.mark.parametrize("name", SHARDED + BF16)
+def test_each_process_holds_its_share(name, runs):
+    _, described = runs
+    for rank in (0, 1):
+        line = described[rank][name]
+        here, whole = map(_number, HOLDS.search(line).groups())
+        assert whole == 18_656, line  # the FAST model (tied embeddings counted once)
+        if name.startswith(("fsdp", "zero3")):  # parameters (and with them all the rest) split
+            assert 0.45 <= here / whole <= 0.55, line
+        else:  # ZeRO-1/2: whole parameters, the optimizer steps (and keeps states for) half of them
+            assert here == whole, line
+        if name.startswith("zero"):
+            stepped, trainable = map(_number, STEPS.search(line).groups())
+            assert trainable == whole and 0.45 <= stepped / trainable <= 0.55, line
+    for rank in (0, 1):  # DDP claims no sharding: the patterns above cannot match a replica's line
+        assert not HOLDS.search(described[rank]["ddp"])
+
+
+# --- (b) the same training as DDP ------------------------------------------------------------------------------
+@pytest.mark.serial
+def test_the_comparisons_can_fail(runs):
+    """Clipping is active at CLIP and DeepSpeed's default 1.0 would clip too: a wrong mapping would show."""
+    root, _ = runs
+    norms = [r["train/grad_norm"] for r in _metrics(root / "ddp") if "train/grad_norm" in r]
+    assert len(norms) == 3 and min(norms) > 1.0, norms
+    clipped, free = _model(root / "ddp"), _model(root / "ddp_noclip")
+    assert max((a - b).abs().max() for a, b in zip(clipped.parameters(), free.parameters())) > 1e-3
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("name", SHARDED)
+def test_training_equals_ddp(name, runs):
+    root, _ = runs
+    reference = _reference(name)
+    for a, b in zip(_model(root / reference).parameters(), _model(root / name).parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+    ours, theirs = _metrics(root / name), _metrics(root / reference)
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs]
+    for mine, ref in zip(ours, theirs):
+        for key in ("train/loss", "train/lr", "train/grad_norm", "eval/loss", "eval/logps/chosen"):
+            if key in ref:  # the norm before clipping, as the strategy reports it (absent without clipping)
+                assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-5), (mine["step"], key)
+            else:
+                assert key not in mine, (mine["step"], key)
+
+
+# --- (c) one whole model that loads anywhere -------------------------------------------------------------------
+@pytest.mark.serial
+@pytest.mark.parametrize("name", SHARDED)
+def test_final_model_is_whole_and_computes_what_ddp_computes(name, runs):
+    root, _ = runs
+    model, reference = _model(root / name), _model(root / _reference(name))
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in reference.parameters()) == 18_656
+    assert sorted(p.name for p in (root / name / "final").glob("*.safetensors")) == ["model.safetensors"]
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    # The run's own last evaluation (computed by the sharded model in the workers) is DDP's too.
+    final, expected = (json.loads((root / n / "summary.json").read_text())["final"] for n in (name, _reference(name)))
+    for key in ("eval/loss", "eval/logps/chosen", "eval/logps/rejected", "eval/rewards/margins"):
+        # abs 1e-5: rewards are beta x differences of float32 log-probs of about -40 (seen: up to 3e-6)
+        assert final[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-5), key
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_trains_like_ddp_with_autocast(name, runs):
+    """bf16 on CPU processes too: FSDP2's MixedPrecisionPolicy and DeepSpeed's bf16 against Accelerate's autocast.
+    Not bit-equal (different rounding points); seen: FSDP2 1.4e-5, ZeRO-3 3.8e-4 (its saved weights are bf16)."""
+    root, _ = runs
+    model, reference = _model(root / name), _model(root / "ddp_bf16")
+    # FSDP2 keeps (and saves) fp32 parameters; DeepSpeed keeps the model in bf16, fp32 only in its optimizer.
+    assert model.dtype == (torch.float32 if name.startswith("fsdp") else torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == 18_656
+    rtol = 0 if name.startswith("fsdp") else 2**-8  # storing in bf16 rounds by up to 2^-9 of the value
+    for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(b.float(), a, atol=1e-4, rtol=rtol)
+    final, expected = (json.loads((root / n / "summary.json").read_text())["final"] for n in (name, "ddp_bf16"))
+    for key in ("eval/loss", "eval/logps/chosen", "eval/logps/rejected"):
+        assert final[key] == pytest.approx(expected[key], rel=1e-3, abs=1e-3), key
+
+
+# --- options and refusals, no processes ------------------------------------------------------------------------
+@pytest.mark.parametrize("option", ["fsdp", "zero1", "zero2", "zero3"])
+def test_options_build_and_start_two_cpu_processes_without_gpu(option):
+    if option.startswith("zero") and not HAS_DEEPSPEED:
+        pytest.skip("DeepSpeed not installed")
+    strategy = build(compose_config(f"hardware={option}").hardware)
+    assert isinstance(strategy, FSDP2 if option == "fsdp" else ZeRO)
+    if not torch.cuda.is_available():
+        assert strategy.processes_per_node() == 2  # num_processes: null means 2 on a machine without GPU
+    assert build(compose_config(f"hardware={option}", "hardware.num_processes=3").hardware).processes_per_node() == 3
+
+
+@needs_deepspeed
+def test_deepspeed_config_follows_the_loop():
+    strategy = build(compose_config("hardware=zero3", "train.max_grad_norm=0.25").hardware)
+    settings = strategy.deepspeed_settings(micro_batch_size=4)
+    assert settings["gradient_clipping"] == 0.25
+    assert settings["gradient_accumulation_steps"] == 1  # the loop accumulates and divides the loss itself
+    assert settings["train_micro_batch_size_per_gpu"] == 4 and settings["zero_allow_untested_optimizer"]
+    assert settings["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 100_000}
+    unclipped = build(compose_config("hardware=zero2", "train.max_grad_norm=null").hardware)
+    assert unclipped.deepspeed_settings(4)["gradient_clipping"] == 0.0  # not DeepSpeed's default 1.0
+    assert "stage3_param_persistence_threshold" not in unclipped.deepspeed_settings(4)["zero_optimization"]
+    extra = ZeRO(stage=2, deepspeed_config={"zero_optimization": {"overlap_comm": True}, "bf16": {"enabled": True}})
+    assert extra.deepspeed_settings(4)["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert extra.deepspeed_settings(4)["bf16"] == {"enabled": True}
+    with pytest.raises(UserError, match="train.max_grad_norm=1.0 but hardware.max_grad_norm=0.25"):
+        strategy.optimizer_step(model=None, optimizer=None, max_grad_norm=1.0)
+
+
+def test_zero_without_deepspeed_says_how_to_install_it(monkeypatch):
+    import sys
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
+    with pytest.raises(UserError, match=r"hardware=zero3 needs DeepSpeed.*pip install 'rlhf\[deepspeed\]'"):
+        build(compose_config("hardware=zero3").hardware)
+    from rlhf.hardware.zero import import_deepspeed
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import fails
+    with pytest.raises(UserError, match=r"needs DeepSpeed.*pip install 'rlhf\[deepspeed\]'"):
+        import_deepspeed(cuda=False)
+
+
+def test_impossible_sharded_settings_are_clear_errors():
+    with pytest.raises(UserError, match="fp16"):
+        FSDP2(device="cpu", mixed_precision="fp16")
+    if HAS_DEEPSPEED:
+        with pytest.raises(UserError, match="hardware.stage=4"):
+            ZeRO(stage=4)
+    strategy = FSDP2(device="cpu", num_processes=1)
+    strategy.start()
+    with pytest.raises(UserError, match="needs several processes"):
+        strategy.prepare(torch.nn.Linear(2, 2), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), [])
