@@ -6,6 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
+from rlhf.data.checks import ROW_COLUMN
+from rlhf.errors import UserError
+
 
 def encode(
     tokenizer,
@@ -33,6 +36,20 @@ def encode(
     if max_length is not None:
         input_ids, completion_mask = input_ids[:max_length], completion_mask[:max_length]
     return {"input_ids": input_ids, "completion_mask": completion_mask}
+
+
+def require_completion(encoded: dict[str, list[int]], row: dict, column: str, max_length: int | None) -> None:
+    """Refuse a row of which not one completion token survived truncation (:func:`encode`'s ``completion_mask``).
+
+    A long prompt is cut as usual; only when the prompt alone fills ``max_length`` is the row an error, naming the
+    row by its :data:`~rlhf.data.checks.ROW_COLUMN` (file and row number) when it has one.
+    """
+    if any(encoded["completion_mask"]):
+        return
+    where = row.get(ROW_COLUMN) or "a row"
+    raise UserError(f"{where}: not one token of {column!r} fits in algo.max_length={max_length}: the prompt fills it. "
+                    "Fix: raise algo.max_length, set algo.max_prompt_length below it (long prompts then keep their "
+                    "end), or shorten the prompt.")
 
 
 def pad(sequences: Sequence[Sequence[int]], value: int) -> torch.Tensor:

@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from datasets import Dataset
+from jinja2 import TemplateError
 
+from rlhf.data.checks import ROW_COLUMN
 from rlhf.errors import UserError
 
 Messages = list[dict[str, str]]
@@ -37,6 +39,8 @@ def _render(tokenizer, messages: Messages, add_generation_prompt: bool) -> str:
 
 def _split_conversation(tokenizer, prompt: Messages, completion: Messages) -> tuple[str, str]:
     """Render prompt (with generation prompt) and the completion as the remainder of the whole chat."""
+    if not prompt:  # e.g. a conversation without a final assistant turn: all of it is the completion
+        return "", _render(tokenizer, completion, add_generation_prompt=False)
     prompt_text = _render(tokenizer, prompt, add_generation_prompt=True)
     full_text = _render(tokenizer, prompt + completion, add_generation_prompt=False)
     if not full_text.startswith(prompt_text):
@@ -97,17 +101,42 @@ _ALTERNATIVES = {
 }
 
 
-def standardize(dataset: Dataset, columns: Sequence[str], tokenizer, where: str = "the dataset") -> Dataset:
-    """Check `dataset` has a format that provides `columns`, then convert every row to text columns."""
+def pick_format(names: Sequence[str], columns: Sequence[str], where: str = "the dataset") -> tuple[str, ...]:
+    """The raw columns (the first of :data:`_ALTERNATIVES` that `names` has) that provide `columns`."""
     columns = tuple(columns)
     options = _ALTERNATIVES.get(columns, [columns])
-    if not any(set(option) <= set(dataset.column_names) for option in options):
-        wanted = " or ".join("/".join(option) for option in options)
-        raise UserError(
-            f"{where} has columns {dataset.column_names}, but this algorithm needs {wanted}. "
-            "Fix: rename the columns (e.g. dataset.rename_column) or pick an algorithm that fits the data "
-            "(preference pairs -> algo=dpo, demonstrations -> algo=sft)."
-        )
+    for option in options:
+        if set(option) <= set(names):
+            return option
+    wanted = " or ".join("/".join(option) for option in options)
+    shown = [name for name in names if name != ROW_COLUMN]
+    raise UserError(
+        f"{where} has columns {shown}, but this algorithm needs {wanted}. "
+        "Fix: rename the columns (e.g. dataset.rename_column) or pick an algorithm that fits the data "
+        "(preference pairs -> algo=dpo, demonstrations -> algo=sft)."
+    )
+
+
+def _row_to_text(row: dict[str, Any], columns: Sequence[str], tokenizer, where: str) -> dict[str, str]:
+    """:func:`to_text`, keeping the row's origin (:data:`ROW_COLUMN`) and naming it if the chat template fails."""
+    try:
+        out = to_text(row, columns, tokenizer)
+    except TemplateError as error:
+        raise UserError(f"{row.get(ROW_COLUMN) or where}: the tokenizer's chat template refused this conversation "
+                        f"({error}). Fix: change the conversation to what the template accepts (e.g. alternating "
+                        "user/assistant turns), or set model.chat_template.") from error
+    if ROW_COLUMN in row:
+        out[ROW_COLUMN] = row[ROW_COLUMN]
+    return out
+
+
+def standardize(dataset: Dataset, columns: Sequence[str], tokenizer, where: str = "the dataset") -> Dataset:
+    """Check `dataset` has a format that provides `columns`, then convert every row to text columns.
+
+    A :data:`~rlhf.data.checks.ROW_COLUMN` column (where each row came from) is kept as it is.
+    """
+    columns = tuple(columns)
+    pick_format(dataset.column_names, columns, where)
     sample = dataset[0] if len(dataset) else {}
     conversational = any(_is_conversation(v) for v in sample.values())
     if conversational and getattr(tokenizer, "chat_template", None) is None:
@@ -116,8 +145,8 @@ def standardize(dataset: Dataset, columns: Sequence[str], tokenizer, where: str 
             "Fix: use an instruct model or set model.chat_template='<jinja template>'."
         )
     return dataset.map(
-        to_text,
-        fn_kwargs={"columns": columns, "tokenizer": tokenizer},
+        _row_to_text,
+        fn_kwargs={"columns": columns, "tokenizer": tokenizer, "where": where},
         remove_columns=dataset.column_names,
         desc="formatting",
     )

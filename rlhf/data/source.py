@@ -1,21 +1,62 @@
-"""Where training data comes from: the embedded task, a local file, or a Hub dataset."""
+"""Where training data comes from: the embedded task, a local file, or a Hub dataset.
+
+Whatever the source, every row is checked before anything trains (:mod:`rlhf.data.checks`): a bad row stops the
+run with one message naming the file, the row, the column and the fix, or, with ``data.on_bad_row=skip``, is left
+out and counted (:attr:`DataSource.skipped_rows`, and a warning in the log). Loaded splits carry, next to the text
+columns, :data:`~rlhf.data.checks.ROW_COLUMN`: where each row came from, so that later steps (tokenization) can
+name a row too.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
+import pyarrow.parquet as pq
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
-from rlhf.data.formats import standardize
+from rlhf.data import readers
+from rlhf.data.checks import (
+    ROW_COLUMN,
+    Origin,
+    RowProblem,
+    check_on_bad_row,
+    check_rows,
+    require_rows,
+    settle,
+)
+from rlhf.data.formats import pick_format, standardize
 from rlhf.data.tasks import ReverseTask
 from rlhf.errors import UserError
+from rlhf.hub import check_dataset_reachable
 
-# File extension -> the `datasets` builder that reads it.
-_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+log = logging.getLogger(__name__)
+
 # Files that mark a folder written by `save_to_disk`.
 _SAVED_MARKERS = ("dataset_dict.json", "state.json")
+# Extensions of data files no reader handles: such a path is a local file (never a Hub id), reported as unsupported.
+_OTHER_FILES = (".txt", ".tsv", ".xlsx", ".xls", ".gz", ".zip", ".tar", ".arrow", ".pkl", ".pickle", ".yaml", ".yml",
+                ".xml", ".html", ".md")
+
+
+def _numbered(dataset: Dataset) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(row number, row)`` for every row of `dataset`, numbered from 1, read in batches."""
+    number = 0
+    for batch in dataset.iter(batch_size=1024):
+        names = list(batch)
+        for values in zip(*batch.values()):
+            number += 1
+            yield number, dict(zip(names, values))
+
+
+def _plain(value: Any) -> Any:
+    """A checked value as stored: text as it is, a conversation as ``{role, content}`` messages only."""
+    if isinstance(value, list):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    return value
 
 
 class DataSource:
@@ -23,7 +64,9 @@ class DataSource:
 
     Args:
         path: a local ``.json``/``.jsonl``/``.parquet``/``.csv`` file, a folder (of data files, or written by
-            ``save_to_disk``), or a Hub dataset id, as ``datasets.load_dataset`` takes it. ``None`` uses ``task`` (the embedded default).
+            ``save_to_disk``), or a Hub dataset id, as ``datasets.load_dataset`` takes it. ``None`` uses ``task``
+            (the embedded default). In a CSV file every field is text; a CSV column whose values are JSON lists of
+            ``{role, content}`` messages is read as conversations.
         name: the Hub dataset's configuration name, if it has several.
         split: the split to train on.
         eval_split: the held-out split; ``None`` holds out ``eval_size`` rows of ``split`` instead.
@@ -31,6 +74,13 @@ class DataSource:
         max_train_rows: use at most this many training rows (``None``: all).
         seed: shuffles the held-out selection.
         task: the generated task used when ``path`` is ``None``.
+        on_bad_row: what a bad row (a missing, null, empty or wrongly typed field; a conversation with an unknown
+            role or no content; ``chosen`` identical to ``rejected``) does: ``"error"`` stops before training with
+            one message naming the file, the row (counted from 1; in a CSV file, after the header), the column and
+            the fix; ``"skip"`` leaves it out and logs how many were skipped (:attr:`skipped_rows`).
+
+    Attributes:
+        skipped_rows: after :meth:`load`, the bad rows left out, over both splits (0 with ``on_bad_row="error"``).
     """
 
     def __init__(
@@ -43,33 +93,85 @@ class DataSource:
         max_train_rows: int | None = None,
         seed: int = 0,
         task: ReverseTask | None = None,
+        on_bad_row: str = "error",
     ) -> None:
         if path is None and task is None:
             raise UserError("data: set data.path=<file or hub dataset> (or use data=reverse for the embedded task)")
         self.path, self.name, self.split, self.eval_split = path, name, split, eval_split
         self.eval_size, self.max_train_rows, self.seed, self.task = eval_size, max_train_rows, seed, task
+        self.on_bad_row = check_on_bad_row(on_bad_row)
+        self.skipped_rows = 0
 
-    def _load_split(self, split: str) -> Dataset:
+    # ---- reading and checking one split -------------------------------------------------------------------
+    def _settle(self, problems: Sequence[RowProblem], total: int, origin: Origin) -> None:
+        warning = settle(problems, total, self.on_bad_row, origin)
+        if warning:
+            log.warning(warning)
+            self.skipped_rows += len(problems)
+
+    def _check_records(self, records: readers.Records, columns: Sequence[str], origin: Origin) -> Dataset:
+        """Rows read from a CSV/JSON file -> the checked rows of the format's columns, as a Dataset."""
+        require_rows(records.total, origin)
+        if not records.rows:  # no row could be parsed: this raises
+            self._settle(records.problems, records.total, origin)
+        fields = pick_format(records.columns, columns, origin.where)
+        if origin.header:  # CSV: conversations are written as JSON
+            records = readers.decode_conversations(records, list(fields))
+        checked = check_rows(records.rows, fields, origin)
+        self._settle(records.problems + checked.problems, records.total, origin)
+        rows = [records.rows[i] for i in checked.kept]
+        return Dataset.from_list([{**{f: _plain(row[f]) for f in fields}, ROW_COLUMN: origin.label(number)}
+                                  for number, row in rows])
+
+    def _check_dataset(self, dataset: Dataset, columns: Sequence[str], origin: Origin) -> Dataset:
+        """A loaded (Arrow) split -> the checked rows of the format's columns."""
+        require_rows(len(dataset), origin)
+        fields = pick_format(dataset.column_names, columns, origin.where)
+        dataset = dataset.select_columns(list(fields))
+        checked = check_rows(_numbered(dataset), fields, origin)
+        self._settle(checked.problems, len(dataset), origin)
+        if checked.problems:
+            dataset = dataset.select(checked.kept)
+        return dataset.add_column(ROW_COLUMN, [origin.label(i + 1) for i in checked.kept])
+
+    def _read_split(self, split: str, columns: Sequence[str]) -> Dataset:
         path = os.path.expanduser(str(self.path))
+        where = f"data.path={self.path}"
+        if os.path.isfile(path):
+            suffix = Path(path).suffix.lower()
+            if suffix not in readers.SUPPORTED:
+                raise UserError(f"{where}: {readers.not_supported(path)}. Fix: {readers.FIX_SUPPORTED}.")
+            if suffix == ".parquet":
+                if os.path.getsize(path) == 0:
+                    raise UserError(f"{where} is empty (0 bytes). Fix: point data.path at a file with data.")
+                metadata = _read_local(where, lambda: pq.read_metadata(path))  # damaged: one message, no datasets log
+                require_rows(metadata.num_rows, Origin(where))
+                dataset = _read_local(where, lambda: load_dataset("parquet", data_files={split: path}, split=split))
+                return self._check_dataset(dataset, columns, Origin(where))
+            records, origin = readers.read_file(path, where)
+            return self._check_records(records, columns, origin)
+        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in _SAVED_MARKERS):
+            saved = _read_local(where, lambda: load_from_disk(path))  # a folder written by Dataset(Dict).save_to_disk
+            if isinstance(saved, DatasetDict):
+                if split not in saved:
+                    raise UserError(f"data.path={self.path} has splits {list(saved)}, not {split!r}. Fix: set "
+                                    "data.split / data.eval_split to one of them.")
+                return self._check_dataset(saved[split], columns, Origin(f"{where} (split {split!r})"))
+            return self._check_dataset(saved, columns, Origin(where))
         suffix = Path(path).suffix.lower()
-        looks_local = suffix in _FILE_BUILDERS or path.startswith((".", "/", "~")) or os.path.exists(path)
+        looks_local = suffix in readers.SUPPORTED + _OTHER_FILES or path.startswith((".", "/", "~"))
         if looks_local and not os.path.exists(path):
-            raise UserError(f"data.path={self.path}: no such file or folder. Fix: check the path (it is "
-                            f"relative to {os.getcwd()}, the directory train.py was started from).")
+            also = f" Note: {readers.not_supported(path)} either: {readers.FIX_SUPPORTED}." if suffix in _OTHER_FILES else ""
+            raise UserError(f"{where}: no such file or folder. Fix: check the path (it is relative to "
+                            f"{os.getcwd()}, the directory train.py was started from).{also}")
+        return self._check_dataset(self._load_hub(path, split), columns, Origin(f"{where} (split {split!r})"))
+
+    def _load_hub(self, path: str, split: str) -> Dataset:
+        """A split of a Hub dataset, or of a local folder of data files, through ``datasets.load_dataset``."""
+        if not os.path.exists(path):  # a Hub id: without network, one message in seconds, not a minute of retries
+            check_dataset_reachable(self.path, "data.path")
         try:
-            if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in _SAVED_MARKERS):
-                saved = load_from_disk(path)  # a folder written by Dataset(Dict).save_to_disk
-                if isinstance(saved, DatasetDict):
-                    if split not in saved:
-                        raise UserError(f"data.path={self.path} has splits {list(saved)}, not {split!r}. Fix: set "
-                                        "data.split / data.eval_split to one of them.")
-                    return saved[split]
-                return saved
-            if suffix in _FILE_BUILDERS and os.path.isfile(path):
-                return load_dataset(_FILE_BUILDERS[suffix], data_files={split: path}, split=split)
             return load_dataset(path, self.name, split=split)
-        except UserError:
-            raise
         except ValueError as error:
             if "split" in str(error).lower():
                 raise UserError(f"data: split {split!r} not found in {self.path} ({error}). Fix: set "
@@ -80,25 +182,42 @@ class DataSource:
                             "Fix: give an existing local file/folder, or a Hub dataset id while online "
                             "(HF_DATASETS_OFFLINE=1 means cached datasets only).") from error
 
+    # ---- both splits --------------------------------------------------------------------------------------
     def load_raw(self, columns: Sequence[str]) -> DatasetDict:
-        """Train/eval splits in whatever format the source has."""
+        """Train/eval splits, checked, in whatever format the source has (plus :data:`ROW_COLUMN`)."""
         if self.path is None:
-            return self.task.load(columns)
-        train = self._load_split(self.split)
+            splits = self.task.load(columns)
+            return DatasetDict({k: v.add_column(ROW_COLUMN, [Origin(f"the embedded task ({k} split)").label(i + 1)
+                                                             for i in range(len(v))]) for k, v in splits.items()})
+        train = self._read_split(self.split, columns)
         if self.eval_split is not None:
-            evaluation = self._load_split(self.eval_split)
+            evaluation = self._read_split(self.eval_split, columns)
         else:
             size = self.eval_size if self.eval_size < 1 else int(self.eval_size)
             if len(train) < 2:
-                raise UserError(f"data.path={self.path} has {len(train)} row(s); need at least 2 to hold some out.")
+                skipped = f" left after skipping {self.skipped_rows} bad row(s)" if self.skipped_rows else ""
+                raise UserError(f"data.path={self.path} has {len(train)} row(s){skipped}; need at least 2 to hold "
+                                "some out. Fix: add rows, or set data.eval_split to a held-out split.")
             parts = train.train_test_split(test_size=size, seed=self.seed)
             train, evaluation = parts["train"], parts["test"]
         return DatasetDict({"train": train, "eval": evaluation})
 
     def load(self, columns: Sequence[str], tokenizer) -> DatasetDict:
-        """Train/eval splits as text columns `columns` (conversational rows rendered with the chat template)."""
+        """Train/eval splits as text columns `columns` (conversational rows rendered with the chat template),
+        plus :data:`ROW_COLUMN`; sets :attr:`skipped_rows`."""
+        self.skipped_rows = 0
         raw = self.load_raw(columns)
         if self.max_train_rows is not None:
             raw["train"] = raw["train"].select(range(min(self.max_train_rows, len(raw["train"]))))
         where = "the embedded task" if self.path is None else f"data.path={self.path}"
         return DatasetDict({k: standardize(v, columns, tokenizer, f"{where} ({k} split)") for k, v in raw.items()})
+
+
+def _read_local(where: str, read):
+    """``read()`` a local Parquet file or saved folder; one message when it is damaged or truncated."""
+    try:
+        return read()
+    except Exception as error:  # whatever pyarrow/datasets raise for a damaged file: the user's file, not a bug
+        raise UserError(f"{where}: could not read it ({type(error).__name__}: {error}); it looks truncated or "
+                        "damaged. Fix: re-create it (DataFrame.to_parquet, Dataset.to_parquet or "
+                        "Dataset.save_to_disk).") from error

@@ -40,3 +40,25 @@ def test_special_tokens_add_bos_once_even_when_the_chat_template_wrote_it():
     assert encode(tok, "ab", "c", add_special_tokens=True)["input_ids"] == [1, 97, 98, 99, 2]
     assert encode(tok, "ab", "c", add_special_tokens=False)["input_ids"] == [97, 98, 99, 2]
     assert encode(tok, "<s>ab", "c", add_special_tokens=True)["input_ids"] == [1, 97, 98, 99, 2]
+
+
+def test_a_long_prompt_is_cut_but_a_row_with_no_completion_token_is_an_error():
+    import pytest
+
+    from rlhf.algos.dpo import DPO
+    from rlhf.algos.sft import SFT
+    from rlhf.data.checks import ROW_COLUMN
+    from rlhf.errors import UserError
+
+    tok = byte_tokenizer()
+    row = {"prompt": "x" * 20, "completion": "ab", "chosen": "ab", "rejected": "ba", ROW_COLUMN: "data.path=d.csv, row 7"}
+    assert SFT(max_prompt_length=4, max_length=8).tokenize(row, tok)["completion_mask"] == [0] * 4 + [1] * 3
+    assert sum(DPO(max_prompt_length=4, max_length=8).tokenize(row, tok)["rejected_completion_mask"]) == 3
+    with pytest.raises(UserError, match=r"^data.path=d.csv, row 7: not one token of 'completion' fits in "
+                                        r"algo.max_length=8: the prompt fills it. Fix: raise algo.max_length"):
+        SFT(max_prompt_length=None, max_length=8).tokenize(row, tok)
+    with pytest.raises(UserError, match=r"^data.path=d.csv, row 7: not one token of 'chosen' fits"):
+        DPO(max_prompt_length=None, max_length=8).tokenize(row, tok)
+    with pytest.raises(UserError, match=r"^a row: not one token"):  # a row that does not say where it came from
+        SFT(max_prompt_length=None, max_length=8, completion_only_loss=False).tokenize({"prompt": "x" * 9,
+                                                                                      "completion": "a"}, tok)

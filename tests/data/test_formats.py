@@ -53,3 +53,20 @@ def test_conversational_data_without_chat_template_is_refused():
     ds = Dataset.from_list([{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}])
     with pytest.raises(UserError, match="chat template"):
         standardize(ds, SFT, tok)
+
+
+def test_a_conversation_the_chat_template_refuses_names_its_row():
+    tok = byte_tokenizer()
+    tok.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    ds = Dataset.from_list([{"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}],
+                             "_row": "data.path=d.jsonl, row 3 (counting from 1)"}])
+    with pytest.raises(UserError, match=r"^data.path=d.jsonl, row 3 \(counting from 1\): the tokenizer's chat template "
+                                        r"refused this conversation \(Conversation roles must alternate"):
+        standardize(ds, SFT, tok)
+
+
+def test_the_row_origin_column_is_kept_and_not_listed_as_a_data_column():
+    ds = Dataset.from_list([{"prompt": "q", "completion": "a", "_row": "data.path=d.csv, row 1"}])
+    assert standardize(ds, SFT, byte_tokenizer())[0] == {"prompt": "q", "completion": "a", "_row": "data.path=d.csv, row 1"}
+    with pytest.raises(UserError, match=r"has columns \['prompt', 'completion'\], but this algorithm needs"):
+        standardize(ds, PREF, byte_tokenizer())

@@ -3,6 +3,7 @@ import json
 import pandas as pd
 import pytest
 
+from rlhf.data.checks import ROW_COLUMN
 from rlhf.data.source import DataSource
 from rlhf.data.tasks import ReverseTask
 from rlhf.errors import UserError
@@ -25,7 +26,7 @@ def test_local_files_of_every_supported_type_load(tmp_path, suffix):
         frame.to_parquet(path)
     splits = DataSource(path=str(path), eval_size=0.25).load(("prompt", "chosen", "rejected"), byte_tokenizer())
     assert len(splits["train"]) == 15 and len(splits["eval"]) == 5
-    assert set(splits["train"][0]) == {"prompt", "chosen", "rejected"}
+    assert set(splits["train"][0]) == {"prompt", "chosen", "rejected", ROW_COLUMN}  # ROW_COLUMN: where it came from
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
@@ -46,3 +47,167 @@ def test_a_saved_dataset_dict_folder_loads_with_its_own_eval_split(tmp_path):
     assert (len(splits["train"]), len(splits["eval"])) == (12, 8)
     with pytest.raises(UserError, match=r"has splits \['train', 'test'\], not 'validation'"):
         DataSource(path=str(tmp_path / "d"), eval_split="validation").load(("prompt", "chosen", "rejected"), byte_tokenizer())
+
+
+# ---- bad data: one message naming the file, the row, the column and the fix ---------------------------------------
+PREF = ("prompt", "chosen", "rejected")
+HI = [{"role": "user", "content": "hi"}]
+
+
+def write(path, rows, columns=PREF):
+    """`rows` in the file type of `path`'s extension (a folder: save_to_disk); None is an empty CSV field."""
+    from datasets import Dataset
+
+    if path.suffix == ".csv":
+        pd.DataFrame(rows, columns=list(columns)).to_csv(path, index=False)
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".parquet":
+        pd.DataFrame(rows, columns=list(columns)).to_parquet(path)
+    else:
+        Dataset.from_list(rows).save_to_disk(str(path))
+    return str(path)
+
+
+def load(path, columns=PREF, **kwargs):
+    source = DataSource(path=str(path), eval_size=1, **kwargs)
+    return source, source.load(columns, byte_tokenizer())
+
+
+@pytest.mark.parametrize("name", ["d.csv", "d.jsonl", "d.json", "d.parquet", "saved"])
+def test_a_null_field_stops_with_file_row_column_and_fix_in_every_format(tmp_path, name):
+    rows = [dict(r) for r in ROWS[:6]]
+    rows[2]["chosen"] = None
+    path = write(tmp_path / name, rows)
+    counting = "counting data rows from 1, after the header" if name.endswith(".csv") else "counting from 1"
+    problem = "is empty" if name.endswith(".csv") else "is null"  # in a CSV file, a missing value is empty text
+    with pytest.raises(UserError) as error:
+        load(path)
+    assert str(error.value).startswith(f"data.path={path}: row 3 ({counting}), column 'chosen' {problem}. Fix: ")
+    assert "data.on_bad_row=skip" in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["d.csv", "d.jsonl", "d.parquet", "saved"])
+def test_skip_leaves_bad_rows_out_counts_them_and_logs_once(tmp_path, name, caplog):
+    rows = [dict(r) for r in ROWS[:8]]
+    rows[1]["rejected"] = rows[1]["chosen"]
+    rows[4]["prompt"] = ""
+    path = write(tmp_path / name, rows)
+    source, splits = load(path, on_bad_row="skip")
+    assert source.skipped_rows == 2
+    assert len(splits["train"]) + len(splits["eval"]) == 6
+    kept = sorted(int(r.split(", row ")[1].split()[0]) for s in splits.values() for r in s[ROW_COLUMN])
+    assert kept == [1, 3, 4, 6, 7, 8]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith(f"skipped 2 bad row(s) of 8 in data.path={path}")
+    assert "first: row 2 (" in warnings[0] and "column 'rejected' is identical to 'chosen'" in warnings[0]
+
+
+def test_skipped_rows_add_up_over_both_splits(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    bad = {"prompt": "p", "chosen": "same", "rejected": "same"}
+    DatasetDict({"train": Dataset.from_list(ROWS[:5] + [bad]), "test": Dataset.from_list([bad] + ROWS[:3])}
+                ).save_to_disk(tmp_path / "d")
+    source = DataSource(path=str(tmp_path / "d"), eval_split="test", on_bad_row="skip")
+    splits = source.load(PREF, byte_tokenizer())
+    assert source.skipped_rows == 2 and (len(splits["train"]), len(splits["eval"])) == (5, 3)
+    with pytest.raises(UserError, match=r"data.path=.*d \(split 'train'\): row 6 \(counting from 1\), column "
+                                        r"'rejected' is identical to 'chosen'"):
+        DataSource(path=str(tmp_path / "d"), eval_split="test").load(PREF, byte_tokenizer())
+
+
+def test_on_bad_row_is_checked_when_built():
+    with pytest.raises(UserError, match="data.on_bad_row='drop' is not one of error, skip"):
+        DataSource(path="x.csv", on_bad_row="drop")
+    assert DataSource(path="x.csv").on_bad_row == "error"
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    (3, "is a number, not text or a list of messages"),
+    ([{"role": "bot", "content": "x"}], "has message 1 with unknown role 'bot'"),
+    ([{"role": "user", "content": ""}], "has message 1 (user) without content"),
+    ([{"role": "user"}], "has message 1 (user) without content"),
+])
+def test_wrong_types_and_bad_conversations_in_json(tmp_path, value, problem):
+    rows = [{"prompt": HI, "chosen": [{"role": "assistant", "content": c}], "rejected": [{"role": "assistant",
+             "content": "no"}]} for c in "abc"]
+    rows[1]["chosen"] = value
+    path = write(tmp_path / "d.jsonl", rows)
+    with pytest.raises(UserError, match=rf"row 2 \(counting from 1\), column 'chosen' {__import__('re').escape(problem)}"):
+        load(path)
+
+
+def test_a_missing_field_in_a_json_row(tmp_path):
+    path = write(tmp_path / "d.jsonl", [{"prompt": "q", "completion": "a"}, {"prompt": "q"}, {"prompt": "r",
+                                                                                                "completion": "b"}])
+    with pytest.raises(UserError, match=r"row 2 \(counting from 1\), column 'completion' is missing. Fix: give every "
+                                        r"row a non-empty 'completion'"):
+        load(path, ("prompt", "completion"))
+
+
+def test_a_conversational_csv_is_read_as_conversations_not_as_json_text(tmp_path):
+    rows = [{"prompt": json.dumps(HI), "chosen": json.dumps([{"role": "assistant", "content": f"yes{i}"}]),
+             "rejected": json.dumps([{"role": "assistant", "content": "no"}])} for i in range(4)]
+    _, splits = load(write(tmp_path / "d.csv", rows))
+    row = splits["train"][0]
+    assert row["prompt"] == "<|user|>\nhi\n<|assistant|>\n"
+    assert row["chosen"].startswith("yes") and row["rejected"] == "no\n"
+
+
+def test_a_messages_csv_trains_on_its_conversations(tmp_path):
+    chat = [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}]
+    path = write(tmp_path / "d.csv", [{"messages": json.dumps(chat)}] * 3, ["messages"])
+    _, splits = load(path, ("prompt", "completion"))
+    assert splits["train"][0]["prompt"] == "<|user|>\n2+2\n<|assistant|>\n"
+    assert splits["train"][0]["completion"] == "4\n"
+
+
+def test_a_csv_column_mixing_conversations_and_text_is_one_error(tmp_path):
+    rows = [{"prompt": json.dumps(HI), "completion": "a"}, {"prompt": "plain", "completion": "b"}]
+    path = write(tmp_path / "d.csv", rows * 2, ["prompt", "completion"])
+    with pytest.raises(UserError, match=r"column 'prompt' mixes lists of messages \(first: row 1\) and plain text "
+                                        r"\(first: row 2\), counting data rows from 1, after the header. Fix"):
+        load(path, ("prompt", "completion"), on_bad_row="skip")
+
+
+def test_an_unsupported_extension_names_the_supported_ones(tmp_path):
+    (tmp_path / "notes.txt").write_text("prompt,completion\nq,a\n")
+    with pytest.raises(UserError, match=r"notes.txt: '.txt' files are not supported. Fix: use a .csv, .json, .jsonl "
+                                        r"or .parquet file, a folder written by Dataset.save_to_disk"):
+        load(tmp_path / "notes.txt")
+    with pytest.raises(UserError, match=r"no such file or folder.*Note: '.txt' files are not supported either"):
+        load("data/absent.txt")
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("d.csv", b"", r"is empty \(0 bytes\)"),
+    ("d.jsonl", b"", r"is empty \(0 bytes\)"),
+    ("d.parquet", b"", r"is empty \(0 bytes\)"),
+    ("d.csv", b"prompt,chosen,rejected\n", r"has no rows after its header"),
+    ("d.json", b"[]", r"has no rows. Fix"),
+    ("d.parquet", b"PAR1 not really", r"could not read it \(ArrowInvalid: .*\); it looks truncated or damaged"),
+    ("d.jsonl", b'{"prompt": "q", "chosen": "a", "rejected": "b"}\n{"prompt": "q", "cho', r"looks truncated"),
+])
+def test_empty_truncated_or_damaged_files_get_one_message(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(UserError, match=rf"data.path={tmp_path / name}:? {message}"):
+        load(tmp_path / name)
+
+
+def test_an_empty_parquet_file_and_a_truncated_saved_folder(tmp_path):
+    path = write(tmp_path / "d.parquet", [], PREF)
+    with pytest.raises(UserError, match=r"d.parquet has no rows"):
+        load(path)
+    path = write(tmp_path / "saved", ROWS)
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:100])
+    with pytest.raises(UserError, match=r"saved: could not read it .*; it looks truncated or damaged"):
+        load(path)
+
+
+def test_the_embedded_task_names_its_rows_too():
+    splits = DataSource(task=ReverseTask(num_train=4, num_eval=2)).load(("prompt", "completion"), byte_tokenizer())
+    assert splits["eval"][1][ROW_COLUMN] == "the embedded task (eval split), row 2 (counting from 1)"
