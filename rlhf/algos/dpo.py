@@ -17,7 +17,7 @@ from torch import Tensor
 
 from rlhf.algos.base import completion_stats
 from rlhf.algos.sft import nll_loss
-from rlhf.data.collate import collate_sequences, encode
+from rlhf.data.collate import collate_sequences, encode, require_completion
 from rlhf.models.reference import FrozenCopy
 
 LossFn = Callable[[Tensor, Tensor, float], Tensor]
@@ -68,6 +68,7 @@ class DPO:
         out = {}
         for side in ("chosen", "rejected"):
             encoded = encode(tokenizer, row["prompt"], row[side], self.max_prompt_length, self.max_length)
+            require_completion(encoded, row, side, self.max_length)
             out[f"{side}_input_ids"], out[f"{side}_completion_mask"] = encoded["input_ids"], encoded["completion_mask"]
         return out
 

@@ -11,7 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from rlhf.algos.base import completion_stats
-from rlhf.data.collate import collate_sequences, encode
+from rlhf.data.collate import collate_sequences, encode, require_completion
 
 
 def nll_loss(token_logps: Tensor, mask: Tensor) -> Tensor:
@@ -39,6 +39,7 @@ class SFT:
     def tokenize(self, row: dict[str, str], tokenizer) -> dict[str, list[int]]:
         out = encode(tokenizer, row["prompt"], row["completion"], self.max_prompt_length, self.max_length,
                      add_special_tokens=True)
+        require_completion(out, row, "completion", self.max_length)
         if not self.completion_only_loss:
             out["completion_mask"] = [1] * len(out["input_ids"])
         return out
