@@ -1,8 +1,15 @@
-"""Checks on the composed config that turn type mistakes into one clear message before anything is built.
+"""Checks on the composed config that turn mistakes into one clear message before anything is built.
 
-Every node with a ``_target_`` is checked against the target's signature: a field the target does not take,
-or a value of the wrong type for an annotated ``int``/``float``/``bool``/``str`` argument (``algo.beta=abc``),
-raises :class:`rlhf.errors.UserError` naming the field, the expected type and a valid example.
+:func:`check_config` is the one entry point (``rlhf.train`` calls it; so does ``train.py``, before Hydra makes the
+run folder). It raises :class:`rlhf.errors.UserError` naming the key as the user types it and the fix for:
+
+- a top-level key ``conf/config.yaml`` does not define (``+optimiser=lion``), and a run folder that is empty, the
+  current folder or the checkout (``hydra.run.dir=``);
+- in every node with a ``_target_``: a field the target does not take, a value of the wrong type for an annotated
+  ``int``/``float``/``bool``/``str`` argument (``algo.beta=abc``), a list where one value belongs (a sweep written
+  ``[0.1,0.2]``), and a value outside its range: the target's own :func:`rlhf.validate.limits`, or for optimizers
+  and schedulers the limits their group shares (:data:`GROUP_LIMITS`, from :mod:`rlhf.optim`);
+- NaN or infinity anywhere; ``model.dtype=float16`` on a CPU.
 """
 
 from __future__ import annotations
@@ -18,7 +25,11 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from rlhf import optim, validate
 from rlhf.errors import UserError
+
+# Limits shared by every target of a config group, by argument name (the targets are third-party classes).
+GROUP_LIMITS = {"optimizer": optim.OPTIMIZER_LIMITS, "scheduler": optim.SCHEDULER_LIMITS}
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -82,10 +93,15 @@ def check_fields(values: dict[str, Any], target: Callable, where: str) -> None:
                                 f"Valid fields: {valid}.")
             continue
         allowed = _allowed_types(hints.get(key, inspect.Parameter.empty))
-        if allowed is None or isinstance(value, (dict, list)):
+        if allowed is None:
+            continue
+        expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+        if isinstance(value, (dict, list)):
+            if not _matches(value, allowed):  # most often a sweep written as a list: algo.beta=[0.1,0.2]
+                one = " or ".join(t.__name__ for t in allowed if t in _SCALARS[:-1])
+                raise UserError(validate.sweep_message(name, value, one))
             continue
         if not _matches(value, allowed):
-            expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
             default = params[key].default
             example = f" Fix: e.g. {name}={default}" if default not in (inspect.Parameter.empty, None) else ""
             raise UserError(f"{name}={value!r} is a {type(value).__name__}, but {target.__qualname__} expects "
@@ -107,12 +123,16 @@ def build(node: DictConfig, *args: Any, **kwargs: Any) -> Any:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Check every ``_target_`` node of `cfg` (recursively)."""
+    """Check `cfg` as a whole, then every ``_target_`` node (recursively); see the module docstring."""
     try:
         container = OmegaConf.to_container(cfg, resolve=True)
     except Exception as error:  # an interpolation that cannot resolve
         raise UserError(f"config: {error}") from error
+    validate.check_top_level(container)
+    if "output_dir" in container:
+        validate.check_run_dir(container["output_dir"], "output_dir")
     _walk(container, "")
+    validate.check_float16_on_cpu(container)
 
 
 def _walk(node: Any, where: str) -> None:
@@ -125,8 +145,11 @@ def _walk(node: Any, where: str) -> None:
                 raise UserError(f"{where}._target_={target}: cannot import it ({error}). Fix: check the name, or "
                                 "install the package that provides it.") from error
             check_fields(node, obj, where)
+            validate.check_limits(node, obj, where, GROUP_LIMITS.get(where))
         for key, value in node.items():
             _walk(value, f"{where}.{key}" if where else str(key))
     elif isinstance(node, (list, ListConfig)):
         for i, value in enumerate(node):
             _walk(value, f"{where}[{i}]")
+    else:
+        validate.check_finite(where, node)

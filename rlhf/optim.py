@@ -1,8 +1,11 @@
-"""Parameter groups for optimizers built from ``conf/optimizer/*.yaml``."""
+"""Parameter groups for optimizers built from ``conf/optimizer/*.yaml``, and the values every optimizer and
+scheduler accepts."""
 
 from __future__ import annotations
 
 import torch
+
+from rlhf.validate import Range
 
 
 def param_groups(model: torch.nn.Module) -> list[dict]:
@@ -20,3 +23,26 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
+
+
+# --- allowed values ------------------------------------------------------------------------------------------
+# conf/optimizer/*.yaml and conf/scheduler/*.yaml build third-party classes, whose arguments cannot carry
+# rlhf.validate.limits. These limits apply, by argument name, to whichever class the `optimizer` / `scheduler`
+# group builds (rlhf.config.GROUP_LIMITS); an argument a class does not take is simply not there to check.
+OPTIMIZER_LIMITS: dict[str, Range] = {
+    "lr": Range(gt=0, meaning="peak learning rate; about 1e-5 to 1e-3 for Adam-style optimizers", fix="1e-4"),
+    "weight_decay": Range(ge=0, meaning="weight decay of the matrices; 0 turns it off", fix=0.01),
+    "betas": Range(ge=0, lt=1, each=True, meaning="decay rates of the moment estimates", fix=[0.9, 0.999]),
+    "eps": Range(gt=0, each=True, meaning="term added to the denominator for numerical stability", fix="1e-8"),
+    "momentum": Range(ge=0, lt=1, meaning="heavy-ball momentum; 0 is plain SGD", fix=0.9),
+}
+
+SCHEDULER_LIMITS: dict[str, Range] = {
+    "num_warmup_steps": Range(ge=0, integer=True, meaning="optimizer steps of linear warmup; 0 for none", fix=10),
+    "num_training_steps": Range(ge=1, integer=True, meaning="optimizer steps until the learning rate reaches 0",
+                                fix="${train.max_steps}"),
+    "num_cycles": Range(gt=0, meaning="cosine periods over training; 0.5 decays once from peak to 0", fix=0.5),
+    "step_size": Range(ge=1, integer=True, meaning="optimizer steps between two decays", fix=100),
+    "gamma": Range(gt=0, le=1, meaning="factor the learning rate is multiplied by at each decay: every step for "
+                   "exponential, every step_size steps for step", fix=0.995),
+}

@@ -8,6 +8,22 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from rlhf.errors import UserError
+from rlhf.validate import Range
+
+# Allowed lengths for algorithms that tokenize prompt + completion (see rlhf.validate.limits).
+PROMPT_TOKENS = Range(ge=1, integer=True, meaning="tokens a prompt keeps; null for no limit", fix=512)
+SEQUENCE_TOKENS = Range(ge=1, integer=True, meaning="tokens of prompt + completion; null for no limit", fix=1024)
+
+
+def prompt_leaves_room(values: dict[str, Any], where: str) -> None:
+    """Refuse ``max_prompt_length >= max_length``: a prompt that long leaves no completion token to learn from."""
+    prompt, total = values.get("max_prompt_length"), values.get("max_length")
+    if isinstance(prompt, int) and isinstance(total, int) and prompt >= total:
+        raise UserError(f"{where}.max_prompt_length={prompt} must be < {where}.max_length={total}: a prompt that long "
+                        f"leaves no room for the completion, so nothing is learned from it. Fix: "
+                        f"{where}.max_prompt_length={max(1, total // 2)} (or a larger {where}.max_length)")
+
 
 class Algorithm(Protocol):
     """The contract between the loop and an algorithm. The loop never asks which algorithm it runs."""

@@ -15,14 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf.algos.base import completion_stats
+from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, completion_stats, prompt_leaves_room
 from rlhf.algos.sft import nll_loss
 from rlhf.data.collate import collate_sequences, encode, require_completion
 from rlhf.models.reference import FrozenCopy
+from rlhf.validate import Range, limits
 
 LossFn = Callable[[Tensor, Tensor, float], Tensor]
 
 
+@limits(label_smoothing=Range(ge=0, lt=0.5, meaning="probability that a preference label is flipped; 0 is plain "
+                                "DPO, 0.1 is common for noisy labels", fix=0.1))
 def sigmoid_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float,
                  label_smoothing: float = 0.0) -> Tensor:
     """DPO's loss per pair, ``[B]``. ``label_smoothing`` > 0 gives conservative DPO (cDPO, Mitchell 2023):
@@ -31,18 +34,27 @@ def sigmoid_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: flo
     return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
 
 
+@limits(
+    prompt_leaves_room,
+    beta=Range(gt=0, meaning="the KL penalty's strength; 0.1-0.5 is common", fix=0.1),
+    nll_weight=Range(ge=0, meaning="weight of the NLL term on the chosen answer; 0 is plain DPO, 1 is RPO", fix=1.0),
+    max_prompt_length=PROMPT_TOKENS,
+    max_length=SEQUENCE_TOKENS,
+)
 class DPO:
     """DPO on ``prompt``/``chosen``/``rejected`` rows; chosen and rejected share one forward pass.
 
     Args:
-        beta: strength of the implicit KL penalty; rewards are ``beta * log(pi/ref)``.
+        beta: strength of the implicit KL penalty (> 0); rewards are ``beta * log(pi/ref)``.
         loss: the per-pair loss (a partial function of chosen/rejected log-ratios and beta).
         reference: builds the frozen reference model from the initial policy.
-        nll_weight: weight of an added NLL term on the chosen completion (RPO, Pang et al. 2024,
+        nll_weight: weight (>= 0) of an added NLL term on the chosen completion (RPO, Pang et al. 2024,
             arXiv:2404.19733); 0 is plain DPO.
         disable_dropout: turn dropout off in policy and reference (as TRL does), so log-ratios start at 0.
-        max_prompt_length: prompts longer than this many tokens keep their end.
-        max_length: sequences longer than this many tokens lose their end.
+        max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
+        max_length: sequences longer than this many tokens lose their end (>= 1, or null).
+
+    The allowed values (``@limits`` above) are checked by :func:`rlhf.config.check_config` before anything is built.
     """
 
     columns = ("prompt", "chosen", "rejected")

@@ -10,8 +10,9 @@ from typing import Any
 
 from torch import Tensor
 
-from rlhf.algos.base import completion_stats
+from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, completion_stats, prompt_leaves_room
 from rlhf.data.collate import collate_sequences, encode, require_completion
+from rlhf.validate import limits
 
 
 def nll_loss(token_logps: Tensor, mask: Tensor) -> Tensor:
@@ -19,13 +20,14 @@ def nll_loss(token_logps: Tensor, mask: Tensor) -> Tensor:
     return -(token_logps * mask).sum() / mask.sum().clamp(min=1)
 
 
+@limits(prompt_leaves_room, max_prompt_length=PROMPT_TOKENS, max_length=SEQUENCE_TOKENS)
 class SFT:
     """Supervised fine-tuning on ``prompt``/``completion`` rows (or ``messages``/``text``).
 
     Args:
         completion_only_loss: train on completion tokens only (True) or on prompt and completion (False).
-        max_prompt_length: prompts longer than this many tokens keep their end.
-        max_length: sequences longer than this many tokens lose their end.
+        max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
+        max_length: sequences longer than this many tokens lose their end (>= 1, or null).
     """
 
     columns = ("prompt", "completion")

@@ -1,0 +1,224 @@
+"""Bad values and options stop with one message, naming the key, the value, the allowed range and the fix,
+before anything is built (``check_config``) — and, from the command line, before Hydra makes a run folder."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhf.config import check_config, check_fields
+from rlhf.errors import UserError
+from rlhf.validate import Range, check_limits, check_run_dir, known_top_level, limits
+from tests.conftest import CONF, ROOT, compose_config
+
+OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))
+SCHEDULERS = sorted(p.stem for p in (CONF / "scheduler").glob("*.yaml"))
+
+
+def refused(*overrides: str, output_dir=None) -> str:
+    """The message check_config gives for `overrides` (fails the test if it accepts them)."""
+    cfg = compose_config(*overrides, output_dir=output_dir or ROOT / "outputs" / "unused")
+    with pytest.raises(UserError) as error:
+        check_config(cfg)
+    return str(error.value)
+
+
+def accepted(*overrides: str) -> None:
+    check_config(compose_config(*overrides, output_dir=ROOT / "outputs" / "unused"))
+
+
+# --- algorithms: ranges declared with @limits on the class or loss function ----------------------------------
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+def test_dpo_beta_must_be_positive_and_finite(value):
+    message = refused("algo=dpo", f"algo.beta={value}")
+    assert message.startswith(f"algo.beta={value} ") and "> 0 (the KL penalty's strength" in message
+    assert message.endswith("Fix: algo.beta=0.1")
+
+
+def test_the_message_reads_as_one_sentence_with_the_fix():
+    assert refused("algo.beta=-1.0") == ("algo.beta=-1.0 must be > 0 (the KL penalty's strength; 0.1-0.5 is common). "
+                                         "Fix: algo.beta=0.1")
+
+
+@pytest.mark.parametrize("value", ["2", "0.5", "-0.1"])
+def test_label_smoothing_is_a_probability_below_one_half(value):
+    assert f"algo.loss.label_smoothing={value} must be in [0, 0.5)" in refused(f"algo.loss.label_smoothing={value}")
+
+
+def test_in_range_values_are_accepted():
+    accepted("algo.beta=0.01", "algo.loss.label_smoothing=0.49", "algo.nll_weight=0", "optimizer.lr=1e-6")
+    accepted("algo=sft", "algo.max_length=null", "algo.max_prompt_length=null")
+
+
+def test_other_loss_weights_and_lengths_are_checked():
+    assert "algo.nll_weight=-1 must be >= 0" in refused("algo.nll_weight=-1")
+    assert "algo.max_length=0 must be a whole number >= 1" in refused("algo=sft", "algo.max_length=0")
+    message = refused("algo=dpo", "algo.max_length=256")  # the default max_prompt_length=512 would fill it
+    assert "algo.max_prompt_length=512 must be < algo.max_length=256" in message
+    assert "Fix: algo.max_prompt_length=128" in message
+
+
+# --- optimizers and schedulers: one set of limits in rlhf/optim.py, whatever the class -------------------------
+@pytest.mark.parametrize("option", OPTIMIZERS)
+@pytest.mark.parametrize("value", ["0", "-0.001", "inf", "nan"])
+def test_every_optimizer_refuses_a_learning_rate_that_is_not_positive_and_finite(option, value):
+    message = refused(f"optimizer={option}", f"optimizer.lr={value}")
+    assert message.startswith(f"optimizer.lr={value} ") and "> 0 (peak learning rate" in message
+    assert "Fix: optimizer.lr=1e-4" in message
+
+
+@pytest.mark.parametrize("option", OPTIMIZERS)
+def test_every_optimizer_refuses_negative_weight_decay(option):
+    assert "optimizer.weight_decay=-0.1 must be >= 0" in refused(f"optimizer={option}", "optimizer.weight_decay=-0.1")
+
+
+@pytest.mark.parametrize("option", [o for o in OPTIMIZERS if "betas" in (CONF / "optimizer" / f"{o}.yaml").read_text()])
+def test_betas_each_in_zero_one(option):
+    message = refused(f"optimizer={option}", "optimizer.betas=[0.9,1.0]")
+    assert message == ("optimizer.betas[1]=1.0 must be in [0, 1) (decay rates of the moment estimates). "
+                       "Fix: optimizer.betas=[0.9,0.999]")
+
+
+def test_eps_and_momentum():
+    assert "optimizer.eps=0 must be > 0" in refused("optimizer=adamw", "optimizer.eps=0")
+    assert "optimizer.momentum=1 must be in [0, 1)" in refused("optimizer=sgd", "optimizer.momentum=1")
+    accepted("optimizer=sgd", "optimizer.momentum=0")
+
+
+@pytest.mark.parametrize(("option", "override", "message"), [
+    ("cosine", "scheduler.num_warmup_steps=-1", "must be a whole number >= 0"),
+    ("linear", "scheduler.num_warmup_steps=2.5", "must be a whole number >= 0"),
+    ("cosine", "scheduler.num_training_steps=0", "must be a whole number >= 1"),
+    ("cosine", "scheduler.num_cycles=0", "must be > 0"),
+    ("step", "scheduler.step_size=0", "must be a whole number >= 1"),
+    ("step", "scheduler.gamma=0", "must be in (0, 1]"),
+    ("exponential", "scheduler.gamma=1.5", "must be in (0, 1]"),
+])
+def test_scheduler_limits(option, override, message):
+    assert message in refused(f"scheduler={option}", override)
+
+
+def test_scheduler_options_pass_as_shipped():
+    for option in SCHEDULERS:
+        accepted(f"scheduler={option}", "scheduler.num_warmup_steps=0" if option in ("cosine", "linear") else "seed=0")
+
+
+# --- NaN and infinity anywhere ------------------------------------------------------------------------------
+@pytest.mark.parametrize("override", ["seed=nan", "train.max_grad_norm=inf", "model.tiny.warm_start_lr=nan",
+                                      "data.eval_size=-inf"])
+def test_nan_and_inf_are_refused_anywhere(override):
+    key, value = override.split("=")
+    assert refused(override).startswith(f"{key}={value} is not a finite number")
+
+
+# --- a list where one value belongs: a sweep written as a list ---------------------------------------------------
+def test_list_for_a_scalar_points_to_multirun():
+    assert refused("algo.beta=[0.1,0.2]") == ("algo.beta=[0.1, 0.2] is a list, but algo.beta takes one float. "
+                                              "To sweep: python train.py -m algo.beta=0.1,0.2")
+    # a third-party class without type hints: the shared limits say the same
+    assert "To sweep: python train.py -m optimizer.lr=0.001,0.0001" in refused(
+        "optimizer=adafactor", "optimizer.lr=[1e-3,1e-4]")
+    with pytest.raises(UserError, match=r"train.max_steps=\[1, 2\] is a list, but train.max_steps takes one int"):
+        check_fields({"max_steps": [1, 2]}, _Steps, "train")
+
+
+class _Steps:
+    def __init__(self, max_steps: int | None = 3) -> None: ...
+
+
+# --- unknown top-level keys, from conf/config.yaml ------------------------------------------------------------
+def test_a_mistyped_group_added_with_plus_is_refused_with_the_closest_name():
+    assert refused("+optimiser=lion").endswith("Did you mean optimizer=lion?")
+    assert refused("+optimiser=lion").startswith("optimiser is not a config group or key")
+    assert refused("+sed=3").endswith("Did you mean seed=3?")
+    message = refused("+foo=1")
+    assert message.startswith("foo is not a config group or key") and "Fix: drop +foo=1." in message
+    assert "Config groups: algo, data, experiment, hardware" in message
+
+
+def test_known_top_level_names_are_read_from_the_primary_config(tmp_path):
+    (tmp_path / "config.yaml").write_text(
+        "defaults:\n  - _self_\n  - algo: dpo\n  - optional extra: null\n  - override hydra/help: rlhf\n"
+        "seed: 0\ntrain:\n  max_steps: 1\n")
+    assert known_top_level(tmp_path) == {"algo": "group", "extra": "group", "seed": "key", "train": "key"}
+    real = known_top_level(CONF)
+    assert {"algo", "optimizer", "scheduler", "experiment"} <= {k for k, kind in real.items() if kind == "group"}
+    assert {"seed", "train", "output_dir"} <= set(real)
+
+
+# --- the run folder -----------------------------------------------------------------------------------------
+def test_a_run_folder_that_is_empty_the_current_folder_or_the_checkout_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(UserError, match=r"hydra.run.dir is empty, so the run would write into the current folder.*"
+                                        r"Fix: leave hydra.run.dir at its default"):
+        check_run_dir("", "hydra.run.dir")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="is the current folder"):
+        check_run_dir(".", "hydra.run.dir")
+    with pytest.raises(UserError, match="is the checkout"):
+        check_run_dir(str(ROOT), "hydra.run.dir")
+    check_run_dir(tmp_path / "run", "hydra.run.dir")
+    assert "output_dir=" in refused(output_dir=ROOT)
+
+
+# --- float16 on a CPU ---------------------------------------------------------------------------------------
+def test_float16_on_a_cpu_is_refused_with_the_fix(monkeypatch):
+    message = refused("hardware=cpu", "model.dtype=float16")
+    assert message.startswith("model.dtype=float16 trains on the CPU here (hardware.device=cpu)")
+    assert "Fix: model.dtype=float32 (add hardware.mixed_precision=bf16" in message
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "hardware.device=auto and torch sees no GPU" in refused("hardware=auto", "model.dtype=float16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    accepted("hardware=auto", "model.dtype=float16")  # on a GPU it is the user's call
+    accepted("hardware=cpu", "model.dtype=bfloat16")
+
+
+# --- the machinery ---------------------------------------------------------------------------------------------
+def test_range_describes_itself():
+    assert Range(gt=0).describe() == "> 0"
+    assert Range(ge=0, lt=1).describe() == "in [0, 1)"
+    assert Range(gt=0, le=1).describe() == "in (0, 1]"
+    assert Range(ge=1, integer=True).describe() == "a whole number >= 1"
+    assert Range().describe() == "a finite number"
+    assert not Range(gt=0).contains(math.inf) and Range(gt=0).contains(1e-12)
+
+
+def test_limits_attach_ranges_and_checks_across_arguments():
+    def both_or_none(values, where):
+        if (values["a"] is None) != (values["b"] is None):
+            raise UserError(f"{where}: a and b go together")
+
+    @limits(both_or_none, a=Range(ge=0, meaning="a count", fix=1))
+    def target(a: int | None = None, b: int | None = None): ...
+
+    check_limits({"a": 2, "b": 1}, target, "x")
+    with pytest.raises(UserError, match=r"^x.a=-1 must be >= 0 \(a count\). Fix: x.a=1$"):
+        check_limits({"a": -1, "b": 1}, target, "x")
+    with pytest.raises(UserError, match="a and b go together"):
+        check_limits({"a": 2}, target, "x")  # b's default comes from the signature
+    with pytest.raises(UserError, match=r"x.a='2' is not a number"):
+        check_limits({"a": "2", "b": 1}, target, "x")
+
+
+# --- from the command line: one message, exit 1, no run folder -----------------------------------------------
+def _train(*args: str, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["hydra.run.dir="], "error: hydra.run.dir is empty, so the run would write into the current folder"),
+    (["+optimiser=lion", "hydra.run.dir=run"], "error: optimiser is not a config group or key: +optimiser=lion would "
+                                               "be ignored and the run would train with the defaults. Did you mean "
+                                               "optimizer=lion?"),
+])
+def test_train_py_refuses_before_hydra_makes_the_run_folder(args, message, tmp_path):
+    out = _train(*args, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert list(tmp_path.iterdir()) == []  # no .hydra/, train.log or run folder
