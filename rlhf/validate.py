@@ -72,18 +72,18 @@ class Range:
 
     def describe(self) -> str:
         """The allowed values in words: ``> 0``, ``in [0, 1)``, ``a whole number >= 0``."""
-        low = f"[{show(self.ge)}" if self.ge is not None else f"({show(self.gt)}" if self.gt is not None else None
-        high = f"{show(self.le)}]" if self.le is not None else f"{show(self.lt)})" if self.lt is not None else None
-        if low and high:
-            bounds = f"in {low}, {high}"
-        elif low:
-            bounds = f"{'>=' if self.ge is not None else '>'} {low[1:]}"
-        elif high:
-            bounds = f"{'<=' if self.le is not None else '<'} {high[:-1]}"
+        lower = (self.ge, "[", ">=") if self.ge is not None else (self.gt, "(", ">") if self.gt is not None else None
+        upper = (self.le, "]", "<=") if self.le is not None else (self.lt, ")", "<") if self.lt is not None else None
+        if lower and upper:
+            bounds = f"in {lower[1]}{show(lower[0])}, {show(upper[0])}{upper[1]}"
+        elif lower or upper:
+            bound, _, operator = lower or upper
+            bounds = f"{operator} {show(bound)}"
         else:
             bounds = ""
-        kind = "a whole number" if self.integer else "a finite number"
-        return f"{kind} {bounds}".strip() if self.integer or not bounds else bounds
+        if self.integer:
+            return f"a whole number {bounds}".strip()
+        return bounds or "a finite number"
 
     def contains(self, value: float) -> bool:
         return (math.isfinite(value) and (self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
