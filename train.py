@@ -1,6 +1,8 @@
 """Entry point: compose the config with Hydra, then run `rlhf.train(cfg)`. See README.md and `--help`."""
 
 import logging
+import shlex
+import signal
 import sys
 
 import hydra
@@ -9,6 +11,7 @@ from omegaconf import DictConfig
 from rlhf import train
 from rlhf.errors import UserError
 from rlhf.launch import hydra_overrides_for_this_rank
+from rlhf.signals import Stopped, hand_over
 from rlhf.slurm import for_the_sweep, in_submitit_job
 from rlhf.validate import CHECK_BEFORE_RUN
 
@@ -17,6 +20,15 @@ from rlhf.validate import CHECK_BEFORE_RUN
 def main(cfg: DictConfig) -> float | None:
     try:
         metrics = train(cfg)
+    except Stopped as stopped:  # a signal: the checkpoint is written; one line, then a non-zero exit
+        if stopped.signum == signal.SIGUSR2 and hand_over(signal.SIGUSR2):  # submitit requeues the job and exits
+            return None
+        logging.getLogger("rlhf").warning("%s", stopped.line(resume_command(stopped.run_dir)))
+        sys.exit(stopped.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before training began, or a second one during it
+        logging.getLogger("rlhf").error("aborted by Ctrl-C; complete checkpoints, if any, are in %s/checkpoints",
+                                        cfg.output_dir)
+        sys.exit(130)
     except UserError as error:  # a problem with the input: one message, no traceback
         logging.getLogger("rlhf").error("error: %s", error)
         if in_submitit_job():  # launcher=slurm or submitit_local: Hydra hands the error to the sweep
@@ -28,6 +40,14 @@ def main(cfg: DictConfig) -> float | None:
         logging.getLogger("rlhf").exception("the run failed")  # the job's own traceback: Hydra keeps none
         raise for_the_sweep(error) from None
     return metrics.get("eval/loss")
+
+
+def resume_command(run_dir) -> str:
+    """The command that continues this run: its own overrides, its folder, ``resume=auto``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("resume=", "hydra.run.dir="))]
+    return shlex.join(["python", "train.py", *overrides, f"hydra.run.dir={run_dir}", "resume=auto"])
 
 
 if __name__ == "__main__":

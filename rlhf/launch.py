@@ -9,6 +9,9 @@
   here on the ranks it was given, and never launches again.
 
 Whatever the number of processes, only global rank 0 writes the run folder (metrics, log, checkpoints, model).
+This process holds the folder's lock for the whole run and resolves ``resume`` once, before any rank starts
+(:mod:`rlhf.run_folder`). A stop signal ends the ranks after their checkpoint and comes back as
+:class:`~rlhf.signals.Stopped`.
 """
 
 from __future__ import annotations
@@ -23,14 +26,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from rlhf import checkpoint, run_folder
 from rlhf.config import build, check_config
 from rlhf.errors import UserError
+from rlhf.signals import Stopped, forward_to_children
 
 log = logging.getLogger(__name__)
 
 _USER_ERROR = "rlhf.UserError: "
+_STOPPED = "__stopped__"
 
 
 def launched_elsewhere() -> bool:
@@ -45,15 +51,24 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg)
     strategy = build(cfg.hardware)
     processes = strategy.processes_per_node()
-    if launched_elsewhere() or (processes == 1 and strategy.num_nodes == 1):
+    if run_folder.owned_by_parent():  # a rank started by _start: the parent holds the folder
         return loop.train(cfg)
-    return _start(cfg, processes, strategy.threads(processes), strategy.num_nodes, strategy.node_rank,
-                  strategy.rdzv_endpoint)
+    if launched_elsewhere() and os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 holds and prepares it
+        return loop.train(cfg)
+    run_dir = Path(cfg.output_dir)
+    with run_folder.claim(run_dir):
+        found = run_folder.prepare(run_dir, cfg.get("resume"))
+        with open_dict(cfg):
+            cfg.resume = str(found) if found is not None else None  # every rank resumes from the same one
+        if launched_elsewhere() or (processes == 1 and strategy.num_nodes == 1):
+            return loop.train(cfg)
+        return _start(cfg, processes, strategy.threads(processes), strategy.num_nodes, strategy.node_rank,
+                      strategy.rdzv_endpoint)
 
 
 def _start(cfg: DictConfig, processes: int, threads: int, nodes: int, node_rank: int,
            endpoint: str | None) -> dict[str, float]:
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -73,16 +88,25 @@ def _start(cfg: DictConfig, processes: int, threads: int, nodes: int, node_rank:
     omp = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the children's thread count: processes x threads <= CPUs
     try:
-        results = elastic_launch(config, _worker)(container, _logging_config())
+        with forward_to_children() as forwarded:  # Slurm's USR2 reaches this process: pass it on to the ranks
+            results = elastic_launch(config, _worker)(container, _logging_config())
     except ChildFailedError as error:
         raise _plain(error) from None  # ChildFailedError does not survive submitit's pickling of a result
+    except SignalException as error:  # SIGTERM/SIGINT: the agent has stopped the ranks (each checkpointed first)
+        newest = checkpoint.latest(Path(cfg.output_dir))
+        raise Stopped(error.sigval, newest, Path(cfg.output_dir),
+                      checkpoint.step_of(newest) if newest else 0) from None
     finally:
         quiet.setLevel(level)
         if omp is None:
             os.environ.pop("OMP_NUM_THREADS")
         else:
             os.environ["OMP_NUM_THREADS"] = omp
-    return results.get(0, {}) if results else {}
+    result = results.get(0, {}) if results else {}
+    if _STOPPED in result:  # rank 0 stopped on a signal after its checkpoint
+        signum, folder, step = result[_STOPPED]
+        raise Stopped(forwarded.signum or signum, Path(folder) if folder else None, Path(cfg.output_dir), step)
+    return result
 
 
 def _plain(error: Exception) -> Exception:
@@ -136,6 +160,7 @@ def _worker(container: dict, logging_config: dict | None) -> dict[str, float]:
 
     from rlhf import loop
 
+    _die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
     configure_worker_logging(logging_config, rank)
 
@@ -145,8 +170,24 @@ def _worker(container: dict, logging_config: dict | None) -> dict[str, float]:
             return loop.train(OmegaConf.create(container))
         except UserError as error:
             raise RuntimeError(f"{_USER_ERROR}{error}") from None
+        except Stopped as stopped:  # a clean stop: the parent raises it again
+            return {_STOPPED: (stopped.signum, str(stopped.checkpoint or ""), stopped.step)}
 
     return run()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank when the process that started it dies (even by SIGKILL): ranks that outlive
+    a killed run would go on training and writing its folder."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() == 1:  # the parent died before prctl
+        os._exit(1)
 
 
 def free_port() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,22 @@ class JsonlLogger:
         self.filename = filename
         self.path: Path | None = None
 
-    def start(self, run_dir: str, config: dict[str, Any]) -> None:
+    def start(self, run_dir: str, config: dict[str, Any], resume_step: int | None = None) -> None:
+        """A new run starts a new file; a run resumed from the checkpoint of ``resume_step`` keeps the lines up to
+        that step and continues after them (the lines logged after the checkpoint are logged again)."""
         self.path = Path(run_dir) / self.filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")  # a new run starts a new file
+        kept = []
+        if resume_step is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    break  # a line cut short by the kill: it and whatever follows are dropped
+        staging = self.path.with_name(self.path.name + ".tmp")
+        staging.write_text("".join(kept))
+        os.replace(staging, self.path)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
@@ -32,14 +45,15 @@ class JsonlLogger:
 
 class WandbLogger(JsonlLogger):
     """``metrics.jsonl`` plus Weights & Biases. Runs offline (synced later with ``wandb sync``) when no API key
-    is configured, so it works without network.
+    is configured, so it works without network; see :func:`wandb_mode` for which mode wins.
 
     Args:
         project: W&B project.
         entity: W&B team or user (``None``: your default).
         name: run name (``None``: the run folder's name).
         tags: run tags.
-        mode: ``online``, ``offline`` or ``disabled``; ``None`` picks online if an API key is set.
+        mode: ``online``, ``offline`` or ``disabled``; ``None``: ``WANDB_MODE`` if set, else online if an API key
+            is set, else offline.
     """
 
     def __init__(self, project: str = "rlhf", entity: str | None = None, name: str | None = None,
@@ -48,13 +62,18 @@ class WandbLogger(JsonlLogger):
         self.project, self.entity, self.name, self.tags, self.mode = project, entity, name, tags, mode
         self.run = None
 
-    def start(self, run_dir: str, config: dict[str, Any]) -> None:
+    def start(self, run_dir: str, config: dict[str, Any], resume_step: int | None = None) -> None:
         import wandb
 
-        super().start(run_dir, config)
-        mode = self.mode or ("online" if os.environ.get("WANDB_API_KEY") or _has_netrc_key() else "offline")
+        super().start(run_dir, config, resume_step)
+        # The run's W&B id lives in the run folder: a resumed run continues the same W&B run.
+        id_file = Path(run_dir) / "wandb_run_id.txt"
+        run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id + "\n")
+        mode = wandb_mode(self.mode)
         self.run = wandb.init(project=self.project, entity=self.entity, name=self.name or Path(run_dir).name,
-                              tags=self.tags, config=config, dir=run_dir, mode=mode)
+                              tags=self.tags, config=config, dir=run_dir, mode=mode,
+                              id=run_id, resume="allow")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         super().log(metrics, step)
@@ -62,6 +81,19 @@ class WandbLogger(JsonlLogger):
 
     def finish(self) -> None:
         self.run.finish()
+
+
+def wandb_mode(configured: str | None) -> str:
+    """The W&B mode of a run: ``logger.mode`` when set, else the environment's ``WANDB_MODE`` (so that
+    ``WANDB_MODE=offline`` keeps a machine with ``WANDB_API_KEY`` in its environment off the network), else online
+    when an API key is configured (``WANDB_API_KEY`` or ``~/.netrc``), else offline."""
+    if configured:
+        return configured
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):  # the older switch
+        return "disabled"
+    return "online" if os.environ.get("WANDB_API_KEY") or _has_netrc_key() else "offline"
 
 
 def _has_netrc_key() -> bool:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
+import math
 import shutil
 import sys
 import time
-from collections import defaultdict
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,24 +22,29 @@ import datasets
 import torch
 from accelerate.utils import set_seed
 from datasets import DatasetDict, load_from_disk
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from rlhf import checkpoint
+from rlhf.checkpoint import TrainState
 from rlhf.config import build, check_config, check_fields
 from rlhf.errors import UserError
 from rlhf.hardware import global_numel
 from rlhf.optim import param_groups
+from rlhf.signals import Stopped, catch_stop_signals
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class TrainSettings:
-    """The ``train:`` block of the config: how long and in what batches to train. Units are in the names."""
+    """The ``train:`` block of the config: how long and in what batches to train, and how the run survives
+    interruptions. Units are in the names."""
 
-    max_steps: int = 300  # optimizer steps
+    max_steps: int | None = 300  # optimizer steps (0: evaluate the starting model and stop); or num_epochs
+    num_epochs: int | None = None  # passes over the training split instead of max_steps (set one of the two)
     per_device_batch_size: int = 32  # examples (pairs for DPO) per process per micro-batch
     grad_accumulation_steps: int | None = None  # micro-batches per optimizer step (None: 1, or from global)
     global_batch_size: int | None = None  # examples per optimizer step over all processes (None: not fixed)
@@ -49,15 +54,29 @@ class TrainSettings:
     log_every_steps: int = 10  # write averaged training metrics every N optimizer steps
     eval_at_start: bool = True  # evaluate before the first step, to show where training starts from
     save_final: bool = True  # save the trained model and tokenizer to <run dir>/final
+    save_every_steps: int = 100  # write a checkpoint every N optimizer steps (0: only when stopped by a signal)
+    keep_last: int | None = 2  # checkpoints kept (the oldest are removed after a new one is complete); null: all
+    on_nonfinite: str = "skip"  # a step whose loss or gradient norm is NaN/Inf: "skip" it, or "stop" the run
+    max_nonfinite_in_row: int = 5  # with on_nonfinite=skip: stop after this many non-finite steps in a row
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "per_device_batch_size", "grad_accumulation_steps", "global_batch_size",
-                     "eval_batch_size", "log_every_steps"):
+        for name in ("per_device_batch_size", "grad_accumulation_steps", "global_batch_size", "eval_batch_size",
+                     "log_every_steps", "num_epochs", "keep_last", "max_nonfinite_in_row"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"train.{name}={getattr(self, name)} must be at least 1.")
-        if self.eval_every_steps < 0 or (self.max_grad_norm is not None and self.max_grad_norm <= 0):
-            raise UserError("train.eval_every_steps must be >= 0 and train.max_grad_norm > 0 (or null).")
-
+        for name in ("max_steps", "eval_every_steps", "save_every_steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise UserError(f"train.{name}={getattr(self, name)} must be at least 0.")
+        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
+            raise UserError(f"train.max_grad_norm={self.max_grad_norm} must be a finite number > 0, or null for no "
+                            "clipping. Fix: e.g. train.max_grad_norm=1.0")
+        if (self.max_steps is None) == (self.num_epochs is None):
+            raise UserError(
+                f"train.max_steps={self.max_steps} and train.num_epochs={self.num_epochs}: set exactly one of them. "
+                "Fix: e.g. train.max_steps=null train.num_epochs=2 (epochs), or train.num_epochs=null (steps).")
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise UserError(f"train.on_nonfinite={self.on_nonfinite!r} is not one of {list(NONFINITE_POLICIES)}. "
+                            "Fix: train.on_nonfinite=skip (skip the step) or stop (stop the run at once).")
 
     def accumulation_steps(self, processes: int) -> int:
         """Micro-batches per optimizer step: set, or derived from ``global_batch_size`` for this many processes,
@@ -79,36 +98,48 @@ class TrainSettings:
         return derived
 
 
-class _Mean:
-    """Running weighted means of scalar metrics."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weights: dict[str, float] = defaultdict(float)
-
-    def add(self, metrics: dict[str, torch.Tensor], weight: float = 1.0) -> None:
-        for key, value in metrics.items():
-            self.sums[key] += float(value) * weight
-            self.weights[key] += weight
-
-    def means(self, prefix: str, accelerator) -> dict[str, float]:
-        """The means over every process (each process saw its own shard of the batches)."""
-        keys = sorted(self.sums)
-        packed = torch.tensor([[self.sums[k], self.weights[k]] for k in keys], dtype=torch.float64,
-                              device=accelerator.device)
-        if accelerator.num_processes > 1:
-            packed = accelerator.reduce(packed, reduction="sum")
-        return {f"{prefix}{k}": float(s / w) for k, (s, w) in zip(keys, packed.tolist())}
+NONFINITE_POLICIES = ("skip", "stop")
 
 
-def _forever(loader: DataLoader) -> Iterator[dict[str, torch.Tensor]]:
-    """Batches from `loader`, epoch after epoch (reshuffled each epoch)."""
-    epoch = 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+class NonFinite(UserError):
+    """Training produced a NaN or Inf; nothing non-finite was saved."""
+
+
+def window_means(state: TrainState, prefix: str, accelerator) -> dict[str, float]:
+    """The log window's metric means over every process (each process saw its own shard of the batches)."""
+    keys = sorted(state.window_sums)
+    if not keys:
+        return {}
+    packed = torch.tensor([[state.window_sums[k], state.window_weights[k]] for k in keys], dtype=torch.float64,
+                          device=accelerator.device)
+    if accelerator.num_processes > 1:
+        packed = accelerator.reduce(packed, reduction="sum")
+    return {f"{prefix}{k}": float(s / w) for k, (s, w) in zip(keys, packed.tolist())}
+
+
+class Batches:
+    """Training micro-batches, epoch after epoch, keeping ``state.epoch`` and ``state.batch_in_epoch`` so that a
+    resumed run continues with the very next batch: each epoch's order comes from ``set_epoch`` (Accelerate's
+    seedable sampler, seeded by ``seed`` + epoch), and a resumed epoch skips the batches already consumed."""
+
+    def __init__(self, loader: DataLoader, state: TrainState, accelerator) -> None:
+        self.loader, self.state, self.accelerator = loader, state, accelerator
+        self._iterator: Iterator | None = None
+
+    def next(self) -> dict[str, torch.Tensor]:
+        while True:
+            if self._iterator is None:
+                if hasattr(self.loader, "set_epoch"):
+                    self.loader.set_epoch(self.state.epoch)
+                done = self.state.batch_in_epoch
+                self._iterator = iter(self.accelerator.skip_first_batches(self.loader, done) if done else self.loader)
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                self.state.epoch, self.state.batch_in_epoch, self._iterator = self.state.epoch + 1, 0, None
+                continue
+            self.state.batch_in_epoch += 1
+            return batch
 
 
 def eval_loader(dataset, batch_size: int, collate, accelerator) -> DataLoader:
@@ -160,20 +191,18 @@ def evaluate(model, algo, loader, accelerator) -> dict[str, float]:
 
 
 def save_pretrained_atomically(model, tokenizer, folder: Path, state_dict: dict | None = None) -> None:
-    """Write to a sibling folder, then swap it in: an interrupted save never replaces a good model.
+    """Write to a sibling folder, then swap it in: an interrupted or failed save never replaces a good model.
     ``state_dict``: the whole model's weights when the model itself is sharded (FSDP2, ZeRO-3)."""
     staging = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, state_dict=state_dict)
-    tokenizer.save_pretrained(staging)
-    if folder.exists():
-        old = folder.with_name(folder.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(folder, old)
-        os.replace(staging, folder)
-        shutil.rmtree(old)
-    else:
-        os.replace(staging, folder)
+    try:
+        model.save_pretrained(staging, state_dict=state_dict)
+        tokenizer.save_pretrained(staging)
+    except OSError as error:  # e.g. the disk is full
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"could not save the model to {folder} ({error}); the checkpoints, the metrics and any "
+                        "previous model there are kept. Fix: free disk space, then resume=auto.") from error
+    checkpoint.replace_folder(staging, folder)
 
 
 def tokenize_once(splits: DatasetDict, algo, tokenizer, accelerator, cache: Path) -> DatasetDict:
@@ -227,8 +256,9 @@ def log_file(run_dir: Path, enabled: bool) -> Iterator[None]:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """One process's part of a run (see :mod:`rlhf.launch` for starting the processes); return the final
-    metrics (held-out ``eval/*`` and last ``train/*``)."""
+    """One process's part of a run (see :mod:`rlhf.launch` for starting the processes and for the run folder's
+    lock); return the final metrics (held-out ``eval/*`` and last ``train/*``). Raises :class:`Stopped` after a
+    stop signal (a checkpoint was written) and :class:`NonFinite` when training diverged."""
     # --- configuration -----------------------------------------------------------------------------------
     check_fields(OmegaConf.to_container(cfg.train), TrainSettings, "train")
     check_config(cfg)
@@ -236,14 +266,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
     run_dir = Path(cfg.output_dir)
     strategy = build(cfg.hardware)
     accelerator = strategy.start(seed=cfg.seed)
-    with log_file(run_dir, accelerator.is_main_process):
-        return _run(cfg, settings, run_dir, strategy, accelerator)
+    with log_file(run_dir, accelerator.is_main_process), catch_stop_signals() as stop:
+        return _run(cfg, settings, run_dir, strategy, accelerator, stop)
 
 
-def _run(cfg: DictConfig, settings: TrainSettings, run_dir: Path, strategy, accelerator) -> dict[str, float]:
+def _run(cfg: DictConfig, settings: TrainSettings, run_dir: Path, strategy, accelerator, stop) -> dict[str, float]:
     accum = settings.accumulation_steps(accelerator.num_processes)
     set_seed(cfg.seed)
     is_main = accelerator.is_main_process
+    resume = cfg.get("resume")  # a checkpoint folder, resolved by rlhf.launch (or "auto" when called directly)
+    resume = checkpoint.resolve(resume, run_dir) if resume == "auto" else (Path(resume) if resume else None)
 
     # --- components, each built from its config group ----------------------------------------------------
     with accelerator.local_main_process_first():  # e.g. the tiny model's warm start is built once per machine
@@ -267,8 +299,17 @@ def _run(cfg: DictConfig, settings: TrainSettings, run_dir: Path, strategy, acce
                               generator=torch.Generator().manual_seed(cfg.seed))
     evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)
     # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
-    make_optimizer = build(cfg.optimizer)
+    make_optimizer = build(cfg.optimizer, _convert_="all")  # plain lists (betas): checkpoints load weights-only
     model, optimizer, train_loader = strategy.prepare(model, lambda m: make_optimizer(param_groups(m)), train_loader)
+    max_steps = settings.max_steps
+    if settings.num_epochs is not None:  # the schedule reads ${train.max_steps}: fill it in before building it
+        max_steps = settings.num_epochs * len(train_loader) // accum
+        if max_steps < 1:
+            raise UserError(f"train.num_epochs={settings.num_epochs} is less than one optimizer step "
+                            f"({len(train_loader)} micro-batch(es) per epoch per process, {accum} per step). "
+                            "Fix: more epochs, or a smaller train.per_device_batch_size / accumulation.")
+        with open_dict(cfg):
+            cfg.train.max_steps = max_steps
     scheduler = build(cfg.scheduler)(optimizer)
 
     # --- what is about to happen -------------------------------------------------------------------------
@@ -277,72 +318,164 @@ def _run(cfg: DictConfig, settings: TrainSettings, run_dir: Path, strategy, acce
     trainable = sum(global_numel(p) for p in strategy.unwrap(model).parameters() if p.requires_grad)
     log.info("run dir: %s", run_dir)
     log.info("hardware: %s", strategy.describe())
-    log.info("global batch %d = %d per device x %d process(es) x %d accumulation step(s)",
-             global_batch, settings.per_device_batch_size, accelerator.num_processes, accum)
+    log.info("global batch %d = %d per device x %d process(es) x %d accumulation step(s); %d optimizer steps%s",
+             global_batch, settings.per_device_batch_size, accelerator.num_processes, accum, max_steps,
+             f" ({settings.num_epochs} epoch(s))" if settings.num_epochs else "")
     log.info("parameters: %s (%s trainable); %d training rows, %d held-out rows",
              f"{total:,}", f"{trainable:,}", len(tokenized["train"]), len(tokenized["eval"]))
+
+    state = TrainState()
+    if resume is not None:
+        state = checkpoint.load(resume, model=model, optimizer=optimizer, scheduler=scheduler, algo=algo,
+                                strategy=strategy, accelerator=accelerator)
+        log.info("resumed from %s: step %d, epoch %d", resume, state.step, state.epoch)
     logger = build(cfg.logger)
     if is_main:
-        logger.start(str(run_dir), OmegaConf.to_container(cfg, resolve=True))
+        logger.start(str(run_dir), OmegaConf.to_container(cfg, resolve=True),
+                     resume_step=state.step if resume is not None else None)
 
     def record(metrics: dict[str, float], step: int) -> None:
+        state.last.update(metrics)
         if is_main:
             logger.log(metrics, step)
 
-    final: dict[str, float] = {}
-    if settings.eval_at_start:
-        final = evaluate(model, algo, evaluation, accelerator)
-        record(final, 0)
-        log.info("step 0: %s", _brief(final))
+    def save_checkpoint() -> Path:
+        if not strategy.all_finite(model):
+            raise NonFinite(f"step {state.step}: the model's parameters are not finite; no checkpoint was written "
+                            "over the good ones. " + _CAUSES)
+        folder = checkpoint.save(run_dir, state, model=model, optimizer=optimizer, scheduler=scheduler, algo=algo,
+                                 strategy=strategy, accelerator=accelerator, keep_last=settings.keep_last,
+                                 meta={"processes": accelerator.num_processes, "strategy": type(strategy).__name__,
+                                       "torch": torch.__version__})
+        log.info("step %d: checkpoint %s", state.step, folder)
+        return folder
+
+    if resume is None and (settings.eval_at_start or max_steps == 0):
+        metrics = evaluate(model, algo, evaluation, accelerator)
+        skipped = getattr(data, "skipped_rows", 0)
+        record({**metrics, **({"data/skipped_rows": skipped} if skipped else {})}, 0)
+        log.info("step 0: %s", _brief(metrics))
 
     # --- the loop ----------------------------------------------------------------------------------------
-    batches = _forever(train_loader)
-    window, tokens, window_steps, window_start = _Mean(), 0, 0, time.perf_counter()
-    bar = tqdm(range(1, settings.max_steps + 1), desc="training", disable=not is_main, dynamic_ncols=True,
-               mininterval=0.5 if sys.stderr.isatty() else 15.0)
+    batches = Batches(train_loader, state, accelerator)
+    window_start = time.perf_counter()
+    bar = tqdm(total=max_steps, initial=state.step, desc="training", disable=not is_main or max_steps == 0,
+               dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 15.0)
     with logging_redirect_tqdm():  # log lines print above the progress bar
-        for step in bar:
+        while state.step < max_steps:
+            step_metrics, step_tokens, finite = [], 0, True
             for micro in range(accum):
-                batch = next(batches)
+                batch = batches.next()
                 # Gradients are averaged across processes only on the last micro-batch of the step.
                 with strategy.accumulate(model, sync=micro == accum - 1):
                     loss, metrics = algo.loss(model, batch)
                     strategy.backward(loss / accum, model)
-                window.add(metrics, 1.0 / accum)
-                tokens += int(batch["attention_mask"].sum())
-            grad_norm = strategy.optimizer_step(model, optimizer, settings.max_grad_norm)
-            scheduler.step()
-            window_steps += 1
+                finite = finite and math.isfinite(float(loss.detach()))
+                step_metrics.append(metrics)
+                step_tokens += int(batch["attention_mask"].sum())
+            grad_norm = strategy.clip_gradients(model, settings.max_grad_norm)
+            finite = finite and (grad_norm is None or math.isfinite(grad_norm))
+            # One all-reduce for both: any process's NaN, or stop signal, acts on every process at this step.
+            nonfinite_anywhere, stop_anywhere = _any_process(accelerator, not finite, stop.signum is not None)
+            state.step += 1
+            if nonfinite_anywhere:
+                _skip_or_stop(state, settings, strategy, model, optimizer, grad_norm)
+            else:
+                after = strategy.step(model, optimizer)  # ZeRO: the norm is known only now, after its step
+                if after is not None and not math.isfinite(after):
+                    raise NonFinite(f"step {state.step}: the gradient norm is {after} and DeepSpeed has already "
+                                    "applied the step; stopping without saving. " + _CAUSES)
+                grad_norm = after if grad_norm is None else grad_norm
+                state.nonfinite_in_row = 0
+                for metrics in step_metrics:
+                    for key, value in metrics.items():
+                        state.window_sums[key] += float(value) / accum
+                        state.window_weights[key] += 1.0 / accum
+                state.window_tokens += step_tokens
+            with warnings.catch_warnings():  # a skipped first step: torch warns that the optimizer has not stepped
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                scheduler.step()  # a skipped step advances the schedule too: the run keeps its length
+            state.window_steps += 1
+            bar.update(1)
 
-            if step % settings.log_every_steps == 0 or step == settings.max_steps:
+            step = state.step
+            if step % settings.log_every_steps == 0 or step == max_steps:
                 elapsed = time.perf_counter() - window_start
-                train_metrics = {**window.means("train/", accelerator), "train/lr": scheduler.get_last_lr()[0],
-                                 "perf/tokens_per_s": tokens * accelerator.num_processes / elapsed,  # non-pad, all processes
-                                 "perf/step_time_s": elapsed / window_steps}
-                if grad_norm is not None:
+                train_metrics = {**window_means(state, "train/", accelerator), "train/lr": scheduler.get_last_lr()[0],
+                                 "perf/tokens_per_s": state.window_tokens * accelerator.num_processes / elapsed,
+                                 "perf/step_time_s": elapsed / max(state.window_steps, 1)}
+                if grad_norm is not None and math.isfinite(grad_norm):
                     train_metrics["train/grad_norm"] = grad_norm
+                if state.nonfinite_steps:
+                    train_metrics["train/nonfinite_steps"] = state.nonfinite_steps
                 record(train_metrics, step)
-                final.update(train_metrics)
-                bar.set_postfix(loss=f"{train_metrics['train/loss']:.4f}", refresh=False)
-                window, tokens, window_steps, window_start = _Mean(), 0, 0, time.perf_counter()
+                if "train/loss" in train_metrics:
+                    bar.set_postfix(loss=f"{train_metrics['train/loss']:.4f}", refresh=False)
+                log.info("step %d: %s", step, _brief({k: v for k, v in train_metrics.items() if k.startswith("train/")}))
+                state.window_sums.clear()
+                state.window_weights.clear()
+                state.window_steps, state.window_tokens, window_start = 0, 0, time.perf_counter()
             every = settings.eval_every_steps
-            if (every and step % every == 0) or step == settings.max_steps:
+            if (every and step % every == 0) or step == max_steps:
                 eval_metrics = evaluate(model, algo, evaluation, accelerator)
                 record(eval_metrics, step)
-                final.update(eval_metrics)
                 log.info("step %d: %s", step, _brief(eval_metrics))
+            saved = None
+            if settings.save_every_steps and step % settings.save_every_steps == 0:
+                saved = save_checkpoint()
+            if stop_anywhere:
+                bar.close()
+                raise Stopped(_requested_signal(stop, accelerator), saved or save_checkpoint(), run_dir, step)
         bar.close()
 
     # --- results -----------------------------------------------------------------------------------------
     accelerator.wait_for_everyone()
-    if settings.save_final:
+    final = dict(state.last)
+    if settings.save_final and max_steps > 0:
+        if not strategy.all_finite(model):
+            raise NonFinite(f"step {state.step}: the model's parameters are not finite; final/ was not written. "
+                            + _CAUSES)
         strategy.save_model(model, tokenizer, run_dir / "final", save_pretrained_atomically)
         log.info("saved the final model to %s", run_dir / "final")
     if is_main:
         (run_dir / "summary.json").write_text(json.dumps(
-            {"final": final, "train": asdict(settings), "seed": cfg.seed}, indent=2))
+            {"final": final, "train": {**asdict(settings), "max_steps": max_steps}, "seed": cfg.seed}, indent=2))
         logger.finish()
     return final
+
+
+_CAUSES = ("Likely causes: a learning rate too high for this optimizer (optimizer.lr), no gradient clipping "
+           "(train.max_grad_norm=null), float16 overflow (use bf16 or float32), or a bad data row.")
+
+
+def _any_process(accelerator, *flags: bool) -> list[bool]:
+    """Each flag OR-ed over every process (one small all-reduce)."""
+    values = torch.tensor([float(f) for f in flags], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        values = accelerator.reduce(values, reduction="sum")
+    return [bool(v > 0) for v in values.tolist()]
+
+
+def _requested_signal(stop, accelerator) -> int:
+    """The signal this process received, or (when only another process did) SIGTERM."""
+    import signal
+
+    return stop.signum if stop.signum is not None else int(signal.SIGTERM)
+
+
+def _skip_or_stop(state: TrainState, settings: TrainSettings, strategy, model, optimizer, grad_norm) -> None:
+    """A non-finite loss or gradient on some process: drop the step, or stop (see ``train.on_nonfinite``)."""
+    state.nonfinite_steps += 1
+    state.nonfinite_in_row += 1
+    what = f"step {state.step}: the loss or the gradient norm ({grad_norm}) is not finite on at least one process"
+    if settings.on_nonfinite == "stop":
+        raise NonFinite(f"{what}; stopping (train.on_nonfinite=stop), nothing of this step saved. " + _CAUSES)
+    if state.nonfinite_in_row >= settings.max_nonfinite_in_row:
+        raise NonFinite(f"{what}, {state.nonfinite_in_row} steps in a row (train.max_nonfinite_in_row="
+                        f"{settings.max_nonfinite_in_row}); stopping, nothing of these steps saved. " + _CAUSES)
+    strategy.skip_step(model, optimizer)
+    log.warning("%s: step skipped (%d in a row; the run stops at %d)", what, state.nonfinite_in_row,
+                settings.max_nonfinite_in_row)
 
 
 def _brief(metrics: dict[str, float]) -> str:

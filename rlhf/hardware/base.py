@@ -158,18 +158,63 @@ class DataParallel:
     def backward(self, loss: torch.Tensor, model) -> None:
         self.accelerator.backward(loss)
 
-    def optimizer_step(self, model, optimizer, max_grad_norm: float | None) -> float | None:
-        """Clip (when ``max_grad_norm`` is set), step and zero the gradients; return the norm before clipping."""
-        norm = None
-        if max_grad_norm is not None:
-            norm = float(self.accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+    def clip_gradients(self, model, max_grad_norm: float | None) -> float | None:
+        """The global gradient norm before clipping (computed, and returned, even when ``max_grad_norm`` is None:
+        the loop checks it is finite); clip to ``max_grad_norm`` when set. ``None`` when the norm is known only
+        after the step (ZeRO)."""
+        limit = float("inf") if max_grad_norm is None else max_grad_norm  # inf: the norm only, gradients x 1.0
+        return float(self.accelerator.clip_grad_norm_(model.parameters(), limit))
+
+    def step(self, model, optimizer) -> float | None:
+        """Step the optimizer and zero the gradients; return the gradient norm when only the step knows it."""
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return norm
+        return None
+
+    def skip_step(self, model, optimizer) -> None:
+        """Drop this step's gradients without changing the parameters (a non-finite loss or gradient)."""
+        optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self, model, optimizer, max_grad_norm: float | None) -> float | None:
+        """Clip (when ``max_grad_norm`` is set), step and zero the gradients; return the norm before clipping."""
+        norm = self.clip_gradients(model, max_grad_norm)
+        after = self.step(model, optimizer)
+        return norm if norm is not None else after
 
     # --- saving -------------------------------------------------------------------------------------------
     def unwrap(self, model) -> torch.nn.Module:
         return self.accelerator.unwrap_model(model)
+
+    def save_state(self, model, optimizer, folder: Path) -> None:
+        """Write the model's and the optimizer's state for an exact resume into ``folder`` (every process calls
+        it). Replicas: the main process writes ``model.safetensors`` and ``optimizer.pt``."""
+        if self.accelerator.is_main_process:
+            from safetensors.torch import save_model
+
+            save_model(self.unwrap(model), str(folder / "model.safetensors"))
+            torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+
+    def load_state(self, model, optimizer, folder: Path) -> None:
+        """Restore what :meth:`save_state` wrote, on every process."""
+        from safetensors.torch import load_model
+
+        device = self.accelerator.device
+        load_model(self.unwrap(model), str(folder / "model.safetensors"),
+                   device=str(device) if device.type != "cpu" else "cpu")  # safetensors refuses "cpu:0"
+        # Loaded on the CPU: load_state_dict moves each state to its parameter's device.
+        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu"))
+
+    def all_finite(self, model) -> bool:
+        """Whether every parameter of the model is finite, on every process (before anything is saved)."""
+        bad = sum(int(not torch.isfinite(p.detach()).all()) for p in self.local_parameters(model))
+        flag = torch.tensor([bad], dtype=torch.float32, device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            flag = self.accelerator.reduce(flag, reduction="sum")
+        return float(flag) == 0
+
+    def local_parameters(self, model) -> list[torch.Tensor]:
+        """The parameter tensors this process stores (its shards for the sharded strategies)."""
+        return list(self.unwrap(model).parameters())
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on the main process (``None`` elsewhere). Called on every process."""

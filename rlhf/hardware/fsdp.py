@@ -9,8 +9,10 @@ What differs from :class:`~rlhf.hardware.base.DataParallel`:
 - ``prepare`` shards the model in place (its parameters become ``Shard(0)`` DTensors), then builds the optimizer
   on the sharded parameters; Accelerate prepares only the optimizer and the training loader.
 - ``accumulate(sync=False)`` keeps the micro-batch's gradients unsharded and unreduced until the last one.
-- ``optimizer_step`` clips with the norm of the whole (sharded) gradient, computed across processes.
+- ``clip_gradients`` clips with the norm of the whole (sharded) gradient, computed across processes.
 - ``full_state_dict`` gathers the whole model onto the main process's CPU (a collective: every process calls it).
+- ``save_state``/``load_state`` write and read each rank's shards of the model and optimizer with
+  ``torch.distributed.checkpoint`` (exact resume; the same number of processes).
 """
 
 from __future__ import annotations
@@ -123,14 +125,11 @@ class FSDP2(Sharded):
     def backward(self, loss: torch.Tensor, model) -> None:
         loss.backward()
 
-    def optimizer_step(self, model, optimizer, max_grad_norm: float | None) -> float | None:
-        norm = None
-        if max_grad_norm is not None:
-            total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)  # DTensor-aware
-            norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm
+    def clip_gradients(self, model, max_grad_norm: float | None) -> float | None:
+        """The norm of the whole (sharded) gradient, computed across processes; clip to ``max_grad_norm``."""
+        limit = float("inf") if max_grad_norm is None else max_grad_norm
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)  # DTensor-aware
+        return float(total.full_tensor() if hasattr(total, "full_tensor") else total)
 
     # --- saving -------------------------------------------------------------------------------------------
     def unwrap(self, model) -> torch.nn.Module:
@@ -141,3 +140,29 @@ class FSDP2(Sharded):
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.accelerator.is_main_process else None
+
+    def save_state(self, model, optimizer, folder) -> None:
+        """Each rank's shards of the model and the optimizer, with ``torch.distributed.checkpoint``."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, _inner(optimizer))
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder / "sharded"))
+
+    def load_state(self, model, optimizer, folder) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, _inner(optimizer))
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(folder / "sharded"))
+        set_state_dict(model, _inner(optimizer), model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+    def local_parameters(self, model) -> list[torch.Tensor]:
+        return [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+
+
+def _inner(optimizer):
+    """The torch optimizer inside Accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)

@@ -11,7 +11,7 @@ this strategy calls ``deepspeed.initialize`` itself; it then runs for real on CP
 How it fits the loop, which owns gradient accumulation (it divides the loss by the number of micro-batches and
 says which micro-batch ends a step): DeepSpeed is configured with ``gradient_accumulation_steps: 1``, so it
 never divides the loss again, and ``accumulate(sync)`` tells the engine whether this micro-batch is the
-accumulation boundary (``set_gradient_accumulation_boundary``). ``optimizer_step`` calls ``engine.step()``,
+accumulation boundary (``set_gradient_accumulation_boundary``). ``step`` calls ``engine.step()``,
 which reduces what is left, clips, steps and zeroes the gradients.
 
 DeepSpeed is an optional extra: ``pip install 'rlhf[deepspeed]'`` (tested with 0.19.8). Stage 3 replaces
@@ -88,7 +88,7 @@ class ZeRO(Sharded):
         stage: 1, 2 or 3 (see the module's docstring).
         max_grad_norm: clip the global gradient norm to this (``null``: no clipping). DeepSpeed must know it when
             the engine is built (and clips at 1.0 when told nothing), so the YAML sets it to
-            ``${train.max_grad_norm}``; ``optimizer_step`` refuses a different value from the loop.
+            ``${train.max_grad_norm}``; ``clip_gradients`` refuses a different value from the loop.
         param_persistence_threshold: stage 3 keeps parameters with fewer elements than this gathered on every
             process (DeepSpeed's ``stage3_param_persistence_threshold``; its default 1e5 keeps all of a tiny
             model whole: 0 partitions everything).
@@ -196,17 +196,26 @@ class ZeRO(Sharded):
     def backward(self, loss: torch.Tensor, model) -> None:
         model.backward(loss, scale_wrt_gas=False)  # the loop already divided the loss by its accumulation
 
-    def optimizer_step(self, model, optimizer, max_grad_norm: float | None) -> float | None:
-        """``engine.step()``: clip to the max_grad_norm DeepSpeed was built with, step, zero the gradients."""
+    def clip_gradients(self, model, max_grad_norm: float | None) -> float | None:
+        """Nothing yet: ``engine.step()`` clips (to the max_grad_norm DeepSpeed was built with) and only then
+        knows the norm."""
         if max_grad_norm != self.max_grad_norm:
             raise UserError(f"train.max_grad_norm={max_grad_norm} but hardware.max_grad_norm={self.max_grad_norm}: "
                             "DeepSpeed clips with the latter. Fix: leave hardware.max_grad_norm at its default "
                             "${train.max_grad_norm}.")
+        return None
+
+    def step(self, model, optimizer) -> float | None:
+        """``engine.step()``: clip, step, zero the gradients; return the global norm before clipping."""
         model.step()
         norm = model.get_global_grad_norm()
-        if max_grad_norm is None or norm is None:
-            return None
-        return float(norm)
+        return None if norm is None else float(norm)
+
+    def skip_step(self, model, optimizer) -> None:
+        """Drop the step's gradients: DeepSpeed's optimizer wrapper zeroes its partitions of them."""
+        model.zero_grad()
+        if hasattr(model.optimizer, "zero_grad"):
+            model.optimizer.zero_grad(set_to_none=True)
 
     # --- saving -------------------------------------------------------------------------------------------
     def unwrap(self, model) -> torch.nn.Module:
@@ -219,3 +228,17 @@ class ZeRO(Sharded):
             state = model._zero3_consolidated_16bit_state_dict()
             return state if self.accelerator.is_main_process else None
         return None
+
+    def save_state(self, model, optimizer, folder) -> None:
+        """Each rank's partitions of the model and optimizer, with DeepSpeed's ``save_checkpoint``."""
+        model.save_checkpoint(str(folder / "zero"), tag="state", save_latest=False)
+
+    def load_state(self, model, optimizer, folder) -> None:
+        path, _ = model.load_checkpoint(str(folder / "zero"), tag="state", load_optimizer_states=True,
+                                        load_lr_scheduler_states=False)
+        if path is None:
+            raise UserError(f"{folder}: DeepSpeed found no ZeRO state in it. Fix: resume from a checkpoint written "
+                            "with the same hardware option.")
+
+    def local_parameters(self, model) -> list[torch.Tensor]:
+        return [p.ds_tensor if hasattr(p, "ds_tensor") else p for p in self.unwrap(model).parameters()]

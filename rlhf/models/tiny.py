@@ -42,6 +42,7 @@ class TinySpec:
         num_heads: attention heads.
         intermediate_size: width of the MLP.
         max_positions: longest sequence, in tokens.
+        attention_dropout: dropout on the attention weights while training (0: none, the default).
         init_seed: seed of the random initialization and of the warm start's batches.
         warm_start_steps: SFT steps on `task` before the run starts (0: random init, no cache).
         warm_start_lr: peak AdamW learning rate of the warm start.
@@ -57,6 +58,7 @@ class TinySpec:
         num_heads: int = 4,
         intermediate_size: int = 512,
         max_positions: int = 64,
+        attention_dropout: float = 0.0,
         init_seed: int = 0,
         warm_start_steps: int = 150,
         warm_start_lr: float = 1e-3,
@@ -66,6 +68,8 @@ class TinySpec:
     ) -> None:
         self.arch = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
                      "intermediate_size": intermediate_size, "max_positions": max_positions}
+        if attention_dropout:  # only when set, so that the default's cache key stays the same
+            self.arch["attention_dropout"] = attention_dropout
         self.init_seed = init_seed
         self.warm_start = {"steps": warm_start_steps, "lr": warm_start_lr, "batch_size": warm_start_batch_size}
         self.cache_dir = Path(os.path.expanduser(cache_dir))
@@ -78,7 +82,7 @@ class TinySpec:
             vocab_size=VOCAB_SIZE + 1, hidden_size=a["hidden_size"], intermediate_size=a["intermediate_size"],
             num_hidden_layers=a["num_layers"], num_attention_heads=a["num_heads"],
             num_key_value_heads=a["num_heads"], max_position_embeddings=a["max_positions"],
-            tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+            attention_dropout=a.get("attention_dropout", 0.0), tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
             eos_token_id=tok.eos_token_id,
         )
 

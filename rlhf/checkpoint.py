@@ -1,0 +1,272 @@
+"""Checkpoints that a run resumes from exactly, written so that a crash never replaces a good one.
+
+A checkpoint is a folder ``<run dir>/checkpoints/step_<N>/``, taken only at a step boundary (after the optimizer
+step, the scheduler step and the step's logging and evaluation, never inside an accumulation window):
+
+- the model and optimizer state, written by the hardware strategy (``strategy.save_state``): one safetensors file
+  and one optimizer file for a replicated model, each rank's shards for FSDP2 (``torch.distributed.checkpoint``)
+  and ZeRO (DeepSpeed's own ``save_checkpoint``);
+- ``scheduler.pt``: the learning-rate schedule's state (the same on every rank);
+- ``rank_<r>.pt``: each rank's own state: every random generator (Python, NumPy, torch, CUDA), the loop's
+  :class:`TrainState` (step, epoch, position in the epoch, the sums behind the averaged log window, counters) and
+  the algorithm's state when it has one (``algo.state_dict()``);
+- ``meta.json``, written last: what the checkpoint is (step, processes, versions). A folder without it is not a
+  checkpoint.
+
+Every rank writes into ``.tmp-step_<N>``; then the main process renames it to ``step_<N>`` and removes the oldest
+checkpoints beyond ``keep_last``. A run killed at any moment leaves the previous checkpoints whole. Files are read
+back with ``torch.load(weights_only=True)``: a checkpoint never runs code when it is loaded.
+
+Why not Accelerate's ``save_state`` for all of it: it saves the optimizer from the main process only (wrong for
+FSDP2 and ZeRO, whose optimizer states are split over the ranks) and pickles the random states (its loader needs
+``weights_only=False``). Its recipe is kept: the seedable sampler, ``set_epoch`` and ``skip_first_batches``
+(:mod:`rlhf.loop`), per-rank random states, and checkpoints only at step boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlhf.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FOLDER = "checkpoints"
+PREFIX = "step_"
+META = "meta.json"
+FORMAT = 1  # bumped when the layout changes; an older checkpoint is refused with a clear message
+
+
+@dataclass
+class TrainState:
+    """Where the loop is, and everything it carries from step to step (saved per rank)."""
+
+    step: int = 0  # optimizer steps done (skipped non-finite steps included)
+    epoch: int = 0  # passes over the training split begun
+    batch_in_epoch: int = 0  # micro-batches of this epoch already consumed by this process
+    nonfinite_steps: int = 0  # steps skipped because the loss or gradient norm was not finite
+    nonfinite_in_row: int = 0  # of which at the end, in a row
+    window_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # log window, this rank
+    window_weights: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    window_steps: int = 0  # optimizer steps in the log window
+    window_tokens: int = 0  # non-padding tokens this rank trained on in the log window (for perf/*)
+    last: dict[str, float] = field(default_factory=dict)  # the latest metrics of each key (summary.json)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**data, "window_sums": dict(self.window_sums), "window_weights": dict(self.window_weights),
+                "last": dict(self.last)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainState:
+        state = cls(**data)
+        state.window_sums = defaultdict(float, state.window_sums)
+        state.window_weights = defaultdict(float, state.window_weights)
+        return state
+
+
+# --- random generators ---------------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """Every random generator a run draws from, in types ``torch.load(weights_only=True)`` reads back."""
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- finding checkpoints -----------------------------------------------------------------------------------------
+def step_of(folder: Path) -> int:
+    return int(folder.name[len(PREFIX):])
+
+
+def complete(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints (those with ``meta.json``), oldest first."""
+    root = Path(run_dir) / FOLDER
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
+             and (p / META).is_file()]
+    return sorted(found, key=step_of)
+
+
+def latest(run_dir: Path) -> Path | None:
+    found = complete(run_dir)
+    return found[-1] if found else None
+
+
+def resolve(resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint ``resume`` names: ``None`` (a new run), ``auto`` (the run folder's newest, or none yet), or
+    a checkpoint folder. Refuses a new run into a folder that holds checkpoints."""
+    run_dir = Path(run_dir)
+    if resume is None:
+        newest = latest(run_dir)
+        if newest is not None:
+            raise UserError(
+                f"the run folder {run_dir} already holds checkpoints (newest: {newest.name}), and a new run would "
+                f"mix its metrics with theirs. Fix: resume=auto to continue that run from {newest.name}, or a new "
+                "folder (hydra.run.dir=<another folder>, or leave hydra.run.dir out for a fresh timestamped one).")
+        return None
+    if str(resume) == "auto":
+        newest = latest(run_dir)
+        if newest is None:
+            log.info("resume=auto: no checkpoint in %s yet, so this is a new run", run_dir)
+        return newest
+    path = Path(os.path.expanduser(str(resume)))
+    if (path / META).is_file():
+        return path
+    if latest(path) is not None:
+        raise UserError(f"resume={resume} is a run folder, not a checkpoint. Fix: resume={latest(path)} (its newest), "
+                        f"or resume=auto hydra.run.dir={path}")
+    if path.is_dir():
+        raise UserError(f"resume={resume} is not a complete checkpoint (no {META}; an interrupted save leaves only a "
+                        f".tmp- folder). Fix: a folder <run dir>/{FOLDER}/{PREFIX}<N> that has {META}, or resume=auto.")
+    raise UserError(f"resume={resume}: no such checkpoint. Fix: resume=auto (the newest checkpoint of hydra.run.dir), "
+                    f"or the path of a folder <run dir>/{FOLDER}/{PREFIX}<N>.")
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    meta = json.loads((Path(folder) / META).read_text())
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{folder} was written by another version of rlhf (checkpoint format {meta.get('format')}, "
+                        f"this one reads {FORMAT}). Fix: resume with the version that wrote it.")
+    return meta
+
+
+# --- writing -------------------------------------------------------------------------------------------------------
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*"), reverse=True):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    return False
+
+
+def replace_folder(staging: Path, folder: Path) -> None:
+    """Put the complete folder ``staging`` at ``folder``. An existing ``folder`` is swapped out in one atomic
+    step where the system allows it, so that a kill at any moment leaves a whole folder at ``folder``; else it is
+    first renamed to ``<folder>.old`` (a kill then leaves the previous one there)."""
+    if not folder.exists():
+        os.replace(staging, folder)
+    elif _exchange(staging, folder):
+        shutil.rmtree(staging)  # now holds the previous folder
+    else:
+        old = folder.with_name(folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+        os.replace(staging, folder)
+        shutil.rmtree(old)
+    _fsync_dir(folder.parent)
+
+
+def save(run_dir: Path, state: TrainState, *, model, optimizer, scheduler, algo, strategy, accelerator,
+         keep_last: int | None, meta: dict[str, Any]) -> Path:
+    """Write the checkpoint of ``state.step`` (a collective: every rank calls it) and prune to ``keep_last``."""
+    root = Path(run_dir) / FOLDER
+    final = root / f"{PREFIX}{state.step:08d}"
+    staging = root / f".tmp-{final.name}"
+    rank = accelerator.process_index
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while saving
+        staging.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    try:
+        strategy.save_state(model, optimizer, staging)
+        own = {"train": state.to_dict(), "rng": rng_state()}
+        if hasattr(algo, "state_dict"):
+            own["algo"] = algo.state_dict()
+        torch.save(own, staging / f"rank_{rank}.pt")
+        if accelerator.is_main_process:
+            torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+        error = None
+    except OSError as failure:  # e.g. the disk is full: keep the previous checkpoints, say so, stop
+        error = failure
+    failed = torch.tensor([error is not None], dtype=torch.float32, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        failed = accelerator.reduce(failed, reduction="sum")
+    if float(failed) > 0:
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"could not write the checkpoint of step {state.step} in {root} ({error or 'on another rank'}); "
+                        "the previous checkpoints and the metrics are kept. Fix: free disk space (or lower "
+                        "train.keep_last), then resume=auto.")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (staging / META).write_text(json.dumps({"format": FORMAT, "step": state.step, **meta}, indent=2))
+        _fsync_tree(staging)
+        replace_folder(staging, final)
+        if keep_last:
+            for old in complete(run_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load(folder: Path, *, model, optimizer, scheduler, algo, strategy, accelerator) -> TrainState:
+    """Restore everything :func:`save` wrote into the live objects; return this rank's :class:`TrainState`."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    if meta.get("processes") != accelerator.num_processes:
+        raise UserError(f"{folder} was written by {meta.get('processes')} process(es) and this run has "
+                        f"{accelerator.num_processes}: the data order and the per-rank state would not continue. "
+                        f"Fix: resume with hardware.num_processes={meta.get('processes')}.")
+    own_file = folder / f"rank_{accelerator.process_index}.pt"
+    if not own_file.is_file():
+        raise UserError(f"{folder} has no {own_file.name}: the checkpoint is incomplete. Fix: resume from an older "
+                        "one (resume=<run dir>/checkpoints/step_<N>).")
+    strategy.load_state(model, optimizer, folder)
+    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    own = torch.load(own_file, weights_only=True)
+    if "algo" in own:
+        algo.load_state_dict(own["algo"])
+    set_rng_state(own["rng"])
+    return TrainState.from_dict(own["train"])

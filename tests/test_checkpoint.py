@@ -1,0 +1,250 @@
+"""Checkpoints and exact resume (rlhf/checkpoint.py, rlhf/run_folder.py and the loop's use of them).
+
+The kill-and-resume tests run ``train.py`` as a user would, SIGKILL it after a checkpoint while it is still
+training, resume it with ``resume=auto``, and compare with an uninterrupted run of the same seed: the final
+parameters and the optimizer state bit for bit, and every metric but ``perf/*`` (compared as exact floats).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf import checkpoint, run_folder
+from rlhf.checkpoint import TrainState
+from rlhf.errors import UserError
+from rlhf.logging import JsonlLogger
+from tests.conftest import FAST, ROOT
+
+
+# --- pieces --------------------------------------------------------------------------------------------------------
+def test_train_state_round_trips_through_a_weights_only_load(tmp_path):
+    state = TrainState(step=7, epoch=1, batch_in_epoch=3, nonfinite_steps=1, window_steps=2, window_tokens=99)
+    state.window_sums["loss"] += 1.25
+    state.window_weights["loss"] += 2.0
+    state.last["eval/loss"] = 0.5
+    torch.save({"train": state.to_dict(), "rng": checkpoint.rng_state()}, tmp_path / "s.pt")
+    loaded = torch.load(tmp_path / "s.pt", weights_only=True)
+    back = TrainState.from_dict(loaded["train"])
+    assert back == state and back.window_sums["unseen"] == 0.0  # still a defaultdict
+
+
+def test_random_generators_are_restored():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    saved = checkpoint.rng_state()
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    checkpoint.set_rng_state(saved)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+def _fake_checkpoint(run: Path, step: int, complete: bool = True) -> Path:
+    folder = run / checkpoint.FOLDER / f"{checkpoint.PREFIX}{step:08d}"
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / checkpoint.META).write_text(json.dumps({"format": checkpoint.FORMAT, "step": step}))
+    return folder
+
+
+def test_resume_choices(tmp_path):
+    run = tmp_path / "run"
+    assert checkpoint.resolve(None, run) is None and checkpoint.resolve("auto", run) is None
+    _fake_checkpoint(run, 10)
+    newest = _fake_checkpoint(run, 20)
+    _fake_checkpoint(run, 30, complete=False)  # an interrupted save: never picked
+    (run / checkpoint.FOLDER / ".tmp-step_00000040").mkdir()
+    assert checkpoint.resolve("auto", run) == newest
+    assert checkpoint.resolve(str(newest), run) == newest
+    with pytest.raises(UserError, match=r"already holds checkpoints \(newest: step_00000020\).*resume=auto"):
+        checkpoint.resolve(None, run)
+    with pytest.raises(UserError, match="is a run folder, not a checkpoint"):
+        checkpoint.resolve(str(run), tmp_path / "other")
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        checkpoint.resolve(str(run / checkpoint.FOLDER / "step_00000030"), run)
+    with pytest.raises(UserError, match="no such checkpoint"):
+        checkpoint.resolve(str(tmp_path / "nothing"), run)
+
+
+def test_replace_folder_swaps_in_a_complete_folder(tmp_path):
+    target, staging = tmp_path / "final", tmp_path / "final.tmp"
+    staging.mkdir()
+    (staging / "a").write_text("1")
+    checkpoint.replace_folder(staging, target)
+    staging.mkdir()
+    (staging / "a").write_text("2")
+    checkpoint.replace_folder(staging, target)
+    assert (target / "a").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_metrics_file_is_cut_back_to_the_checkpoint_step(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (0, 2, 4, 6))
+                                             + '{"step": 8, "x"')  # the last line cut short by a kill
+    logger = JsonlLogger()
+    logger.start(str(tmp_path), {}, resume_step=4)
+    logger.log({"x": 6.0}, 6)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 2, 4, 6]
+    JsonlLogger().start(str(tmp_path), {})  # a new run: a new file
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_run_folder_lock_refuses_a_second_run_and_is_freed_by_a_killed_one(tmp_path):
+    with run_folder.claim(tmp_path):
+        child = subprocess.run([sys.executable, "-c", (
+            "from rlhf import run_folder; import sys\n"
+            f"with run_folder.claim({str(tmp_path)!r}): pass")], capture_output=True, text=True, cwd=ROOT)
+        assert child.returncode != 0 and f"PID {os.getpid()}" in child.stderr and "is writing the run folder" in child.stderr
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "from rlhf import run_folder; import time\n"
+        f"with run_folder.claim({str(tmp_path)!r}):\n    print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait()
+    with run_folder.claim(tmp_path):  # the kernel dropped the dead run's lock
+        pass
+
+
+def test_a_new_run_clears_the_previous_runs_results(tmp_path):
+    (tmp_path / "final").mkdir()
+    (tmp_path / "summary.json").write_text("{}")
+    assert run_folder.prepare(tmp_path, None) is None
+    assert not (tmp_path / "final").exists() and not (tmp_path / "summary.json").exists()
+    (tmp_path / "final").mkdir()
+    with pytest.raises(UserError, match="holds a finished run"):
+        run_folder.prepare(tmp_path, "auto")
+
+
+# --- kill and resume, as a user runs it ------------------------------------------------------------------------------
+# Long enough that a kill lands between a checkpoint and the end; small enough for seconds.
+RUN = [*(o for o in FAST if not o.startswith(("train.max_steps", "data.task.num_train", "train.log_every"))),
+       "data.task.num_train=48", "train.max_steps=40", "train.save_every_steps=10", "train.keep_last=null",
+       "train.log_every_steps=3", "train.eval_every_steps=7", "model.tiny.attention_dropout=0.1"]
+
+
+def _train(run: Path, *overrides: str, wait: bool = True, env: dict | None = None) -> subprocess.Popen:
+    command = [sys.executable, "train.py", *RUN, *overrides, f"hydra.run.dir={run}"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **(env or {})}, start_new_session=True)
+    if wait:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+    return process
+
+
+def _kill_after_checkpoint(process: subprocess.Popen, run: Path, step: int, pids=None) -> None:
+    """SIGKILL the run (or the given PIDs) once the checkpoint of `step` is complete, while it still trains."""
+    meta = run / checkpoint.FOLDER / f"{checkpoint.PREFIX}{step:08d}" / checkpoint.META
+    deadline = time.time() + 240
+    while not meta.exists():
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.005)
+    for pid in (pids() if pids else [process.pid]):
+        os.kill(pid, signal.SIGKILL)
+    process.wait(timeout=60)
+    assert not (run / "final").exists(), "the run ended before the kill: make it longer"
+
+
+def _metrics(run: Path) -> list[dict]:
+    """Every logged line without perf/* (timings), values as exact floats."""
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: float(v).hex() for k, v in line.items() if not k.startswith("perf/")} for line in lines]
+
+
+def _assert_same_run(a: Path, b: Path, last_step: int) -> None:
+    left, right = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
+    assert left.keys() == right.keys()
+    assert all(torch.equal(left[k], right[k]) for k in left), "parameters differ"
+    folder = f"{checkpoint.FOLDER}/{checkpoint.PREFIX}{last_step:08d}"
+    for name in ("optimizer.pt", "scheduler.pt", "rank_0.pt"):
+        x, y = (torch.load(r / folder / name, weights_only=True) for r in (a, b))
+        if name == "rank_0.pt":
+            for entry in (x, y):
+                entry["rng"].pop("python")  # tuples of ints
+                entry["train"]["last"] = {k: v for k, v in entry["train"]["last"].items() if not k.startswith("perf/")}
+            assert x["train"] == y["train"]
+        _assert_equal_trees(x, y, name)
+    assert _metrics(a) == _metrics(b)
+    assert json.loads((a / "summary.json").read_text())["final"].keys() == json.loads(
+        (b / "summary.json").read_text())["final"].keys()
+
+
+def _assert_equal_trees(x, y, where: str) -> None:
+    if isinstance(x, torch.Tensor):
+        assert torch.equal(x, y), f"{where} differs"
+    elif isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for key in x:
+            _assert_equal_trees(x[key], y[key], f"{where}/{key}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y)):
+            _assert_equal_trees(u, v, f"{where}[{i}]")
+    else:
+        assert x == y, f"{where}: {x} != {y}"
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo"])
+def test_sigkill_then_resume_equals_an_uninterrupted_run(algo, tmp_path):
+    overrides = [f"algo={algo}", "optimizer=lion", "train.grad_accumulation_steps=2"]
+    _train(tmp_path / "whole", *overrides)
+    killed = _train(tmp_path / "killed", *overrides, wait=False)
+    _kill_after_checkpoint(killed, tmp_path / "killed", 20)
+    if algo == "dpo":  # a new run into it is refused, the folder untouched
+        refused = _train(tmp_path / "killed", *overrides, wait=False)
+        assert refused.wait(timeout=120) == 1 and "resume=auto" in refused.stderr.read()
+    _train(tmp_path / "killed", *overrides, "resume=auto")
+    _assert_same_run(tmp_path / "whole", tmp_path / "killed", 40)
+
+
+def _ranks(parent: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{parent}/task").iterdir():
+        children += [int(p) for p in (task / "children").read_text().split()]
+    return [p for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+@pytest.mark.serial
+def test_sigkill_of_two_processes_then_resume_equals_an_uninterrupted_run(tmp_path):
+    overrides = ["algo=dpo", "hardware=cpu_ddp", "train.per_device_batch_size=2", "train.grad_accumulation_steps=2"]
+    _train(tmp_path / "whole", *overrides)
+    killed = _train(tmp_path / "killed", *overrides, wait=False)
+    # The ranks by PID, as a node failure would: their parent then fails the run.
+    _kill_after_checkpoint(killed, tmp_path / "killed", 20, pids=lambda: _ranks(killed.pid))
+    assert killed.returncode != 0
+    _train(tmp_path / "killed", *overrides, "resume=auto")
+    _assert_same_run(tmp_path / "whole", tmp_path / "killed", 40)
+    for rank in (0, 1):  # each rank's own state came back
+        x, y = (torch.load(r / "checkpoints/step_00000040" / f"rank_{rank}.pt", weights_only=True)
+                for r in (tmp_path / "whole", tmp_path / "killed"))
+        for entry in (x, y):
+            entry["train"]["last"] = {k: v for k, v in entry["train"]["last"].items() if not k.startswith("perf/")}
+        assert x["train"] == y["train"] and torch.equal(x["rng"]["torch"], y["rng"]["torch"])
+
+
+@pytest.mark.serial
+def test_sigkill_of_the_parent_takes_its_ranks_down(tmp_path):
+    killed = _train(tmp_path / "run", "hardware=cpu_ddp", "train.per_device_batch_size=2", wait=False)
+    ranks = []
+    _kill_after_checkpoint(killed, tmp_path / "run", 10, pids=lambda: ranks.extend(_ranks(killed.pid)) or [killed.pid])
+    assert len(ranks) == 2
+    time.sleep(3)
+    assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their killed parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
