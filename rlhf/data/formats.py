@@ -17,6 +17,7 @@ appended, each completion as the rest of the rendered conversation, as TRL does.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,28 +70,29 @@ def to_text(row: dict[str, Any], columns: Sequence[str], tokenizer) -> dict[str,
     """One row of any accepted format -> a row with exactly `columns`, all strings."""
     if "chosen" in columns and "prompt" not in row:
         row = _extract_prompt(row)
-    if "completion" in columns and "completion" not in row:
-        if "messages" in row:
-            messages = row["messages"]
-            cut = len(messages) - 1 if messages and messages[-1]["role"] == "assistant" else 0
-            row = {"prompt": messages[:cut], "completion": messages[cut:]}
-        elif "text" in row:
-            row = {"prompt": "", "completion": row["text"]}
+    if "prompt" not in row and "messages" in row:  # the last assistant turn is the completion, the rest the prompt
+        messages = row["messages"]
+        cut = len(messages) - 1 if messages and messages[-1]["role"] == "assistant" else 0
+        row = {"prompt": messages[:cut], "completion": messages[cut:]}
+    elif "completion" in columns and "completion" not in row and "text" in row:
+        row = {"prompt": "", "completion": row["text"]}
     prompt = row["prompt"]
-    out: dict[str, str] = {}
-    for column in columns:
-        if column == "prompt":
-            continue
+    answers = [column for column in columns if column != "prompt"]
+    if not answers:  # prompt-only format (online algorithms)
+        return {"prompt": _render(tokenizer, prompt, True) if _is_conversation(prompt) else prompt}
+    if not any(_is_conversation(row[c]) for c in ["prompt", *answers]):
+        return {"prompt": prompt, **{column: row[column] for column in answers}}
+    # One part is a conversation: all are (plain text becomes a user prompt or an assistant answer).
+    prompt_messages = prompt if _is_conversation(prompt) else [{"role": "user", "content": prompt}]
+    pieces = {}  # column -> (prompt text, completion text)
+    for column in answers:
         value = row[column]
-        if _is_conversation(prompt) or _is_conversation(value):
-            prompt_messages = prompt if _is_conversation(prompt) else [{"role": "user", "content": prompt}]
-            value_messages = value if _is_conversation(value) else [{"role": "assistant", "content": value}]
-            out["prompt"], out[column] = _split_conversation(tokenizer, prompt_messages, value_messages)
-        else:
-            out["prompt"], out[column] = prompt, value
-    if "prompt" not in out:  # prompt-only format (online algorithms)
-        out["prompt"] = _render(tokenizer, prompt, True) if _is_conversation(prompt) else prompt
-    return out
+        value_messages = value if _is_conversation(value) else [{"role": "assistant", "content": value}]
+        pieces[column] = _split_conversation(tokenizer, prompt_messages, value_messages)
+    # Answers may see the prompt rendered differently (with the generation prompt when an answer starts with an
+    # assistant turn, without when it does not): the prompt is what they share, the rest goes to each answer.
+    shared = os.path.commonprefix([prompt_text for prompt_text, _ in pieces.values()])
+    return {"prompt": shared, **{c: prompt_text[len(shared):] + text for c, (prompt_text, text) in pieces.items()}}
 
 
 # Which raw columns can stand in for the columns an algorithm asks for.
