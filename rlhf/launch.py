@@ -223,4 +223,6 @@ def hydra_overrides_for_this_rank() -> list[str]:
 
 
 # hydra.run.dir / hydra.sweep.dir use ${rlhf.now:<format>}: the same folder for every rank of a torchrun launch.
-OmegaConf.register_new_resolver("rlhf.now", lambda fmt: launch_time().strftime(fmt), replace=True)
+# use_cache: Hydra copies resolved values into each sweep job (and a requeued Slurm job), so the folder stays the
+# same when a job starts minutes after the sweep.
+OmegaConf.register_new_resolver("rlhf.now", lambda fmt: launch_time().strftime(fmt), replace=True, use_cache=True)

@@ -24,9 +24,11 @@ a submitit job instead of exiting (an exit would read as a crash, reported ~40 s
 logs the traceback of any other error there (Hydra keeps none), and raises :func:`for_the_sweep` of it: the error
 itself, or a plain ``RuntimeError`` with its type and message when it would not survive pickling.
 
-Time limits and requeue: a job gets ``signal_delay_s`` before its limit a USR2 signal, which submitit answers by
-requeueing the job (at most ``max_num_timeout`` times; the run folder is the same Hydra folder each time). Until
-the loop saves a checkpoint on that signal and resumes from it, a requeued job starts its run again from step 0.
+Time limits and requeue: ``signal_delay_s`` before its time limit a job gets USR2. The run's handler
+(:mod:`rlhf.signals`) lets the step finish, writes a checkpoint, then calls submitit's own handler, which requeues
+the job (at most ``max_num_timeout`` times) and ends the process. The requeued job is the same Hydra job in the same
+run folder (the folder's timestamp is cached in the pickled config), and ``resume: auto`` (set by
+``conf/launcher/slurm.yaml``) continues from that checkpoint. Tested on a real Slurm by ``scripts/ci_slurm.sh``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@
 # Each is a ~20-step run of the embedded default with a small eval. Then it checks that every Slurm job ended
 # COMPLETED (sacct) and that every run folder has metrics.jsonl up to the last step, summary.json and final/ (a
 # Slurm job is COMPLETED even when the run inside failed: Hydra hands the error to the sweep, whose exit status is
-# checked too), prints a table and the timings, and stops the cluster (on any exit).
+# checked too), prints a table and the timings. Last, the requeue test: a run whose 1-minute time limit falls in
+# the middle gets USR2, checkpoints, is requeued by submitit and resumes, and must end bit-identical (parameters
+# and metrics) to an uninterrupted run of the same command. Then it stops the cluster (on any exit).
 #   SLURM_CI_DIR  where the sweeps go (default outputs/ci-slurm; emptied first)
 #   RLHF_CACHE    the tiny model's warm-start cache, inherited by the jobs (default .ci-cache, as .ci/run)
 #   SLURM_CI_KEEP=1  leave the cluster running at the end (it is stopped by default, even one that was running)
@@ -23,7 +25,8 @@ PY=.venv/bin/python
 STEPS=20
 RUN=(train.max_steps=$STEPS train.per_device_batch_size=8 train.eval_batch_size=32 data.max_train_rows=1000
      data.task.num_eval=32 train.eval_at_start=false train.eval_every_steps=0 train.log_every_steps=10)
-# Jobs take well under a minute. No requeue in CI: a job that hits the limit is a failure, not a second attempt.
+# Jobs take well under a minute. No requeue in these sweeps: a job that hits the limit is a failure here (the
+# requeue test below gives its job a short limit on purpose).
 LAUNCH=(launcher=slurm hydra.launcher.timeout_min=5 hydra.launcher.signal_delay_s=30 hydra.launcher.max_num_timeout=0)
 
 fail() { echo "ci_slurm: FAIL: $*" >&2; exit 1; }
@@ -128,4 +131,59 @@ for e in errors:
     print("FAIL", e, file=sys.stderr)
 sys.exit(1 if errors else 0)
 EOF
-echo "== ok: cluster start $T_START s, sweeps $T_SWEEP s, total $(since "$T0") s (before stopping the cluster)"
+echo "== requeue: a 1-minute time limit mid-run; USR2 -> checkpoint -> requeue -> resume, vs an uninterrupted run"
+# ~35 s of training on 1 CPU; Slurm sends USR2 23-30 s into each attempt (its timer is coarse), so the run is
+# checkpointed and requeued at least once. A requeued job is held 121 s (Reason=BeginTime): released at once here.
+REQ=(train.max_steps=100 train.eval_every_steps=50 train.log_every_steps=10 train.save_every_steps=0)
+T=$(now)
+OMP_NUM_THREADS=1 timeout 600 $PY train.py hardware=cpu "${REQ[@]}" hydra.run.dir="$OUT/requeue_reference" \
+  >"$OUT/requeue_reference.log" 2>&1 &
+reference=$!
+timeout 900 $PY train.py -m launcher=slurm hydra.launcher.timeout_min=1 hydra.launcher.signal_delay_s=30 \
+  hydra.launcher.max_num_timeout=5 "${REQ[@]}" hydra.sweep.dir="$OUT/requeue" >"$OUT/requeue.log" 2>&1 &
+sweep=$!
+while kill -0 $sweep 2>/dev/null; do
+  for id in $(squeue -h -o "%i %r" | awk '$2 == "BeginTime" {print $1}'); do
+    scontrol update JobId="$id" StartTime=now && echo "released requeued job $id"
+  done
+  sleep 1
+done
+wait $sweep || { tail -n 15 "$OUT/requeue.log" >&2; fail "the requeue sweep failed: see $OUT/requeue.log"; }
+wait $reference || { tail -n 15 "$OUT/requeue_reference.log" >&2; fail "the uninterrupted reference run failed"; }
+T_REQUEUE=$(since "$T")
+$PY - "$OUT" <<'EOF' || fail "see above"
+import json, subprocess, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+
+out = Path(sys.argv[1])
+(run,) = [p.parent.parent for p in (out / "requeue").glob("*/.hydra/hydra.yaml")]
+reference = out / "requeue_reference"
+log = (run / "train.log").read_text()
+resumed = [line.split("resumed from ")[1].split(":")[0] for line in log.splitlines() if "resumed from " in line]
+errors = []
+if not resumed:
+    errors.append("the job was never resumed (no 'resumed from' in train.log): no USR2, or no checkpoint")
+job = next(p.name.split("_")[0] for p in (out / "requeue" / ".submitit").iterdir() if p.is_dir())
+sacct = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "JobID,State,Elapsed"],
+                       capture_output=True, text=True).stdout.split()
+if not any("REQUEUED" in line for line in sacct) or sacct[-1].split("|")[1] != "COMPLETED":
+    errors.append(f"sacct does not show a requeue then COMPLETED: {sacct}")
+a, b = load_file(run / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+    errors.append("the requeued run's final parameters differ from the uninterrupted run's")
+def metrics(folder):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+            for line in (folder / "metrics.jsonl").read_text().splitlines()]
+if metrics(run) != metrics(reference):
+    errors.append("the requeued run's metrics.jsonl differs from the uninterrupted run's (perf/* aside)")
+print(f"attempts: {len(resumed) + 1} (resumed from {', '.join(Path(r).name for r in resumed)}); sacct: {' '.join(sacct)}")
+print(f"final eval/loss {json.loads((run / 'summary.json').read_text())['final']['eval/loss']:.6f}; "
+      f"parameters and metrics bit-identical to the uninterrupted run: {not errors}")
+for e in errors:
+    print("FAIL", e, file=sys.stderr)
+sys.exit(1 if errors else 0)
+EOF
+
+echo "== ok: cluster start $T_START s, sweeps $T_SWEEP s, requeue $T_REQUEUE s, total $(since "$T0") s (before stopping the cluster)"
