@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from rlhf import hub
 from rlhf.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -24,6 +25,21 @@ class Policy:
 
 def _looks_local(name_or_path: str) -> bool:
     return name_or_path.startswith((".", "/", "~")) or os.path.exists(name_or_path) or name_or_path.count("/") > 1
+
+
+# What a run folder holds beside its model (which is in final/).
+_RUN_FOLDER_MARKERS = ("final", ".hydra", "metrics.jsonl", "summary.json")
+
+
+def _check_not_a_run_folder(name_or_path: str, path: str) -> None:
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "config.json")):
+        return
+    if any(os.path.exists(os.path.join(path, marker)) for marker in _RUN_FOLDER_MARKERS):
+        final = os.path.join(str(name_or_path).rstrip("/"), "final")
+        missing = "" if os.path.isdir(os.path.join(path, "final")) else (
+            " (not there: the run has not finished, or ran with train.save_final=false)")
+        raise UserError(f"model.name_or_path={name_or_path} is a run folder; its model is in {final}{missing}. "
+                        f"Fix: model.name_or_path={final}")
 
 
 def load_policy(
@@ -44,7 +60,9 @@ def load_policy(
         chat_template: a Jinja chat template replacing the tokenizer's (needed for conversational data on
             base models without one).
         revision: Hub branch, tag or commit.
-        trust_remote_code: allow model code from the Hub repository.
+        trust_remote_code: run Python code that the Hub repository ships (custom architectures). Off unless
+            asked: such code runs with your permissions. Weights are read from safetensors files where the
+            repository has them, else with ``torch.load(weights_only=True)``, which runs no code.
         attn_implementation: e.g. ``sdpa``, ``eager``, ``flash_attention_2``; ``None`` lets transformers pick.
         tiny: a :class:`rlhf.models.tiny.TinySpec`, used when ``name_or_path`` is ``None``.
     """
@@ -60,12 +78,19 @@ def load_policy(
         if _looks_local(path) and not os.path.isdir(path):
             raise UserError(f"model.name_or_path={name_or_path}: no such folder (looked in {os.path.abspath(path)})."
                             " Fix: point it at a folder with config.json, e.g. <run dir>/final, or a Hub id.")
+        _check_not_a_run_folder(name_or_path, path)
         kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust_remote_code}
+        model_kwargs: dict[str, Any] = {}
+        if not os.path.isdir(path) and hub.cache_only(path, revision, "model.name_or_path"):
+            # A Hub id without network: from the cache only. transformers does not pass local_files_only on to its
+            # look-up of a PEFT adapter config, which would then retry the Hub for a minute.
+            kwargs["local_files_only"] = True
+            model_kwargs["adapter_kwargs"] = {"local_files_only": True}
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype="auto" if dtype == "auto" else DTYPES[dtype],
-                attn_implementation=attn_implementation, **kwargs,
+                attn_implementation=attn_implementation, **kwargs, **model_kwargs,
             )
         except OSError as error:
             raise UserError(f"model.name_or_path={name_or_path}: could not load it ({error}). Fix: check the id or "
