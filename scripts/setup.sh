@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# Create .venv with PyTorch and rlhf (editable, with test tools). Safe to re-run: it skips what is present.
+# Create .venv with PyTorch and rlhf (editable, with test tools). Safe to re-run: it skips what is present, and
+# brings the other packages to the versions in constraints.txt (the set the tests and the README were run with).
 #   TORCH_SPEC  which torch to install when none is present (default: torch==2.13.0; e.g. "torch" for the
-#               newest build for your platform, or a CUDA wheel spec)
+#               newest build for your platform, or a CUDA wheel spec). torch is not in constraints.txt.
 #   PYTHON      the interpreter that creates the venv (default: python3)
+# constraints.txt: rewrite it with scripts/update_constraints.sh (docs/reproducibility.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+.venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+  echo "error: .venv has Python $(.venv/bin/python -c 'import platform; print(platform.python_version())'); the versions in" \
+       "constraints.txt (transformers 5, numpy 2.4) need Python 3.11 or newer. Fix: rm -rf .venv, then" \
+       "PYTHON=python3.11 bash scripts/setup.sh" >&2
+  exit 1
+}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-.venv/bin/python -m pip install -q -e ".[dev]"
-echo "ready: $(.venv/bin/python -c 'import torch, transformers, accelerate; print(f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}")')"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
+echo "ready: $(.venv/bin/python -c 'import torch, transformers, accelerate, datasets; print(f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, datasets {datasets.__version__}")')"
