@@ -1,8 +1,22 @@
 """rlhf: post-training language models (SFT, DPO, ...) with one Accelerate loop and Hydra configs."""
 
-from rlhf import config as _config  # noqa: F401  (registers the config resolvers)
-from rlhf import slurm as _slurm  # noqa: F401  (registers the launcher resolvers: rlhf.slurm_cpus, ...)
-from rlhf.launch import train
+import logging as _logging
+
+
+def _drop_kernels_notice(record: _logging.LogRecord) -> bool:
+    """bitsandbytes, when imported on a CPU with AVX512-BF16, offers a faster 4-bit CPU kernel from the optional
+    `kernels` package and warns on every run that it is not installed. rlhf uses bitsandbytes for its 8-bit
+    optimizers only, never for 4-bit matmuls, so the notice means nothing here. Other bitsandbytes warnings show."""
+    return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+# Installed before anything imports bitsandbytes (peft and transformers do); a filter sits on the logger object
+# itself, which Hydra's logging configuration leaves in place.
+_logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_drop_kernels_notice)
+
+from rlhf import config as _config  # noqa: E402,F401  (registers the config resolvers)
+from rlhf import slurm as _slurm  # noqa: E402,F401  (registers the launcher resolvers: rlhf.slurm_cpus, ...)
+from rlhf.launch import train  # noqa: E402
 
 __all__ = ["train"]
 __version__ = "0.1.0"

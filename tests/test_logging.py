@@ -1,0 +1,89 @@
+"""Which W&B mode a run gets: logger.mode, then WANDB_MODE, then online only when an API key is configured."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf import logging as rlhf_logging
+from rlhf.logging import WandbLogger, wandb_mode
+
+
+@pytest.fixture
+def no_wandb_env(monkeypatch, tmp_path):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
+
+
+@pytest.mark.parametrize(("configured", "env", "expected"), [
+    (None, {}, "offline"),
+    (None, {"WANDB_API_KEY": "k"}, "online"),
+    (None, {"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}, "offline"),  # the environment's mode beats the key
+    (None, {"WANDB_MODE": "disabled"}, "disabled"),
+    (None, {"WANDB_DISABLED": "true", "WANDB_API_KEY": "k"}, "disabled"),
+    ("offline", {"WANDB_API_KEY": "k", "WANDB_MODE": "online"}, "offline"),  # the config beats both
+    ("online", {"WANDB_MODE": "offline"}, "online"),
+    ("disabled", {"WANDB_API_KEY": "k"}, "disabled"),
+])
+def test_mode_precedence(no_wandb_env, monkeypatch, configured, env, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert wandb_mode(configured) == expected
+
+
+def test_a_netrc_key_means_online(no_wandb_env, tmp_path):
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    assert wandb_mode(None) == "online"
+
+
+class _FakeRun:
+    def __init__(self) -> None:
+        self.logged = []
+
+    def log(self, metrics, step):
+        self.logged.append((step, metrics))
+
+    def finish(self):
+        pass
+
+
+def test_the_logger_starts_wandb_offline_when_wandb_mode_says_so_despite_a_key(no_wandb_env, monkeypatch, tmp_path):
+    import wandb
+
+    calls = []
+
+    def fake_init(**kwargs):
+        calls.append(kwargs)
+        return _FakeRun()
+
+    monkeypatch.setattr(wandb, "init", fake_init)
+    monkeypatch.setenv("WANDB_API_KEY", "secret-key-never-used-online")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = WandbLogger(project="p")
+    logger.start(str(tmp_path / "run"), {"seed": 0})
+    logger.log({"train/loss": 1.0}, step=1)
+    logger.finish()
+    assert calls[0]["mode"] == "offline"
+    assert calls[0]["dir"] == str(tmp_path / "run")
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().strip() == '{"step": 1, "train/loss": 1.0}'
+
+    WandbLogger(project="p", mode="disabled").start(str(tmp_path / "run2"), {})
+    assert calls[1]["mode"] == "disabled"
+    assert rlhf_logging.wandb_mode("disabled") == "disabled"
+
+
+def test_an_offline_wandb_run_keeps_the_api_key_out_of_its_files(no_wandb_env, monkeypatch, tmp_path):
+    """A real (offline) W&B run with a key in the environment: it stays offline, and its files hold no key."""
+    key = "0123456789abcdef0123456789abcdef01234567"  # the shape of a W&B key
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token_42")
+    logger = WandbLogger(project="p")
+    logger.start(str(tmp_path / "run"), {"seed": 0})
+    logger.log({"train/loss": 1.0}, step=1)
+    logger.finish()
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files)  # W&B wrote its offline run here
+    for path in files:
+        data = path.read_bytes()
+        assert key.encode() not in data and b"hf_secret_token_42" not in data, path
