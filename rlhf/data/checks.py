@@ -76,7 +76,8 @@ def describe_type(value: Any) -> str:
     """``a number``, ``a list``, ...: a JSON-ish name for the type of ``value``, for messages."""
     if value is None:
         return "null"
-    names = {bool: "true/false", int: "a number", float: "a number", str: "a string", dict: "an object", list: "a list"}
+    names = {bool: "true/false", int: "a number", float: "a number", str: "a string", dict: "an object",
+             list: "a list"}
     return names.get(type(value), f"of type {type(value).__name__}")
 
 
@@ -91,7 +92,8 @@ def conversation_problem(messages: list) -> tuple[str, str] | None:
         return "is an empty list of messages", "give it at least one {role, content} message, or remove the row"
     for i, message in enumerate(messages, 1):
         if not isinstance(message, dict):
-            return f"has message {i} that is {describe_type(message)}, not a {{role, content}} object", _CONVERSATION_FIX
+            kind = describe_type(message)
+            return f"has message {i} that is {kind}, not a {{role, content}} object", _CONVERSATION_FIX
         role, content = message.get("role"), message.get("content")
         if role is None:
             if "from" in message:
@@ -173,9 +175,9 @@ def check_rows(rows: Iterable[tuple[int, Mapping[str, Any]]], fields: Sequence[s
     for column in fields:
         if column in first_text and column in first_conversation:
             raise UserError(
-                f"{origin.where}: column {column!r} mixes lists of messages (first: row "
-                f"{first_conversation[column]}) and plain text (first: row {first_text[column]}), {origin.counting[1:-1]}. "
-                "Fix: write every row of a column the same way: all text, or all lists of {role, content} messages."
+                f"{origin.where}: column {column!r} mixes lists of messages (first: row {first_conversation[column]}) "
+                f"and plain text (first: row {first_text[column]}), {origin.counting[1:-1]}. Fix: write every row "
+                "of a column the same way: all text, or all lists of {role, content} messages."
             )
     return checked
 
@@ -204,18 +206,20 @@ def settle(problems: Sequence[RowProblem], total: int, on_bad_row: str, origin: 
     first = min(problems, key=lambda p: p.row)
     first_row = first.describe(origin.counting)
     if len(problems) == total:
-        raise UserError(f"{origin.where}: every one of its {total} row(s) is bad, so none is left to train on; first: {first_row}. "
-                        f"Fix: {first.fix}.")
+        raise UserError(f"{origin.where}: every one of its {total} row(s) is bad, so none is left to train on; "
+                        f"first: {first_row}. Fix: {first.fix}.")
     if on_bad_row == "error":
         others = (f"{len(problems)} of its {total} rows are bad; data.on_bad_row=skip would leave them out"
                   if len(problems) > 1 else "or set data.on_bad_row=skip to leave such rows out")
         raise UserError(f"{origin.where}: {first_row}. Fix: {first.fix} ({others}).")
-    return f"skipped {len(problems)} bad row(s) of {total} in {origin.where} (data.on_bad_row=skip); first: {first_row}"
+    return (f"skipped {len(problems)} bad row(s) of {total} in {origin.where} (data.on_bad_row=skip); "
+            f"first: {first_row}")
 
 
 def check_on_bad_row(value: Any) -> str:
     """``value`` if it is a valid ``data.on_bad_row``, else a :class:`UserError` saying what is."""
     if value not in ON_BAD_ROW:
-        raise UserError(f"data.on_bad_row={value!r} is not one of {', '.join(ON_BAD_ROW)}. Fix: data.on_bad_row=error "
-                        "(stop at the first bad row) or data.on_bad_row=skip (leave bad rows out, counted in the log).")
+        raise UserError(f"data.on_bad_row={value!r} is not one of {', '.join(ON_BAD_ROW)}. Fix: "
+                        "data.on_bad_row=error (stop at the first bad row) or data.on_bad_row=skip (leave bad rows "
+                        "out, counted in the log).")
     return value

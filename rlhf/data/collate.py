@@ -47,9 +47,9 @@ def require_completion(encoded: dict[str, list[int]], row: dict, column: str, ma
     if any(encoded["completion_mask"]):
         return
     where = row.get(ROW_COLUMN) or "a row"
-    raise UserError(f"{where}: not one token of {column!r} fits in algo.max_length={max_length}: the prompt fills it. "
-                    "Fix: raise algo.max_length, set algo.max_prompt_length below it (long prompts then keep their "
-                    "end), or shorten the prompt.")
+    raise UserError(f"{where}: not one token of {column!r} fits in algo.max_length={max_length}: the prompt fills "
+                    "it. Fix: raise algo.max_length, set algo.max_prompt_length below it (long prompts then keep "
+                    "their end), or shorten the prompt.")
 
 
 def pad(sequences: Sequence[Sequence[int]], value: int) -> torch.Tensor:

@@ -55,8 +55,9 @@ def read_text(path: str, where: str) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         kind = os.path.splitext(path)[1].lower()
-        raise UserError(f"{where}: not UTF-8 text (byte {error.start}: {error.reason}), so not a {kind} file, or a "
-                        f"damaged one. Fix: save it as UTF-8 text, or give it the extension of what it holds.") from error
+        raise UserError(f"{where}: not UTF-8 text (byte {error.start}: {error.reason}), so not a {kind} file, or "
+                        "a damaged one. Fix: save it as UTF-8 text, or give it the extension of what it holds."
+                        ) from error
 
 
 def parse_csv(text: str, origin: Origin) -> Records:
@@ -169,8 +170,8 @@ def decode_conversations(records: Records, fields: list[str]) -> Records:
         if column == "messages" or any(is_conversation(v) for v in parsed.values()):
             decoded[column] = parsed
             for number, problem in failed.items():
-                problems.setdefault(number, RowProblem(number, column, problem, "write the conversation as a JSON list "
-                                                       'of {"role": ..., "content": ...} objects, or remove the row'))
+                fix = 'write the conversation as a JSON list of {"role": ..., "content": ...} objects, or remove the row'
+                problems.setdefault(number, RowProblem(number, column, problem, fix))
     rows = [(number, {**row, **{c: decoded[c][number] for c in decoded if number in decoded[c]}})
             for number, row in records.rows if number not in problems]
     return Records(rows, records.problems + list(problems.values()), records.columns)

@@ -161,7 +161,9 @@ class DataSource:
         suffix = Path(path).suffix.lower()
         looks_local = suffix in readers.SUPPORTED + _OTHER_FILES or path.startswith((".", "/", "~"))
         if looks_local and not os.path.exists(path):
-            also = f" Note: {readers.not_supported(path)} either: {readers.FIX_SUPPORTED}." if suffix in _OTHER_FILES else ""
+            also = ""
+            if suffix in _OTHER_FILES:
+                also = f" Note: {readers.not_supported(path)} either: {readers.FIX_SUPPORTED}."
             raise UserError(f"{where}: no such file or folder. Fix: check the path (it is relative to "
                             f"{os.getcwd()}, the directory train.py was started from).{also}")
         return self._check_dataset(self._load_hub(path, split), columns, Origin(f"{where} (split {split!r})"))

@@ -211,3 +211,25 @@ def test_an_empty_parquet_file_and_a_truncated_saved_folder(tmp_path):
 def test_the_embedded_task_names_its_rows_too():
     splits = DataSource(task=ReverseTask(num_train=4, num_eval=2)).load(("prompt", "completion"), byte_tokenizer())
     assert splits["eval"][1][ROW_COLUMN] == "the embedded task (eval split), row 2 (counting from 1)"
+
+
+def test_a_row_without_room_for_a_completion_token_stops_tokenization_as_a_user_error(tmp_path):
+    from rlhf.algos.sft import SFT
+
+    rows = [{"prompt": "q" * (40 if i == 2 else 3), "completion": "a"} for i in range(5)]
+    _, splits = load(write(tmp_path / "d.csv", rows, ["prompt", "completion"]), ("prompt", "completion"))
+    tokenize = SFT(max_prompt_length=None, max_length=16).tokenize
+    with pytest.raises(UserError, match=rf"^data.path={tmp_path / 'd.csv'}, row 3 \(counting data rows from 1, after "
+                                        r"the header\): not one token of 'completion' fits in algo.max_length=16"):
+        splits.map(tokenize, fn_kwargs={"tokenizer": byte_tokenizer()}, remove_columns=splits["train"].column_names)
+    tokenized = splits.map(SFT(max_prompt_length=8, max_length=16).tokenize, fn_kwargs={"tokenizer": byte_tokenizer()},
+                           remove_columns=splits["train"].column_names)  # long prompts are cut, as before
+    assert max(len(ids) for ids in tokenized["train"]["input_ids"]) <= 16
+
+
+def test_a_folder_of_data_files_is_checked_like_a_file(tmp_path):
+    (tmp_path / "data").mkdir()
+    write(tmp_path / "data" / "train.jsonl", [*ROWS[:3], {"prompt": "q", "chosen": "a", "rejected": None}])
+    with pytest.raises(UserError, match=r"data.path=.*data \(split 'train'\): row 4 \(counting from 1\), column "
+                                        r"'rejected' is null"):
+        load(tmp_path / "data")
