@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from rlhf.errors import UserError
+from rlhf.files import use_umask
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +196,7 @@ def replace_folder(staging: Path, folder: Path) -> None:
     """Put the complete folder ``staging`` at ``folder``. An existing ``folder`` is swapped out in one atomic
     step where the system allows it, so that a kill at any moment leaves a whole folder at ``folder``; else it is
     first renamed to ``<folder>.old`` (a kill then leaves the previous one there)."""
+    use_umask(staging)  # safetensors writes its files 0600: give them the modes the user's umask says
     if not folder.exists():
         os.replace(staging, folder)
     elif _exchange(staging, folder):

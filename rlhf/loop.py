@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from rlhf import checkpoint
+from rlhf import checkpoint, run_folder
 from rlhf.checkpoint import TrainState
 from rlhf.config import build, check_config, check_fields
 from rlhf.errors import UserError
@@ -331,6 +331,7 @@ def _run(cfg: DictConfig, settings: TrainSettings, run_dir: Path, strategy, acce
         log.info("resumed from %s: step %d, epoch %d", resume, state.step, state.epoch)
     logger = build(cfg.logger)
     if is_main:
+        run_folder.clear_previous_results(run_dir)
         logger.start(str(run_dir), OmegaConf.to_container(cfg, resolve=True),
                      resume_step=state.step if resume is not None else None)
 
@@ -350,10 +351,11 @@ def _run(cfg: DictConfig, settings: TrainSettings, run_dir: Path, strategy, acce
         log.info("step %d: checkpoint %s", state.step, folder)
         return folder
 
+    if resume is None and getattr(data, "skipped_rows", 0):  # data.on_bad_row=skip left rows out
+        record({"data/skipped_rows": data.skipped_rows}, 0)
     if resume is None and (settings.eval_at_start or max_steps == 0):
         metrics = evaluate(model, algo, evaluation, accelerator)
-        skipped = getattr(data, "skipped_rows", 0)
-        record({**metrics, **({"data/skipped_rows": skipped} if skipped else {})}, 0)
+        record(metrics, 0)
         log.info("step 0: %s", _brief(metrics))
 
     # --- the loop ----------------------------------------------------------------------------------------

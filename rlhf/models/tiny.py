@@ -29,6 +29,7 @@ from transformers import (
 from rlhf.algos.base import completion_stats
 from rlhf.algos.sft import SFT, nll_loss
 from rlhf.data.tasks import ReverseTask
+from rlhf.files import use_umask
 from rlhf.models.loading import Policy
 from rlhf.models.tokenizer import VOCAB_SIZE, byte_tokenizer
 
@@ -135,6 +136,7 @@ class TinySpec:
         staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        use_umask(staging)  # mkdtemp makes it 0700, safetensors writes 0600: a shared cache needs the umask's modes
         try:
             os.replace(staging, folder)
         except OSError:  # another process finished first; theirs is identical

@@ -38,11 +38,14 @@ needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed not in
 
 CLIP = 0.5
 COMMON = [*FAST, "data.task.num_eval=17", "algo.beta=3.0", "optimizer=sgd", "train.max_steps=3", "train.global_batch_size=16",
-          "hardware.timeout_s=120"]  # 4 per device x 2 processes x 2 micro-batches; a stuck collective fails fast
+          "hardware.timeout_s=120",  # 4 per device x 2 processes x 2 micro-batches; a stuck collective fails fast
+          "train.save_every_steps=2", "optimizer.momentum=0.9"]  # a checkpoint to resume from; optimizer state
+RESUMED = "_resumed"  # a run named <run>_resumed continues <run> from its step-2 checkpoint
 RUNS: dict[str, list[str]] = {  # name -> overrides, in the order they run
     "ddp": ["hardware=cpu_ddp", f"train.max_grad_norm={CLIP}"],
     "ddp_noclip": ["hardware=cpu_ddp", "train.max_grad_norm=null"],
     "fsdp": ["hardware=fsdp", f"train.max_grad_norm={CLIP}"],
+    "fsdp_resumed": ["hardware=fsdp", f"train.max_grad_norm={CLIP}"],
     "ddp_bf16": ["hardware=cpu_ddp", "hardware.mixed_precision=bf16", f"train.max_grad_norm={CLIP}"],
     "fsdp_bf16": ["hardware=fsdp", "hardware.mixed_precision=bf16", f"train.max_grad_norm={CLIP}"],
 }
@@ -50,15 +53,18 @@ if HAS_DEEPSPEED:
     RUNS |= {
         "zero1": ["hardware=zero1", f"train.max_grad_norm={CLIP}"],
         "zero2": ["hardware=zero2", f"train.max_grad_norm={CLIP}"],
+        "zero2_resumed": ["hardware=zero2", f"train.max_grad_norm={CLIP}"],
         "zero2_noclip": ["hardware=zero2", "train.max_grad_norm=null"],
         # threshold 0: otherwise every parameter of a model this small stays whole on every process
         "zero3": ["hardware=zero3", "hardware.param_persistence_threshold=0", f"train.max_grad_norm={CLIP}"],
+        "zero3_resumed": ["hardware=zero3", "hardware.param_persistence_threshold=0", f"train.max_grad_norm={CLIP}"],
         "zero3_noclip": ["hardware=zero3", "hardware.param_persistence_threshold=0", "train.max_grad_norm=null"],
         "zero3_bf16": ["hardware=zero3", "hardware.param_persistence_threshold=0", "hardware.mixed_precision=bf16",
                        f"train.max_grad_norm={CLIP}"],
     }
-SHARDED = [name for name in RUNS if not name.startswith("ddp") and not name.endswith("_bf16")]  # fp32: ~ DDP exactly
+SHARDED = [name for name in RUNS if not name.startswith("ddp") and not name.endswith(("_bf16", RESUMED))]  # ~ DDP
 BF16 = [name for name in RUNS if not name.startswith("ddp") and name.endswith("_bf16")]
+RESUMES = [name.removesuffix(RESUMED) for name in RUNS if name.endswith(RESUMED)]
 HOLDS = re.compile(r"this process holds ([\d,]+) of ([\d,]+) parameter elements")
 STEPS = re.compile(r"its optimizer steps ([\d,]+) of ([\d,]+) trainable elements")
 
@@ -105,9 +111,13 @@ def runs(tmp_path_factory) -> tuple[Path, dict[int, dict[str, str]]]:
 
     root = tmp_path_factory.mktemp("sharded")
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "RLHF_CACHE": str(root / "cache")}
+    def resume(name: str) -> list[str]:
+        return [f"resume={root / name.removesuffix(RESUMED) / 'checkpoints' / 'step_00000002'}"] if name.endswith(
+            RESUMED) else []
+
     containers = {name: OmegaConf.to_container(
-        compose_config(*COMMON, *overrides, f"model.tiny.cache_dir={root / 'cache'}", output_dir=root / name),
-        resolve=True) for name, overrides in RUNS.items()}
+        compose_config(*COMMON, *overrides, *resume(name), f"model.tiny.cache_dir={root / 'cache'}",
+                       output_dir=root / name), resolve=True) for name, overrides in RUNS.items()}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="sharded", rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.1,
                           start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=None))
@@ -177,6 +187,25 @@ def test_training_equals_ddp(name, runs):
                 assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-5), (mine["step"], key)
             else:
                 assert key not in mine, (mine["step"], key)
+
+
+# --- (d) exact resume from each rank's shards ------------------------------------------------------------------
+@pytest.mark.serial
+@pytest.mark.parametrize("name", RESUMES)
+def test_resume_from_the_shards_equals_the_uninterrupted_run(name, runs):
+    """<name>_resumed loaded <name>'s step-2 checkpoint (each rank its shards of the model and of SGD's momentum)
+    and trained step 3: the same parameters and the same step-3 metrics, bit for bit."""
+    root, _ = runs
+    checkpoint = root / name / "checkpoints" / "step_00000002"
+    shards = {"fsdp": "sharded/*.distcp", "zero2": "zero/state/*optim_states.pt", "zero3": "zero/state/*optim_states.pt"}
+    assert len(list(checkpoint.glob(shards[name]))) == 2, sorted(p.name for p in checkpoint.rglob("*"))  # one per rank
+    whole, resumed = _model(root / name), _model(root / (name + RESUMED))
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    def step3(run):
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in _metrics(run) if r["step"] == 3]
+    assert step3(root / (name + RESUMED)) == step3(root / name) and step3(root / name)
+    assert [r["step"] for r in _metrics(root / (name + RESUMED))] == [3, 3]  # train and eval lines, nothing before
 
 
 # --- (c) one whole model that loads anywhere -------------------------------------------------------------------
