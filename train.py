@@ -13,7 +13,6 @@ from rlhf.errors import UserError
 from rlhf.launch import hydra_overrides_for_this_rank
 from rlhf.signals import Stopped, hand_over
 from rlhf.slurm import for_the_sweep, in_submitit_job
-from rlhf.validate import CHECK_BEFORE_RUN
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -52,5 +51,4 @@ def resume_command(run_dir) -> str:
 
 if __name__ == "__main__":
     sys.argv += hydra_overrides_for_this_rank()  # under torchrun, only rank 0 writes .hydra/ and train.log
-    sys.argv += CHECK_BEFORE_RUN  # a bad config stops with one message before Hydra makes the run folder
     main()

@@ -131,6 +131,11 @@ def check_config(cfg: DictConfig) -> None:
     validate.check_top_level(container)
     if "output_dir" in container:
         validate.check_run_dir(container["output_dir"], "output_dir")
+    if isinstance(container.get("train"), dict):  # first: the schedule's length and others derive from train.*
+        from rlhf.loop import TrainSettings
+
+        check_fields(container["train"], TrainSettings, "train")
+        TrainSettings(**container["train"])
     _walk(container, "")
     validate.check_float16_on_cpu(container)
 

@@ -39,7 +39,8 @@ OPTIMIZER_LIMITS: dict[str, Range] = {
 
 SCHEDULER_LIMITS: dict[str, Range] = {
     "num_warmup_steps": Range(ge=0, integer=True, meaning="optimizer steps of linear warmup; 0 for none", fix=10),
-    "num_training_steps": Range(ge=1, integer=True, meaning="optimizer steps until the learning rate reaches 0",
+    "num_training_steps": Range(ge=0, integer=True, meaning="optimizer steps until the learning rate reaches 0 "
+                                "(0 only with train.max_steps=0, an evaluation-only run)",
                                 fix="${train.max_steps}"),
     "num_cycles": Range(gt=0, meaning="cosine periods over training; 0.5 decays once from peak to 0", fix=0.5),
     "step_size": Range(ge=1, integer=True, meaning="optimizer steps between two decays", fix=100),

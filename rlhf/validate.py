@@ -307,6 +307,3 @@ class CheckBeforeRun(Callback):
             print(f"error: {error}", file=sys.stderr)
             sys.exit(1)
 
-
-# Hydra overrides that train.py adds to the command line: the callback above, under a name of its own.
-CHECK_BEFORE_RUN = ["++hydra.callbacks.rlhf_check._target_=rlhf.validate.CheckBeforeRun"]

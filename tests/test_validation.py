@@ -93,7 +93,7 @@ def test_eps_and_momentum():
 @pytest.mark.parametrize(("option", "override", "message"), [
     ("cosine", "scheduler.num_warmup_steps=-1", "must be a whole number >= 0"),
     ("linear", "scheduler.num_warmup_steps=2.5", "must be a whole number >= 0"),
-    ("cosine", "scheduler.num_training_steps=0", "must be a whole number >= 1"),
+    ("cosine", "scheduler.num_training_steps=-1", "must be a whole number >= 0"),
     ("cosine", "scheduler.num_cycles=0", "must be > 0"),
     ("step", "scheduler.step_size=0", "must be a whole number >= 1"),
     ("step", "scheduler.gamma=0", "must be in (0, 1]"),
@@ -109,11 +109,17 @@ def test_scheduler_options_pass_as_shipped():
 
 
 # --- NaN and infinity anywhere ------------------------------------------------------------------------------
-@pytest.mark.parametrize("override", ["seed=nan", "train.max_grad_norm=inf", "model.tiny.warm_start_lr=nan",
+@pytest.mark.parametrize("override", ["seed=nan", "optimizer.lr=inf", "model.tiny.warm_start_lr=nan",
                                       "data.eval_size=-inf"])
 def test_nan_and_inf_are_refused_anywhere(override):
     key, value = override.split("=")
     assert refused(override).startswith(f"{key}={value} is not a finite number")
+
+
+def test_train_settings_are_checked_first_with_their_own_message():
+    assert refused("train.max_grad_norm=inf") == ("train.max_grad_norm=inf must be a finite number > 0, or null for "
+                                                  "no clipping. Fix: e.g. train.max_grad_norm=1.0")
+    assert refused("train.max_steps=-5") == "train.max_steps=-5 must be at least 0."
 
 
 # --- a list where one value belongs: a sweep written as a list ---------------------------------------------------
