@@ -16,11 +16,13 @@ This process holds the folder's lock for the whole run and resolves ``resume`` o
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import logging
 import logging.config
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -56,7 +58,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if launched_elsewhere() and os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 holds and prepares it
         return loop.train(cfg)
     run_dir = Path(cfg.output_dir)
-    with run_folder.claim(run_dir):
+    # The main machine holds the folder (one lock); the others only read which checkpoint to resume from.
+    with run_folder.claim(run_dir) if strategy.node_rank == 0 else contextlib.nullcontext():
         found = run_folder.prepare(run_dir, cfg.get("resume"))
         with open_dict(cfg):
             cfg.resume = str(found) if found is not None else None  # every rank resumes from the same one
@@ -84,7 +87,7 @@ def _start(cfg: DictConfig, processes: int, threads: int, nodes: int, node_rank:
     log.info("starting %d process(es) on this machine (%d machine(s) in all)", processes, nodes)
     quiet = logging.getLogger("torch.distributed.elastic")
     level = quiet.level
-    quiet.setLevel(logging.WARNING)  # the agent's INFO lines mean nothing to a user
+    quiet.setLevel(logging.ERROR)  # its INFO and WARNING lines (e.g. closing the ranks on Ctrl-C) mean nothing to a user
     omp = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the children's thread count: processes x threads <= CPUs
     try:
@@ -170,8 +173,13 @@ def _worker(container: dict, logging_config: dict | None) -> dict[str, float]:
             return loop.train(OmegaConf.create(container))
         except UserError as error:
             raise RuntimeError(f"{_USER_ERROR}{error}") from None
-        except Stopped as stopped:  # a clean stop: the parent raises it again
-            return {_STOPPED: (stopped.signum, str(stopped.checkpoint or ""), stopped.step)}
+        except Stopped as stopped:  # a clean stop, after the checkpoint
+            if stopped.signum == signal.SIGUSR2:  # forwarded by the parent, which waits for the result: return it
+                return {_STOPPED: (stopped.signum, str(stopped.checkpoint or ""), stopped.step)}
+            # SIGTERM/SIGINT: the elastic agent in the parent is already closing the ranks and reads no result (a
+            # rank that returned one would wait for it until the agent's SIGKILL, 30 s later): leave now.
+            logging.shutdown()
+            os._exit(stopped.exit_code)
 
     return run()
 
