@@ -38,6 +38,9 @@ def main(cfg: DictConfig) -> float | None:
             raise
         logging.getLogger("rlhf").exception("the run failed")  # the job's own traceback: Hydra keeps none
         raise for_the_sweep(error) from None
+    # The run is complete: a time-limit warning (Slurm's USR2) arriving now has nothing left to save, and must not
+    # end the finished job as FAILED while it exits (measured: USR2 during exit kills the process).
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     return metrics.get("eval/loss")
 
 

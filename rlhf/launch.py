@@ -180,6 +180,8 @@ def _worker(container: dict, logging_config: dict | None) -> dict[str, float]:
             # rank that returned one would wait for it until the agent's SIGKILL, 30 s later): leave now.
             logging.shutdown()
             os._exit(stopped.exit_code)
+        except KeyboardInterrupt:  # a second Ctrl-C: abort quietly (the parent says so once)
+            os._exit(130)
 
     return run()
 

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -427,7 +428,7 @@ def _run(cfg: DictConfig, settings: TrainSettings, run_dir: Path, strategy, acce
                 saved = save_checkpoint()
             if stop_anywhere:
                 bar.close()
-                raise Stopped(_requested_signal(stop, accelerator), saved or save_checkpoint(), run_dir, step)
+                raise Stopped(_requested_signal(stop), saved or save_checkpoint(), run_dir, step)
         bar.close()
 
     # --- results -----------------------------------------------------------------------------------------
@@ -458,10 +459,8 @@ def _any_process(accelerator, *flags: bool) -> list[bool]:
     return [bool(v > 0) for v in values.tolist()]
 
 
-def _requested_signal(stop, accelerator) -> int:
+def _requested_signal(stop) -> int:
     """The signal this process received, or (when only another process did) SIGTERM."""
-    import signal
-
     return stop.signum if stop.signum is not None else int(signal.SIGTERM)
 
 

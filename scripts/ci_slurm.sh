@@ -179,8 +179,9 @@ def metrics(folder):
 if metrics(run) != metrics(reference):
     errors.append("the requeued run's metrics.jsonl differs from the uninterrupted run's (perf/* aside)")
 print(f"attempts: {len(resumed) + 1} (resumed from {', '.join(Path(r).name for r in resumed)}); sacct: {' '.join(sacct)}")
+same = not [e for e in errors if "differ" in e]
 print(f"final eval/loss {json.loads((run / 'summary.json').read_text())['final']['eval/loss']:.6f}; "
-      f"parameters and metrics bit-identical to the uninterrupted run: {not errors}")
+      f"parameters and metrics bit-identical to the uninterrupted run: {same}")
 for e in errors:
     print("FAIL", e, file=sys.stderr)
 sys.exit(1 if errors else 0)

@@ -250,3 +250,27 @@ def test_sigkill_of_a_two_process_run_then_resume_equals_an_uninterrupted_run(tm
         for entry in (x, y):
             entry["train"]["last"] = {k: v for k, v in entry["train"]["last"].items() if not k.startswith("perf/")}
         assert x["train"] == y["train"] and torch.equal(x["rng"]["torch"], y["rng"]["torch"])
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_the_metrics(fast_config, tmp_path, monkeypatch):
+    """A disk that fills up during the step-2 checkpoint: one clear error, step 1's checkpoint and the metrics stay."""
+    import errno
+
+    from rlhf.hardware.base import DataParallel
+
+    original, calls = DataParallel.save_state, []
+
+    def full_disk(self, model, optimizer, folder):
+        calls.append(folder)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, model, optimizer, folder)
+
+    monkeypatch.setattr(DataParallel, "save_state", full_disk)
+    with pytest.raises(UserError, match=r"could not write the checkpoint of step 2 .*No space left.*kept"):
+        train(fast_config("train.save_every_steps=1"))
+    run = tmp_path / "run"
+    assert [p.name for p in checkpoint.complete(run)] == ["step_00000001"]
+    assert not list((run / checkpoint.FOLDER).glob(".tmp-*"))  # the partial one is gone
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()][-1] == 2
+    assert not (run / "final").exists()
