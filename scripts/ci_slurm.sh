@@ -10,9 +10,9 @@
 # Each is a ~20-step run of the embedded default with a small eval. Then it checks that every Slurm job ended
 # COMPLETED (sacct) and that every run folder has metrics.jsonl up to the last step, summary.json and final/ (a
 # Slurm job is COMPLETED even when the run inside failed: Hydra hands the error to the sweep, whose exit status is
-# checked too), prints a table and the timings. Last, the requeue test: a run whose 1-minute time limit falls in
-# the middle gets USR2, checkpoints, is requeued by submitit and resumes, and must end bit-identical (parameters
-# and metrics) to an uninterrupted run of the same command. Then it stops the cluster (on any exit).
+# checked too), prints a table and the timings. Last, the requeue test: a run under a short time limit gets USR2
+# mid-training, checkpoints, is requeued by submitit and resumes, and must end bit-identical (parameters and
+# metrics) to an uninterrupted run of the same command. Then it stops the cluster (on any exit).
 #   SLURM_CI_DIR  where the sweeps go (default outputs/ci-slurm; emptied first)
 #   RLHF_CACHE    the tiny model's warm-start cache, inherited by the jobs (default .ci-cache, as .ci/run)
 #   SLURM_CI_KEEP=1  leave the cluster running at the end (it is stopped by default, even one that was running)
@@ -131,22 +131,33 @@ for e in errors:
     print("FAIL", e, file=sys.stderr)
 sys.exit(1 if errors else 0)
 EOF
-echo "== requeue: a 1-minute time limit mid-run; USR2 -> checkpoint -> requeue -> resume, vs an uninterrupted run"
-# ~20 s of training on 1 CPU; Slurm sends USR2 23-30 s into each attempt (its timer is coarse), so the run is
-# checkpointed and requeued at least once. A requeued job is held 121 s (Reason=BeginTime): released at once here.
+echo "== requeue: a 2-minute time limit; USR2 mid-run -> checkpoint -> requeue -> resume, vs an uninterrupted run"
+# ~20 s of training on 1 CPU under a 2-minute limit with USR2 30 s before it. Slurm's timer is coarse: it sends USR2 up
+# to a minute early (with a 1-minute limit it came 5-30 s into an attempt here, once before Python had started, which
+# kills the job: keep signal_delay_s well inside the limit). A requeued job is held 121 s (Reason=BeginTime): released
+# at once here.
 REQ=(train.max_steps=60 train.eval_every_steps=30 train.log_every_steps=10 train.save_every_steps=0)
 T=$(now)
 OMP_NUM_THREADS=1 timeout 600 $PY train.py hardware=cpu "${REQ[@]}" hydra.run.dir="$OUT/requeue_reference" \
   >"$OUT/requeue_reference.log" 2>&1 &
 reference=$!
-timeout 900 $PY train.py -m launcher=slurm hydra.launcher.timeout_min=1 hydra.launcher.signal_delay_s=30 \
+timeout 900 $PY train.py -m launcher=slurm hydra.launcher.timeout_min=2 hydra.launcher.signal_delay_s=30 \
   hydra.launcher.max_num_timeout=8 "${REQ[@]}" hydra.sweep.dir="$OUT/requeue" >"$OUT/requeue.log" 2>&1 &
 sweep=$!
+signalled=0
 while kill -0 $sweep 2>/dev/null; do
   for id in $(squeue -h -o "%i %r" | awk '$2 == "BeginTime" {print $1}'); do
     scontrol update JobId="$id" StartTime=now && echo "released requeued job $id"
   done
-  sleep 1
+  # Slurm's own USR2 comes 30-90 s into an attempt, after this short run may have ended: so that one
+  # checkpoint-and-requeue surely happens mid-training, send USR2 through Slurm (the same signal to the same
+  # process, handled the same way) once the first attempt has logged step 10.
+  metrics=$(ls "$OUT"/requeue/*/metrics.jsonl 2>/dev/null | head -n 1 || true)
+  if [[ $signalled == 0 && -n $metrics ]] && grep -q '"step": [1-9][0-9], "train/' "$metrics"; then
+    id=$(squeue -h -t RUNNING -o %i | head -n 1)
+    [[ -n $id ]] && scancel --signal=USR2 "$id" && signalled=1 && echo "sent USR2 to running job $id"
+  fi
+  sleep 0.5
 done
 wait $sweep || { tail -n 15 "$OUT/requeue.log" >&2; fail "the requeue sweep failed: see $OUT/requeue.log"; }
 wait $reference || { tail -n 15 "$OUT/requeue_reference.log" >&2; fail "the uninterrupted reference run failed"; }
