@@ -87,3 +87,20 @@ def test_an_offline_wandb_run_keeps_the_api_key_out_of_its_files(no_wandb_env, m
     for path in files:
         data = path.read_bytes()
         assert key.encode() not in data and b"hf_secret_token_42" not in data, path
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(no_wandb_env, monkeypatch, tmp_path):
+    import wandb
+
+    seen = []
+
+    class Run:
+        def log(self, *args, **kwargs): ...
+        def finish(self): ...
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: seen.append(kwargs) or Run())
+    WandbLogger(mode="offline").start(str(tmp_path), {})
+    WandbLogger(mode="offline").start(str(tmp_path), {}, resume_step=10)  # resumed: the same id
+    WandbLogger(mode="offline").start(str(tmp_path), {})  # a new run in the folder: a new id
+    ids = [kwargs["id"] for kwargs in seen]
+    assert ids[0] == ids[1] != ids[2] and all(kwargs["resume"] == "allow" for kwargs in seen)
