@@ -261,6 +261,11 @@ def load(folder: Path, *, model, optimizer, scheduler, algo, strategy, accelerat
         raise UserError(f"{folder} was written by {meta.get('processes')} process(es) and this run has "
                         f"{accelerator.num_processes}: the data order and the per-rank state would not continue. "
                         f"Fix: resume with hardware.num_processes={meta.get('processes')}.")
+    written_by = meta.get("strategy")
+    if written_by is not None and written_by != type(strategy).__name__:
+        raise UserError(f"{folder} was written by the {written_by} strategy and this run uses "
+                        f"{type(strategy).__name__}: its model and optimizer files are laid out differently. "
+                        "Fix: resume with the hardware option that wrote it.")
     own_file = folder / f"rank_{accelerator.process_index}.pt"
     if not own_file.is_file():
         raise UserError(f"{folder} has no {own_file.name}: the checkpoint is incomplete. Fix: resume from an older "
