@@ -30,7 +30,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rlhf import checkpoint, run_folder
 from rlhf.checkpoint import TrainState
-from rlhf.config import build, check_config, check_fields
+from rlhf.config import build, check_config
 from rlhf.errors import UserError
 from rlhf.hardware import global_numel
 from rlhf.optim import param_groups
@@ -261,8 +261,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     lock); return the final metrics (held-out ``eval/*`` and last ``train/*``). Raises :class:`Stopped` after a
     stop signal (a checkpoint was written) and :class:`NonFinite` when training diverged."""
     # --- configuration -----------------------------------------------------------------------------------
-    check_fields(OmegaConf.to_container(cfg.train), TrainSettings, "train")
-    check_config(cfg)
+    check_config(cfg)  # the train block first (TrainSettings), then every component
     settings = TrainSettings(**cfg.train)
     run_dir = Path(cfg.output_dir)
     strategy = build(cfg.hardware)

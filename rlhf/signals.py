@@ -66,21 +66,30 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def catch_stop_signals() -> Iterator[StopRequest]:
-    """Install the stop handlers for the duration of the block (main thread only; elsewhere nothing is caught)."""
-    request = StopRequest()
+def _handling(signals: tuple[int, ...], handler: Callable) -> Iterator[None]:
+    """``handler`` for ``signals`` during the block (main thread only; elsewhere Python allows no handler), the
+    earlier handlers restored after it; the first handler each signal had in this process is kept for
+    :func:`hand_over`."""
     if threading.current_thread() is not threading.main_thread():
-        yield request
+        yield
         return
-    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    for sig in STOP_SIGNALS:
+    before = {sig: signal.getsignal(sig) for sig in signals}
+    for sig in signals:
         _previous.setdefault(sig, before[sig])
-        signal.signal(sig, request._handle)
+        signal.signal(sig, handler)
     try:
-        yield request
+        yield
     finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for sig, old in before.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def catch_stop_signals() -> Iterator[StopRequest]:
+    """Record stop signals for the loop during the block."""
+    request = StopRequest()
+    with _handling(STOP_SIGNALS, request._handle):
+        yield request
 
 
 def hand_over(signum: int) -> bool:
@@ -96,9 +105,6 @@ def hand_over(signum: int) -> bool:
 def forward_to_children(signals: tuple[int, ...] = (signal.SIGUSR2,)) -> Iterator[StopRequest]:
     """While this process waits for the ranks it started, pass ``signals`` on to them (and remember the first)."""
     request = StopRequest()
-    if threading.current_thread() is not threading.main_thread():
-        yield request
-        return
 
     def forward(signum: int, frame) -> None:
         if request.signum is None:
@@ -108,15 +114,8 @@ def forward_to_children(signals: tuple[int, ...] = (signal.SIGUSR2,)) -> Iterato
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
-    before = {sig: signal.getsignal(sig) for sig in signals}
-    for sig in signals:
-        _previous.setdefault(sig, before[sig])
-        signal.signal(sig, forward)
-    try:
+    with _handling(signals, forward):
         yield request
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _spawned_children() -> list[int]:

@@ -274,3 +274,8 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_the_metrics(fast_config
     assert not list((run / checkpoint.FOLDER).glob(".tmp-*"))  # the partial one is gone
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()][-1] == 2
     assert not (run / "final").exists()
+
+
+def test_only_the_newest_keep_last_checkpoints_stay(fast_config, tmp_path):
+    train(fast_config("train.save_every_steps=1", "train.keep_last=2"))
+    assert [p.name for p in checkpoint.complete(tmp_path / "run")] == ["step_00000002", "step_00000003"]
