@@ -7,9 +7,11 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf import train
+from rlhf.algos.dpo import DPO
 from rlhf.errors import UserError
 from rlhf.models.tiny import TinySpec
 from tests.conftest import CONF
@@ -54,19 +56,36 @@ def test_same_seed_repeats_exactly_and_another_seed_differs(fast_config):
 
 
 def test_gradient_accumulation_matches_one_big_batch(fast_config, tmp_path):
-    common = ["algo=dpo", "optimizer=sgd", "train.max_steps=1", "train.max_grad_norm=null", "data.task.num_train=8"]
+    """1 micro-batch of 8 pairs and 2 of 4 per step give the same steps. A constant schedule without warmup and
+    several steps, so that the weights move far more than the tolerance (a step at lr 0 would prove nothing)."""
+    common = ["algo=dpo", "optimizer=sgd", "scheduler=constant", "scheduler.num_warmup_steps=0", "train.max_steps=4",
+              "train.max_grad_norm=null", "data.task.num_train=8"]
     train(fast_config(*common, "train.per_device_batch_size=8", "train.grad_accumulation_steps=1"))
     big = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     train(fast_config(*common, "train.per_device_batch_size=4", "train.grad_accumulation_steps=2"))
     accumulated = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
-    for a, b in zip(big.parameters(), accumulated.parameters()):
-        assert torch.allclose(a, b, atol=1e-6)
+    initial = TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0).build()
+    moved = max(float((a - b).abs().max()) for a, b in zip(big.parameters(), initial.model.parameters()))
+    assert moved > 1e-3, f"the weights moved by at most {moved}: the comparison below could not fail"
+    for a, b in zip(big.parameters(), accumulated.parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
 
 
-def test_sft_then_dpo_from_the_saved_model(fast_config, tmp_path):
+def test_sft_then_dpo_from_the_saved_model(fast_config, tmp_path, monkeypatch):
     train(fast_config("algo=sft"))
     folder = tmp_path / "run" / "final"
+    saved = load_file(folder / "model.safetensors")
+    started_from = {}
+    setup = DPO.setup
+
+    def spy(self, policy, tokenizer, accelerator):  # the policy DPO is handed, before its first step
+        started_from.update({k: v.detach().clone() for k, v in policy.state_dict().items()})
+        return setup(self, policy, tokenizer, accelerator)
+
+    monkeypatch.setattr(DPO, "setup", spy)
     metrics = train(fast_config("algo=dpo", f"model.name_or_path={folder}", "train.eval_at_start=true"))
+    assert saved.keys() <= started_from.keys()
+    assert all(torch.equal(started_from[k], v) for k, v in saved.items()), "DPO did not start from the SFT weights"
     assert math.isfinite(metrics["eval/rewards/margins"])
 
 
