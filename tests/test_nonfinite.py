@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf import train
+from rlhf import checkpoint, train
 from rlhf.loop import NonFinite
 from tests.conftest import FAST, ROOT
 
@@ -24,11 +25,13 @@ def _finite_folder(folder) -> bool:
 def test_a_real_divergence_stops_with_the_step_and_causes_and_saves_nothing_nonfinite(fast_config, tmp_path):
     cfg = fast_config("algo=sft", "optimizer=sgd", "optimizer.lr=1e12", "train.max_grad_norm=null",
                       "train.on_nonfinite=stop", "train.max_steps=30", "train.save_every_steps=1")
-    with pytest.raises(NonFinite, match=r"step \d+: .*not finite.*Likely causes: a learning rate too high"):
+    with pytest.raises(NonFinite, match=r"step \d+: .*not finite.*Likely causes: a learning rate too high") as stopped:
         train(cfg)
     run = tmp_path / "run"
     assert not (run / "final").exists() and not (run / "summary.json").exists()
-    assert all(_finite_folder(c) for c in (run / "checkpoints").glob("step_*"))
+    saved = checkpoint.complete(run)  # the steps before the divergence (the first is at lr 0: warmup)
+    assert saved and checkpoint.step_of(saved[-1]) < int(re.search(r"step (\d+)", str(stopped.value)).group(1))
+    assert all(_finite_folder(c) for c in saved)
 
 
 def test_skipped_steps_are_counted_and_leave_the_model_finite(fast_config, tmp_path):
@@ -62,8 +65,17 @@ def test_the_cli_exits_non_zero_with_one_line(tmp_path):
 
 
 @pytest.mark.serial
-def test_a_nan_on_one_process_skips_the_step_on_both(fast_config, tmp_path):
-    metrics = train(fast_config(*NAN, "+algo.calls=[1]", "+algo.rank=1", "hardware=cpu_ddp",
-                                "train.per_device_batch_size=2", "train.max_steps=4"))
+def test_a_nonfinite_loss_on_one_process_skips_the_step_on_both(fast_config, tmp_path):
+    """Rank 1's loss is NaN but its gradients are finite, so DDP's all-reduce spreads nothing: only the vote over
+    the processes makes rank 0 skip the step too. Each rank's parameters are read back from its own checkpoint
+    file (the test algorithm saves them) and must be the same."""
+    metrics = train(fast_config(*NAN, "+algo.calls=[1]", "+algo.rank=1", "+algo.nan_gradients=false",
+                                "hardware=cpu_ddp", "train.per_device_batch_size=2", "train.max_steps=4",
+                                "train.save_every_steps=4", "hardware.timeout_s=60"))  # a rank left waiting fails
     assert metrics["train/nonfinite_steps"] == 1  # both ranks skipped step 2 together: the DDP run finished
-    assert _finite_folder(tmp_path / "run" / "final")
+    run = tmp_path / "run"
+    assert _finite_folder(run / "final")
+    ranks = [torch.load(run / "checkpoints" / "step_00000004" / f"rank_{r}.pt", weights_only=True)["algo"]
+             for r in (0, 1)]
+    assert [r["count"] for r in ranks] == [4, 4]
+    assert torch.equal(ranks[0]["parameters"], ranks[1]["parameters"]), "the ranks' models diverged"
