@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from rlhf import train
 from rlhf.errors import UserError
 from rlhf.hardware import DataParallel, cpus_available
 from rlhf.launch import free_port
 from rlhf.loop import TrainSettings
+from rlhf.models.tiny import TinySpec
 from tests.conftest import FAST, ROOT, compose_config
 
 
@@ -73,12 +74,27 @@ def test_impossible_hardware_settings_are_clear_errors():
             DataParallel(device="cpu", mixed_precision="fp16").start()
 
 
-def test_each_train_call_in_one_process_gets_the_hardware_it_asks_for(tmp_path, caplog):
+def test_each_train_call_in_one_process_gets_the_hardware_it_asks_for(tmp_path, caplog, monkeypatch):
+    """The precision the model's forward actually runs in (autocast, as Accelerate wraps it), not the echo of the
+    config in the log, for calls of train() one after another in one process. SFT: the policy is the only model."""
+    seen: list[tuple[bool, torch.dtype]] = []
+    forward = LlamaForCausalLM.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", spy)
     caplog.set_level(logging.INFO, logger="rlhf")
     for precision in ("no", "bf16", "no"):
-        train(compose_config(*FAST, f"hardware.mixed_precision={precision}", output_dir=tmp_path / precision))
+        seen.clear()
+        train(compose_config(*FAST, "algo=sft", f"hardware.mixed_precision={precision}",
+                             output_dir=tmp_path / precision))
         line = next(r.message for r in reversed(caplog.records) if r.message.startswith("hardware:"))
         assert f"mixed precision {precision}" in line and "1 process(es)" in line
+        assert seen, "the model's forward never ran"
+        expected = (True, torch.bfloat16) if precision == "bf16" else False
+        assert {(enabled, dtype) if enabled else False for enabled, dtype in seen} == {expected}, precision
 
 
 # --- several processes ---------------------------------------------------------------------------------------
@@ -127,8 +143,11 @@ def test_torchrun_with_default_hardware_is_real_ddp_in_one_run_folder(tmp_path):
 
 @pytest.mark.serial
 def test_two_machines_simulated_on_loopback(tmp_path):
+    """Two "machines" of one process each train as one process with 2 accumulation steps does (the same global
+    batch of 8): their gradients are averaged over the network, not each machine training alone."""
     run_dir = tmp_path / "run"
-    args = [*FAST, "hardware=multinode", "hardware.device=cpu", "hardware.num_processes=1",
+    common = [*FAST, "optimizer=sgd", "scheduler=constant", "scheduler.num_warmup_steps=0", "train.global_batch_size=8"]
+    args = [*common, "hardware=multinode", "hardware.device=cpu", "hardware.num_processes=1",
             f"hardware.rdzv_endpoint=127.0.0.1:{free_port()}", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     machines = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hardware.node_rank={rank}"],
@@ -138,7 +157,12 @@ def test_two_machines_simulated_on_loopback(tmp_path):
     assert [m.returncode for m in machines] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
     assert "2 process(es)" in (run_dir / "train.log").read_text()
     assert [r["step"] for r in _lines(run_dir) if "train/loss" in r] == [1, 2, 3]
-    assert AutoModelForCausalLM.from_pretrained(run_dir / "final") is not None
+    train(compose_config(*common, "hardware=cpu", output_dir=tmp_path / "one"))
+    initial = TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0).build()
+    two, one = _params(run_dir), _params(tmp_path / "one")
+    assert max(float((a - b).abs().max()) for a, b in zip(one, initial.model.parameters())) > 1e-3  # it trained
+    for a, b in zip(one, two, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.serial
