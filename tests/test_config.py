@@ -1,26 +1,64 @@
-"""Every option under conf/ composes, passes the config checks and builds its component.
+"""Every option under conf/ composes, passes the config checks and builds what can be built offline.
 
-Options are discovered by walking conf/ recursively, so a new YAML file is tested without editing this file.
-Options naming a Hub model or dataset are composed and checked (targets import, fields and types match) but
-not downloaded: tests run offline.
+Options are discovered by walking conf/ recursively, so a new YAML file is tested without editing this file. Each
+kind of option has its own test, named after what it checks:
+
+- components (algorithms, optimizers, schedules, hardware, loggers, the tiny model, the embedded data): built, and
+  used once (an optimizer step, a few schedule steps, ...);
+- Hub model presets: checked against ``load_policy`` but not downloaded (tests run offline); offline and not in the
+  cache, they stop with the one-line message naming the id;
+- Hub data presets: their ``DataSource`` is built (building reads nothing); loading, which downloads, is not run;
+- launchers: ``hydra.launcher`` is built as Hydra builds it for ``-m``; the submitit ones are run up to the point
+  where they would submit the jobs, so submitit has accepted every field;
+- experiments: a sweep (``hydra.mode: MULTIRUN``) is expanded into its points, as Hydra's basic sweeper does; each
+  point composes, passes the checks and builds what it sweeps. The first point (or the single run) trains 2 steps.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+import submitit
 import torch
 from hydra import compose, initialize_config_dir
+from hydra._internal.callbacks import Callbacks
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, RunMode
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from rlhf import train
+from rlhf import hub, train
 from rlhf.config import build, check_config, check_fields
+from rlhf.data.source import DataSource
 from rlhf.errors import UserError
 from rlhf.loop import TrainSettings
+from rlhf.models.loading import DTYPES, load_policy
 from tests.conftest import CONF, FAST, compose_config
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
 OPTIONS = [(g, str(f.relative_to(CONF / g).with_suffix(""))) for g in GROUPS for f in sorted((CONF / g).rglob("*.yaml"))]
+
+
+def _sets(group: str, option: str, key: str) -> bool:
+    """Whether the option's own YAML sets `key` (a Hub id for model.name_or_path, data.path)."""
+    return OmegaConf.load(CONF / group / f"{option}.yaml").get(key) is not None
+
+
+HUB_MODELS = [o for g, o in OPTIONS if g == "model" and _sets(g, o, "name_or_path")]
+HUB_DATA = [o for g, o in OPTIONS if g == "data" and _sets(g, o, "path")]
+LAUNCHERS = [o for g, o in OPTIONS if g == "launcher"]
+EXPERIMENTS = [o for g, o in OPTIONS if g == "experiment"]
+COMPONENTS = [(g, o) for g, o in OPTIONS if g not in ("launcher", "experiment")
+              and not (g == "model" and o in HUB_MODELS) and not (g == "data" and o in HUB_DATA)]
+
+# The hydra Launcher each launcher option must build (by name: Hydra loads plugins as modules of their own).
+SUBMITIT = "hydra_plugins.hydra_submitit_launcher.submitit_launcher"
+LAUNCHER_CLASSES = {"local": "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+                    "submitit_local": f"{SUBMITIT}.LocalLauncher", "slurm": f"{SUBMITIT}.SlurmLauncher"}
 
 
 def test_every_group_has_options():
@@ -35,11 +73,14 @@ def _small_model():
     return TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build().model
 
 
-@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_option_composes_checks_and_builds(group, option, tmp_path):
-    cfg = compose_config(f"{group}={option}", output_dir=tmp_path)
-    check_config(cfg)
-    check_fields(OmegaConf.to_container(cfg.train), TrainSettings, "train")
+def _tok():
+    from rlhf.models.tokenizer import byte_tokenizer
+
+    return byte_tokenizer()
+
+
+def _build(group: str, cfg: DictConfig, tmp_path) -> None:
+    """Build the component `cfg` selects for `group` and use it once (Hub presets: what is checked offline)."""
     node = cfg.get(group)
     if group == "optimizer":
         model = _small_model()
@@ -73,36 +114,156 @@ def test_option_composes_checks_and_builds(group, option, tmp_path):
         elif strategy.processes_per_node() * strategy.num_nodes == 1:
             assert strategy.start().device.type in ("cpu", "cuda")
     elif group == "logger":
+        tmp_path.mkdir(parents=True, exist_ok=True)
         logger = instantiate(node)
         logger.start(str(tmp_path), {"a": 1})
         logger.log({"train/loss": 1.5}, step=3)
         logger.finish()
         assert '"train/loss": 1.5' in (tmp_path / "metrics.jsonl").read_text()
+    elif group == "model" and node.name_or_path is not None:
+        _check_hub_model(node)
     elif group == "model":
-        if node.name_or_path is None:
-            policy = instantiate(node, tiny={"warm_start_steps": 0})
-            assert policy.tokenizer.eos_token_id is not None
-        else:  # Hub presets: a real id and a dtype the loader accepts; loading needs the network
-            assert node.name_or_path.count("/") == 1 and node.dtype in ("float32", "bfloat16", "float16", "auto")
+        policy = instantiate(node, tiny={"warm_start_steps": 0})
+        assert policy.tokenizer.eos_token_id is not None
+    elif group == "data" and node.path is not None:
+        _check_hub_data(node)
     elif group == "data":
-        if node.path is None:
-            splits = instantiate(node, task={"num_train": 8, "num_eval": 4}).load(("prompt", "completion"), _tok())
-            assert len(splits["train"]) == 8
-        else:
-            assert node.path.count("/") == 1 and node.eval_split
-    elif group == "launcher":
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            full = compose("config", overrides=[f"launcher={option}"], return_hydra_config=True)
-        assert full.hydra.launcher._target_
-    elif group == "experiment":
-        metrics = train(compose_config(*FAST, f"experiment={option}", "train.max_steps=2", output_dir=tmp_path))
-        assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+        splits = instantiate(node, task={"num_train": 8, "num_eval": 4}).load(("prompt", "completion"), _tok())
+        assert len(splits["train"]) == 8
+    elif group == "train":
+        TrainSettings(**OmegaConf.to_container(node, resolve=True))
+    else:  # a plain key (seed, ...) is covered by check_config; a group needs its builder here
+        assert group not in GROUPS, f"no builder for {group}: add one to _build"
 
 
-def _tok():
-    from rlhf.models.tokenizer import byte_tokenizer
+@pytest.mark.parametrize(("group", "option"), COMPONENTS, ids=[f"{g}={o}" for g, o in COMPONENTS])
+def test_option_composes_checks_and_builds(group, option, tmp_path):
+    cfg = compose_config(f"{group}={option}", output_dir=tmp_path)
+    check_config(cfg)
+    check_fields(OmegaConf.to_container(cfg.train), TrainSettings, "train")
+    _build(group, cfg, tmp_path)
 
-    return byte_tokenizer()
+
+def _check_hub_model(node: DictConfig) -> None:
+    """What a Hub model preset gives load_policy, checked offline: the call, the id, the dtype, the template."""
+    call = instantiate(node, _partial_=True)
+    assert call.func is load_policy and not call.args
+    name = node.name_or_path
+    assert name.count("/") == 1 and all(name.split("/")) and node.dtype in (*DTYPES, "auto"), (name, node.dtype)
+    if node.chat_template is not None:  # renders a conversation, as conversational data will be
+        tokenizer = _tok()
+        tokenizer.chat_template = node.chat_template
+        messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "general kenobi"}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert 0 <= text.index("hello there") < text.index("general kenobi"), text
+
+
+@pytest.mark.parametrize("option", HUB_MODELS)
+def test_model_hub_presets_are_checked_not_downloaded(option, tmp_path, monkeypatch):
+    cfg = compose_config(f"model={option}", output_dir=tmp_path)
+    check_config(cfg)
+    _check_hub_model(cfg.model)
+    # Offline (HF_HUB_OFFLINE=1, from conftest) and not cached: the loader takes it as a Hub id and stops at once.
+    monkeypatch.setattr(hub, "in_cache", lambda *args, **kwargs: False)
+    with pytest.raises(UserError, match=f"model.name_or_path={cfg.model.name_or_path}: not in the local Hugging Face"):
+        build(cfg.model)
+
+
+def _check_hub_data(node: DictConfig) -> None:
+    """A Hub data preset builds its DataSource (nothing is read) with the preset's fields."""
+    source = build(node)
+    assert type(source) is DataSource and source.task is None
+    fields = OmegaConf.to_container(node, resolve=True)
+    del fields["_target_"]
+    assert {key: getattr(source, key) for key in fields} == fields
+    assert source.path.count("/") == 1 and all(source.path.split("/")), source.path
+    assert source.eval_split and source.eval_split != source.split  # Hub presets hold out the dataset's own split
+
+
+@pytest.mark.parametrize("option", HUB_DATA)
+def test_data_hub_presets_build_their_source_without_download(option, tmp_path):
+    cfg = compose_config(f"data={option}", output_dir=tmp_path)
+    check_config(cfg)
+    _check_hub_data(cfg.data)
+
+
+@pytest.mark.parametrize("option", LAUNCHERS)
+def test_launcher_builds_its_hydra_launcher_which_takes_every_field(option, tmp_path, monkeypatch):
+    assert option in LAUNCHER_CLASSES, f"add the hydra Launcher that conf/launcher/{option}.yaml builds"
+    check_config(compose_config(f"launcher={option}", "hardware=cpu", output_dir=tmp_path))
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        full = compose("config", return_hydra_config=True, overrides=[
+            f"launcher={option}", "hardware=cpu", f"hydra.sweep.dir={tmp_path}", "output_dir=unused"])
+        context = HydraContext(config_loader=GlobalHydra.instance().hydra.config_loader, callbacks=Callbacks())
+        launcher = Plugins.instance().instantiate_launcher(hydra_context=context, task_function=print, config=full)
+    kind = f"{type(launcher).__module__}.{type(launcher).__qualname__}"
+    assert isinstance(launcher, Launcher) and kind == LAUNCHER_CLASSES[option]
+    own = OmegaConf.load(CONF / "launcher" / f"{option}.yaml").get("hydra", {}).get("launcher", {})
+    if not kind.startswith(SUBMITIT):
+        assert not own, f"{type(launcher).__name__} takes no fields"
+        return
+    for key in own:  # every field the option sets reaches the launcher; a literal one as written
+        assert key in launcher.params, key
+        if not OmegaConf.is_interpolation(own, key):
+            assert launcher.params[key] == OmegaConf.to_container(own)[key], key
+
+    # Up to submission: submitit checks every field (an unknown one raises); map_array would submit the jobs.
+    submitted = []
+
+    def submit(executor, function, *arguments):
+        submitted.append(executor)
+        return []
+
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", submit)
+    slurm = kind.endswith(".SlurmLauncher")
+    if slurm:  # submitit looks for srun; none runs
+        (tmp_path / "bin").mkdir()
+        (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
+        (tmp_path / "bin" / "srun").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    assert launcher.launch([["seed=1"]], initial_job_idx=0) == [] and len(submitted) == 1
+    executor, params = submitted[0]._executor, launcher.params
+    if slurm:
+        sbatch = executor._make_submission_file_text("python", "0")
+        for line in (f"--time={params['timeout_min']}", f"--signal=USR2@{params['signal_delay_s']}",
+                     f"--nodes={params['nodes']}", f"--ntasks-per-node={params['tasks_per_node']}"):
+            assert f"#SBATCH {line}\n" in sbatch, (line, sbatch)
+        assert executor.max_num_timeout == params["max_num_timeout"]
+    else:
+        assert executor.parameters["timeout_min"] == params["timeout_min"]
+        assert executor.parameters["gpus_per_node"] == params["gpus_per_node"]
+
+
+def _sweep_points(params: dict) -> list[dict[str, str]]:
+    """Every job of a sweep over `params` (hydra.sweeper.params) as {key: override}, as Hydra's basic sweeper makes
+    them: each comma-separated (or range/choice) value of each key, all combinations."""
+    choices = []
+    for override in OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()]):
+        key = override.get_key_element()
+        values = override.sweep_string_iterator() if override.is_sweep_override() else [
+            override.get_value_element_as_str()]
+        choices.append([(override.key_or_group, f"{key}={value}") for value in values])
+    return [dict(point) for point in itertools.product(*choices)]
+
+
+@pytest.mark.parametrize("option", EXPERIMENTS)
+def test_experiment_checks_and_builds_every_sweep_point_and_trains_the_first(option, tmp_path):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        full = compose("config", overrides=[f"experiment={option}", "output_dir=unused"], return_hydra_config=True)
+    if full.hydra.mode == RunMode.MULTIRUN:
+        points = _sweep_points(OmegaConf.to_container(full.hydra.sweeper.params))
+        assert len(points) > 1, f"experiment={option} is a multirun of one job"
+    else:
+        points = [{}]
+    for i, point in enumerate(points):
+        cfg = compose_config(*FAST, f"experiment={option}", *point.values(), output_dir=tmp_path / f"point{i}")
+        check_config(cfg)
+        for key in point:  # the swept component: optimizer=... builds the optimizer, algo.beta=... the algorithm
+            _build(key.split(".")[0].split("/")[0], cfg, tmp_path / f"point{i}")
+    run = compose_config(*FAST, f"experiment={option}", *points[0].values(), "train.max_steps=2",
+                         output_dir=tmp_path / "run")
+    metrics = train(run)
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
 
 
 def test_wrongly_typed_and_unknown_fields_are_clear_errors(tmp_path):
