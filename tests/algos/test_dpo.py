@@ -45,7 +45,7 @@ def test_dpo_at_init_has_zero_rewards_and_log2_loss():
     assert metrics["rewards/accuracies"].item() == 0.0  # ties do not count, as in TRL
 
 
-def test_dpo_rewards_are_beta_times_logratios_and_nll_term_adds():
+def test_dpo_rewards_are_beta_times_logratios_and_nll_term_is_weight_times_chosen_nll():
     policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
     algo = DPO(beta=0.5, reference=FrozenCopy())
     algo.setup(policy.model, policy.tokenizer, _CPU())
@@ -65,9 +65,15 @@ def test_dpo_rewards_are_beta_times_logratios_and_nll_term_adds():
     expected = sigmoid_loss(pol[:2] - ref[:2], pol[2:] - ref[2:], 0.5).mean()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
-    algo.nll_weight = 1.0
-    with_nll, _ = algo.loss(policy.model, batch)
-    assert with_nll.item() > loss.item()
+    # RPO's term: nll_weight x the mean negative log-prob per completion token of the chosen rows only.
+    stats = completion_stats(policy.model, batch)
+    chosen_logps, chosen_mask = stats.token_logps[:2], stats.mask[:2].float()
+    nll = -(chosen_logps * chosen_mask).sum() / chosen_mask.sum()
+    assert nll.item() > 0
+    for weight in (1.0, 2.5):
+        algo.nll_weight = weight
+        with_nll, _ = algo.loss(policy.model, batch)
+        assert with_nll.item() - loss.item() == pytest.approx(weight * nll.item(), rel=1e-5)
 
 
 def test_dpo_collate_puts_chosen_first_in_one_batch():

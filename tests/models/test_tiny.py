@@ -13,7 +13,7 @@ def test_random_init_is_deterministic_from_the_seed():
     assert torch.equal(first(a), first(b)) and not torch.equal(first(a), first(c))
 
 
-def test_warm_start_trains_once_and_is_then_loaded_from_cache(tmp_path):
+def test_warm_start_trains_once_and_is_then_loaded_from_cache(tmp_path, monkeypatch):
     spec = TinySpec(**SMALL, warm_start_steps=3, warm_start_batch_size=4, cache_dir=str(tmp_path),
                     task=ReverseTask(num_train=16, num_eval=4))
     trained = spec.build()
@@ -21,6 +21,12 @@ def test_warm_start_trains_once_and_is_then_loaded_from_cache(tmp_path):
     assert len(entries) == 1 and (entries[0] / "config.json").exists() and (entries[0] / "tokenizer.json").exists()
     initial = TinySpec(**SMALL, warm_start_steps=0).build()
     assert not torch.equal(next(trained.model.parameters()), next(initial.model.parameters()))
+
+    def train_again(self, folder):
+        raise AssertionError("trained twice: the cached warm start was not used")
+
+    # The warm start is deterministic and a second save into the folder is dropped: only this tells a cache hit.
+    monkeypatch.setattr(TinySpec, "_train_and_save", train_again)
     again = spec.build()
     assert torch.equal(next(trained.model.parameters()), next(again.model.parameters()))
     assert len(list(tmp_path.iterdir())) == 1  # no second entry, no leftover staging folder
