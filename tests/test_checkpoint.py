@@ -177,8 +177,14 @@ def _assert_same_run(a: Path, b: Path, last_step: int) -> None:
             assert x["train"] == y["train"]
         _assert_equal_trees(x, y, name)
     assert _metrics(a) == _metrics(b)
-    assert json.loads((a / "summary.json").read_text())["final"].keys() == json.loads(
-        (b / "summary.json").read_text())["final"].keys()
+    assert _summary(a) == _summary(b)
+
+
+def _summary(run: Path) -> dict:
+    """summary.json without perf/* (timings), the final metrics as exact floats."""
+    summary = json.loads((run / "summary.json").read_text())
+    summary["final"] = {k: float(v).hex() for k, v in summary["final"].items() if not k.startswith("perf/")}
+    return summary
 
 
 def _assert_equal_trees(x, y, where: str) -> None:
@@ -252,6 +258,31 @@ def test_sigkill_of_a_two_process_run_then_resume_equals_an_uninterrupted_run(tm
         assert x["train"] == y["train"] and torch.equal(x["rng"]["torch"], y["rng"]["torch"])
 
 
+@pytest.mark.parametrize("damage, message", [
+    ({"processes": 2}, r"written by 2 process\(es\) and this run has 1: .* "
+                       r"Fix: resume with hardware\.num_processes=2\.$"),
+    ({"strategy": "FSDP2"}, r"written by the FSDP2 strategy and this run uses DataParallel: .* "
+                            r"Fix: resume with the hardware option that wrote it\.$"),
+    ("rank_0.pt", r"has no rank_0\.pt: the checkpoint is incomplete\. Fix: resume from an older one "
+                  r"\(resume=<run dir>/checkpoints/step_<N>\)\.$"),
+    ({"format": 0}, r"another version of rlhf \(checkpoint format 0, this one reads 1\)\. "
+                    r"Fix: resume with the version that wrote it\.$"),
+], ids=["processes", "strategy", "rank-file", "format"])
+def test_a_checkpoint_this_run_cannot_continue_is_refused(damage, message, fast_config, tmp_path):
+    """A checkpoint of another process count, strategy or format, or without this rank's file: one error that says
+    what to change, raised before the resumed run writes any metric."""
+    train(fast_config("train.save_every_steps=1"))
+    folder = checkpoint.latest(tmp_path / "run")
+    if isinstance(damage, dict):
+        meta = json.loads((folder / checkpoint.META).read_text())
+        (folder / checkpoint.META).write_text(json.dumps({**meta, **damage}))
+    else:
+        (folder / damage).unlink()
+    with pytest.raises(UserError, match=message) as refused:
+        train(compose_config(*FAST, f"resume={folder}", output_dir=tmp_path / "resumed"))
+    assert str(refused.value).startswith(str(folder)) and not (tmp_path / "resumed" / "metrics.jsonl").exists()
+
+
 def test_a_failed_save_keeps_the_previous_checkpoint_and_the_metrics(fast_config, tmp_path, monkeypatch):
     """A disk that fills up during the step-2 checkpoint: one clear error, step 1's checkpoint and the metrics stay."""
     import errno
@@ -276,6 +307,32 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_the_metrics(fast_config
     assert not (run / "final").exists()
 
 
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; the tied embedding under both its names (each writer keeps only one of them)."""
+    tensors = load_file(path)
+    tied = ("lm_head.weight", "model.embed_tokens.weight")
+    for name, other in (tied, tied[::-1]):
+        if name not in tensors and other in tensors:
+            tensors[name] = tensors[other]
+    return tensors
+
+
 def test_only_the_newest_keep_last_checkpoints_stay(fast_config, tmp_path):
+    """keep_last=2 of 3 checkpoints: the oldest is removed, and each kept one is whole and holds its own step."""
     train(fast_config("train.save_every_steps=1", "train.keep_last=2"))
-    assert [p.name for p in checkpoint.complete(tmp_path / "run")] == ["step_00000002", "step_00000003"]
+    run = tmp_path / "run"
+    kept = checkpoint.complete(run)
+    assert [p.name for p in kept] == ["step_00000002", "step_00000003"]
+    for folder in kept:
+        step = checkpoint.step_of(folder)
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "meta.json", "model.safetensors", "optimizer.pt", "rank_0.pt", "scheduler.pt"], folder.name
+        assert checkpoint.read_meta(folder)["step"] == step
+        assert torch.load(folder / "rank_0.pt", weights_only=True)["train"]["step"] == step
+        assert torch.load(folder / "scheduler.pt", weights_only=True)["last_epoch"] == step
+        optimizer = torch.load(folder / "optimizer.pt", weights_only=True)  # AdamW counts its steps per parameter
+        assert {float(s["step"]) for s in optimizer["state"].values()} == {step}, folder.name
+    final, newest, older = (_weights(f / "model.safetensors") for f in (run / "final", kept[1], kept[0]))
+    assert final.keys() == newest.keys() == older.keys()
+    assert all(torch.equal(final[k], newest[k]) for k in final), "the step-3 checkpoint is not the final model"
+    assert not all(torch.equal(final[k], older[k]) for k in final), "the step-2 checkpoint holds the final model"
