@@ -44,6 +44,25 @@ def compose_config(*overrides: str, output_dir: Path | None = None) -> DictConfi
         return compose("config", overrides=[*overrides, *extra])
 
 
+def assert_equal_trees(x, y, where: str = "") -> None:
+    """Tensors bit for bit, containers element by element, other objects by their attributes."""
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), f"{where} differs"
+    elif isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for key in x:
+            assert_equal_trees(x[key], y[key], f"{where}/{key}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y)):
+            assert_equal_trees(u, v, f"{where}[{i}]")
+    elif hasattr(x, "__dict__"):
+        assert type(x) is type(y), where
+        assert_equal_trees(vars(x), vars(y), where)
+    else:
+        assert x == y, f"{where}: {x} != {y}"
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Warm-start models go to a per-session temporary cache, never the user's."""
@@ -60,3 +79,18 @@ def fast_config(tmp_path):
         return compose_config(*FAST, *overrides, output_dir=tmp_path / "run")
 
     return make
+
+
+@pytest.fixture(scope="session")
+def two_process_reference(tmp_path_factory) -> Path:
+    """One uninterrupted 2-process run (tests.runs.TWO_PROCESSES), shared by the tests that stop and resume one."""
+    from tests.runs import TWO_PROCESSES, uninterrupted
+
+    run = tmp_path_factory.mktemp("two-process-reference") / "run"
+    with pytest.MonkeyPatch.context() as patch:  # the autouse fixtures are function-scoped
+        patch.setenv("RLHF_CACHE", str(tmp_path_factory.getbasetemp() / "rlhf-cache"))
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        uninterrupted(run, *TWO_PROCESSES)
+    return run
+

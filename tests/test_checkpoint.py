@@ -26,6 +26,7 @@ from rlhf.checkpoint import TrainState
 from rlhf.errors import UserError
 from rlhf.logging import JsonlLogger
 from tests.conftest import FAST, ROOT, compose_config
+from tests.runs import TWO_PROCESSES, assert_same_run, start, uninterrupted
 
 
 # --- pieces --------------------------------------------------------------------------------------------------------
@@ -127,22 +128,6 @@ def test_a_new_run_clears_the_previous_runs_results(tmp_path):
 
 
 # --- kill and resume, as a user runs it ------------------------------------------------------------------------------
-# Long enough that a kill lands between a checkpoint and the end; small enough for seconds.
-RUN = [*(o for o in FAST if not o.startswith(("train.max_steps", "data.task.num_train", "train.log_every"))),
-       "data.task.num_train=48", "train.max_steps=40", "train.save_every_steps=10", "train.keep_last=null",
-       "train.log_every_steps=3", "train.eval_every_steps=7", "model.tiny.attention_dropout=0.1"]
-
-
-def _train(run: Path, *overrides: str, wait: bool = True, env: dict | None = None) -> subprocess.Popen:
-    command = [sys.executable, "train.py", *RUN, *overrides, f"hydra.run.dir={run}"]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **(env or {})}, start_new_session=True)
-    if wait:
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err[-3000:]
-    return process
-
-
 def _kill_after_checkpoint(process: subprocess.Popen, run: Path, step: int, pids=None) -> None:
     """SIGKILL the run (or the given PIDs) once the checkpoint of `step` is complete, while it still trains."""
     meta = run / checkpoint.FOLDER / f"{checkpoint.PREFIX}{step:08d}" / checkpoint.META
@@ -157,67 +142,17 @@ def _kill_after_checkpoint(process: subprocess.Popen, run: Path, step: int, pids
     assert not (run / "final").exists(), "the run ended before the kill: make it longer"
 
 
-def _metrics(run: Path) -> list[dict]:
-    """Every logged line without perf/* (timings), values as exact floats."""
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: float(v).hex() for k, v in line.items() if not k.startswith("perf/")} for line in lines]
-
-
-def _assert_same_run(a: Path, b: Path, last_step: int) -> None:
-    left, right = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
-    assert left.keys() == right.keys()
-    assert all(torch.equal(left[k], right[k]) for k in left), "parameters differ"
-    folder = f"{checkpoint.FOLDER}/{checkpoint.PREFIX}{last_step:08d}"
-    for name in ("optimizer.pt", "scheduler.pt", "rank_0.pt"):
-        x, y = (torch.load(r / folder / name, weights_only=True) for r in (a, b))
-        if name == "rank_0.pt":
-            for entry in (x, y):
-                entry["rng"].pop("python")  # tuples of ints
-                entry["train"]["last"] = {k: v for k, v in entry["train"]["last"].items() if not k.startswith("perf/")}
-            assert x["train"] == y["train"]
-        _assert_equal_trees(x, y, name)
-    assert _metrics(a) == _metrics(b)
-    assert _summary(a) == _summary(b)
-
-
-def _summary(run: Path) -> dict:
-    """summary.json without perf/* (timings), the final metrics as exact floats."""
-    summary = json.loads((run / "summary.json").read_text())
-    summary["final"] = {k: float(v).hex() for k, v in summary["final"].items() if not k.startswith("perf/")}
-    return summary
-
-
-def _assert_equal_trees(x, y, where: str) -> None:
-    if isinstance(x, torch.Tensor):
-        assert torch.equal(x, y), f"{where} differs"
-    elif isinstance(x, dict):
-        assert x.keys() == y.keys(), where
-        for key in x:
-            _assert_equal_trees(x[key], y[key], f"{where}/{key}")
-    elif isinstance(x, (list, tuple)):
-        assert len(x) == len(y), where
-        for i, (u, v) in enumerate(zip(x, y)):
-            _assert_equal_trees(u, v, f"{where}[{i}]")
-    else:
-        assert x == y, f"{where}: {x} != {y}"
-
-
-def _uninterrupted(run: Path, *overrides: str) -> None:
-    """The reference run, in this process (the same config as the command line's; no interpreter start-up)."""
-    train(compose_config(*RUN, *overrides, output_dir=run))
-
-
 @pytest.mark.parametrize("algo", ["sft", "dpo"])
 def test_sigkill_then_resume_equals_an_uninterrupted_run(algo, tmp_path):
     overrides = [f"algo={algo}", "optimizer=lion", "train.grad_accumulation_steps=2"]
-    _uninterrupted(tmp_path / "whole", *overrides)
-    killed = _train(tmp_path / "killed", *overrides, wait=False)
+    uninterrupted(tmp_path / "whole", *overrides)
+    killed = start(tmp_path / "killed", *overrides, wait=False)
     _kill_after_checkpoint(killed, tmp_path / "killed", 20)
     if algo == "dpo":  # a new run into it is refused, the folder untouched
-        refused = _train(tmp_path / "killed", *overrides, wait=False)
+        refused = start(tmp_path / "killed", *overrides, wait=False)
         assert refused.wait(timeout=120) == 1 and "resume=auto" in refused.stderr.read()
-    _train(tmp_path / "killed", *overrides, "resume=auto")
-    _assert_same_run(tmp_path / "whole", tmp_path / "killed", 40)
+    start(tmp_path / "killed", *overrides, "resume=auto")
+    assert_same_run(tmp_path / "whole", tmp_path / "killed", 40)
 
 
 def _ranks(parent: int) -> list[int]:
@@ -235,12 +170,10 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.serial
-def test_sigkill_of_a_two_process_run_then_resume_equals_an_uninterrupted_run(tmp_path):
+def test_sigkill_of_a_two_process_run_then_resume_equals_an_uninterrupted_run(tmp_path, two_process_reference):
     """SIGKILL of the run's own process (as `kill -9` or the OOM killer would): its ranks die with it (they would
     otherwise train on and write the folder), and resuming continues both ranks' state exactly."""
-    overrides = ["algo=dpo", "hardware=cpu_ddp", "train.per_device_batch_size=2", "train.grad_accumulation_steps=2"]
-    _uninterrupted(tmp_path / "whole", *overrides)
-    killed = _train(tmp_path / "killed", *overrides, wait=False)
+    killed = start(tmp_path / "killed", *TWO_PROCESSES, wait=False)
     ranks = []
     _kill_after_checkpoint(killed, tmp_path / "killed", 20, pids=lambda: ranks.extend(_ranks(killed.pid)) or [killed.pid])
     assert len(ranks) == 2
@@ -248,14 +181,8 @@ def test_sigkill_of_a_two_process_run_then_resume_equals_an_uninterrupted_run(tm
     while any(_alive(pid) for pid in ranks) and time.time() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their killed parent"
-    _train(tmp_path / "killed", *overrides, "resume=auto")
-    _assert_same_run(tmp_path / "whole", tmp_path / "killed", 40)
-    for rank in (0, 1):  # each rank's own state came back
-        x, y = (torch.load(r / "checkpoints/step_00000040" / f"rank_{rank}.pt", weights_only=True)
-                for r in (tmp_path / "whole", tmp_path / "killed"))
-        for entry in (x, y):
-            entry["train"]["last"] = {k: v for k, v in entry["train"]["last"].items() if not k.startswith("perf/")}
-        assert x["train"] == y["train"] and torch.equal(x["rng"]["torch"], y["rng"]["torch"])
+    start(tmp_path / "killed", *TWO_PROCESSES, "resume=auto")
+    assert_same_run(two_process_reference, tmp_path / "killed", 40, processes=2)
 
 
 @pytest.mark.parametrize("damage, message", [

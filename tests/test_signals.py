@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from rlhf import checkpoint
 from tests.conftest import FAST, ROOT
+from tests.runs import TWO_PROCESSES, assert_same_run, start
 
 SLOW_RUN = [*(o for o in FAST if not o.startswith("train.max_steps")), "train.max_steps=100000",
             "train.save_every_steps=0"]
@@ -31,8 +33,8 @@ def _wait_for_step(process: subprocess.Popen, run: Path, step: int = 3) -> None:
     while True:
         assert process.poll() is None, process.stderr.read()[-3000:]
         assert time.time() < deadline
-        lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
-        if any(json.loads(line)["step"] >= step for line in lines[:-1]):
+        text = (run / "metrics.jsonl").read_text() if (run / "metrics.jsonl").exists() else ""
+        if any(json.loads(line)["step"] >= step for line in text[:text.rfind("\n") + 1].splitlines()):  # whole lines
             return
         time.sleep(0.05)
 
@@ -68,29 +70,41 @@ def test_a_stop_signal_checkpoints_and_exits_with_one_line_that_resumes(sig, tmp
 
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    """From step 2 on each micro-batch takes 60 s: the first Ctrl-C waits for the step's end; the second must end
+    the run within seconds, in the middle of the step."""
     run = tmp_path / "run"
-    process = _start(run, "model.tiny.hidden_size=256", "model.tiny.intermediate_size=1024",
-                     "train.per_device_batch_size=64", "data.task.num_train=256")  # slow steps
+    process = _start(run, "algo=sft", "algo._target_=tests.slow_loss.SlowFrom", "+algo.call=1", "+algo.seconds=60")
     _wait_for_step(process, run, step=1)
     os.kill(process.pid, signal.SIGINT)
-    time.sleep(0.05)
+    time.sleep(0.5)
+    assert process.poll() is None, "the first Ctrl-C must let the step finish"
     os.kill(process.pid, signal.SIGINT)
-    _, err = process.communicate(timeout=120)
+    aborted = time.perf_counter()
+    try:
+        _, err = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert time.perf_counter() - aborted < 10  # the step would have taken 60 s more
     assert process.returncode == 130 and "Traceback" not in err and "aborted by Ctrl-C" in err
+    assert not checkpoint.complete(run)  # stopped before any checkpoint: none, and nothing half-written kept
 
 
 @pytest.mark.serial
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])
-def test_a_signal_to_a_two_process_run_checkpoints_on_both_ranks(sig, tmp_path):
+def test_a_signal_to_a_two_process_run_stops_both_ranks_and_resumes_exactly(sig, tmp_path, two_process_reference):
     """SIGTERM: torch's elastic agent passes it to the ranks. USR2: this package's parent passes it on (outside
     Slurm no handler came before ours, so the run stops as on SIGTERM; under Slurm submitit's handler takes over
-    after the checkpoint, which scripts/ci_slurm.sh tests on a real cluster)."""
+    after the checkpoint, which scripts/ci_slurm.sh tests on a real cluster). Both ranks checkpoint at the same
+    step, and the resumed run ends exactly as an uninterrupted one."""
     run = tmp_path / "run"
-    process = _start(run, "hardware=cpu_ddp", "train.per_device_batch_size=2")
+    process = start(run, *TWO_PROCESSES, wait=False)
     _wait_for_step(process, run)
     os.kill(process.pid, sig)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err and f"stopped by {signal.Signals(sig).name} after step" in err
-    newest = sorted((run / "checkpoints").glob("step_*"))[-1]
+    newest = checkpoint.latest(run)
     assert {p.name for p in newest.glob("rank_*.pt")} == {"rank_0.pt", "rank_1.pt"}
+    assert 3 <= checkpoint.step_of(newest) < 40 and not (run / "final").exists()
+    start(run, *TWO_PROCESSES, "resume=auto")
+    assert_same_run(two_process_reference, run, 40, processes=2)

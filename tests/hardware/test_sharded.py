@@ -33,7 +33,7 @@ from rlhf.config import build
 from rlhf.errors import UserError
 from rlhf.hardware import FSDP2, ZeRO
 from rlhf.launch import free_port
-from tests.conftest import FAST, compose_config
+from tests.conftest import FAST, assert_equal_trees, compose_config
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed not installed: pip install 'rlhf[deepspeed]'")
@@ -214,25 +214,6 @@ def _optimizer_state(folder: Path, tmp_path: Path) -> dict:
             for f in sorted((folder / "zero" / "state").glob("*optim_states.pt"))}
 
 
-def _assert_equal_trees(x, y, where: str = "") -> None:
-    """Tensors bit for bit, containers element by element, other objects by their attributes."""
-    if isinstance(x, torch.Tensor):
-        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), f"{where} differs"
-    elif isinstance(x, dict):
-        assert x.keys() == y.keys(), where
-        for key in x:
-            _assert_equal_trees(x[key], y[key], f"{where}/{key}")
-    elif isinstance(x, (list, tuple)):
-        assert len(x) == len(y), where
-        for i, (u, v) in enumerate(zip(x, y)):
-            _assert_equal_trees(u, v, f"{where}[{i}]")
-    elif hasattr(x, "__dict__"):
-        assert type(x) is type(y), where
-        _assert_equal_trees(vars(x), vars(y), where)
-    else:
-        assert x == y, f"{where}: {x} != {y}"
-
-
 def _without_timings(entry: dict) -> dict:
     return {k: v for k, v in entry.items() if not k.startswith("perf/")}
 
@@ -249,7 +230,7 @@ def test_resume_from_the_shards_equals_the_uninterrupted_run(name, runs, tmp_pat
     for a, b in zip(_model(whole).parameters(), _model(resumed).parameters(), strict=True):
         assert torch.equal(a, b)
     last = Path("checkpoints") / "step_00000006"
-    _assert_equal_trees(_optimizer_state(whole / last, tmp_path), _optimizer_state(resumed / last, tmp_path),
+    assert_equal_trees(_optimizer_state(whole / last, tmp_path), _optimizer_state(resumed / last, tmp_path),
                         "optimizer")
     for rank in (0, 1):
         x, y = (torch.load(run / last / f"rank_{rank}.pt", weights_only=True) for run in (whole, resumed))
@@ -257,7 +238,7 @@ def test_resume_from_the_shards_equals_the_uninterrupted_run(name, runs, tmp_pat
             entry["rng"].pop("python")  # tuples of ints, compared below
             entry["train"]["last"] = _without_timings(entry["train"]["last"])
         assert (x["train"]["epoch"], x["train"]["batch_in_epoch"]) == (1, 4)  # 8 micro-batches an epoch, 2 a step
-        _assert_equal_trees(x, y, f"rank_{rank}.pt")
+        assert_equal_trees(x, y, f"rank_{rank}.pt")
     ours = [_without_timings(r) for r in _metrics(resumed)]
     assert [r["step"] for r in ours] == [3, 4, 5, 6, 6]  # train lines, the final evaluation; nothing before 3
     assert ours == [_without_timings(r) for r in _metrics(whole) if r["step"] >= 3]
