@@ -86,7 +86,8 @@ def main() -> int:
     overrides = args.overrides or MAIN_JOB
     seeds = parse_seeds(args.seeds)
     gates = dict(g.split("=", 1) for g in (args.gate or ["eval/rewards/accuracies=0.9"]))
-    name = args.name or ("_".join(overrides).replace("/", "-") or "default")
+    # "=" in hydra.run.dir's value would not parse as an override: algo=sft -> algo-sft
+    name = args.name or ("_".join(overrides).replace("/", "-").replace("=", "-") or "default")
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
     base = ROOT / "outputs" / "seeds" / name
 
