@@ -1,6 +1,6 @@
 """Check a finished run's final metrics against thresholds; print them and exit 1 if one fails.
 
-    python scripts/check_run.py <run dir> --min eval/rewards/accuracies=0.9 --min-of-start eval/exact_match=-0.05
+    python scripts/check_run.py <run dir> --min eval/rewards/accuracies=0.85 --min-of-start eval/exact_match=0.10
 
 ``--min KEY=V`` requires the final KEY >= V; ``--min-of-start KEY=D`` requires final KEY >= (KEY at step 0) + D.
 """
