@@ -30,6 +30,14 @@ FAST = [
     "train.log_every_steps=1",
 ]
 
+
+def fast_initial_model() -> torch.nn.Module:
+    """The model every FAST run starts from (its tiny model, random init): to measure how far a run moved."""
+    from rlhf.models.tiny import TinySpec
+
+    return TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0).build().model
+
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: one thread each, or both crawl. The env var is what rlhf's hardware strategies
     # read (they set torch's thread count at the start of every run).

@@ -13,8 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhf import train
 from rlhf.algos.dpo import DPO
 from rlhf.errors import UserError
-from rlhf.models.tiny import TinySpec
-from tests.conftest import CONF
+from tests.conftest import CONF, fast_initial_model
 
 ALGOS = sorted(p.stem for p in (CONF / "algo").glob("*.yaml"))
 OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))
@@ -24,11 +23,11 @@ OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))
 @pytest.mark.parametrize("algo", ALGOS)
 def test_every_algo_and_optimizer_trains(algo, optimizer, fast_config, tmp_path):
     cfg = fast_config(f"algo={algo}", f"optimizer={optimizer}")
-    initial = TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0).build()
+    initial = fast_initial_model()
     metrics = train(cfg)
     assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["eval/loss"])
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
-    changed = [not torch.equal(a, b) for a, b in zip(initial.model.parameters(), final.parameters())]
+    changed = [not torch.equal(a, b) for a, b in zip(initial.parameters(), final.parameters())]
     assert all(changed), "every trainable tensor should have moved"
 
 
@@ -64,8 +63,8 @@ def test_gradient_accumulation_matches_one_big_batch(fast_config, tmp_path):
     big = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     train(fast_config(*common, "train.per_device_batch_size=4", "train.grad_accumulation_steps=2"))
     accumulated = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
-    initial = TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0).build()
-    moved = max(float((a - b).abs().max()) for a, b in zip(big.parameters(), initial.model.parameters()))
+    initial = fast_initial_model()
+    moved = max(float((a - b).abs().max()) for a, b in zip(big.parameters(), initial.parameters()))
     assert moved > 1e-3, f"the weights moved by at most {moved}: the comparison below could not fail"
     for a, b in zip(big.parameters(), accumulated.parameters(), strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)

@@ -21,8 +21,7 @@ from rlhf.errors import UserError
 from rlhf.hardware import DataParallel, cpus_available
 from rlhf.launch import free_port
 from rlhf.loop import TrainSettings
-from rlhf.models.tiny import TinySpec
-from tests.conftest import FAST, ROOT, compose_config
+from tests.conftest import FAST, ROOT, compose_config, fast_initial_model
 
 
 def _lines(run: Path) -> list[dict]:
@@ -158,9 +157,9 @@ def test_two_machines_simulated_on_loopback(tmp_path):
     assert "2 process(es)" in (run_dir / "train.log").read_text()
     assert [r["step"] for r in _lines(run_dir) if "train/loss" in r] == [1, 2, 3]
     train(compose_config(*common, "hardware=cpu", output_dir=tmp_path / "one"))
-    initial = TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0).build()
+    initial = fast_initial_model()
     two, one = _params(run_dir), _params(tmp_path / "one")
-    assert max(float((a - b).abs().max()) for a, b in zip(one, initial.model.parameters())) > 1e-3  # it trained
+    assert max(float((a - b).abs().max()) for a, b in zip(one, initial.parameters())) > 1e-3  # it trained
     for a, b in zip(one, two, strict=True):
         torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
 

@@ -33,7 +33,7 @@ from rlhf.config import build
 from rlhf.errors import UserError
 from rlhf.hardware import FSDP2, ZeRO
 from rlhf.launch import free_port
-from tests.conftest import FAST, assert_equal_trees, compose_config
+from tests.conftest import FAST, assert_equal_trees, compose_config, fast_initial_model
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed not installed: pip install 'rlhf[deepspeed]'")
@@ -262,13 +262,6 @@ def test_final_model_is_whole_and_computes_what_ddp_computes(name, runs):
         assert final[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-5), key
 
 
-def _initial() -> torch.nn.Module:
-    """The model every run starts from (FAST's tiny model, random init)."""
-    from rlhf.models.tiny import TinySpec
-
-    return TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0).build().model
-
-
 @pytest.mark.serial
 @pytest.mark.parametrize("name", BF16)
 def test_bf16_trains_like_ddp_with_autocast(name, runs):
@@ -283,7 +276,7 @@ def test_bf16_trains_like_ddp_with_autocast(name, runs):
     model, reference = _model(root / name), _model(root / "ddp_bf16")
     assert model.dtype == (torch.float32 if name.startswith("fsdp") else torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) == 18_656
-    initial = {k: v.detach() for k, v in _initial().named_parameters()}
+    initial = {k: v.detach() for k, v in fast_initial_model().named_parameters()}
     start = initial  # where the compared run's parameters start
     if name.startswith("fsdp"):
         trained = dict(model.named_parameters())
