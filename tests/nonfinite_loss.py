@@ -40,7 +40,8 @@ class NaNAt(SFT):
         return loss, metrics
 
     def state_dict(self) -> dict:
-        return {"count": self.count, "parameters": torch.cat([p.detach().flatten() for p in self.model.parameters()])}
+        parameters = None if self.model is None else torch.cat([p.detach().flatten() for p in self.model.parameters()])
+        return {"count": self.count, "parameters": parameters}
 
     def load_state_dict(self, state: dict) -> None:
         self.count = int(state["count"])

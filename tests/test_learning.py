@@ -6,9 +6,11 @@ holding), on a shorter run, each set well below the worst of seeds 0-4 measured 
 transformers 5.23.0. The tiny model's warm start differs from one CPU to another (on this one it starts at exact
 match 0.555; on the machine of the README's figures at 0.592, where DPO reached 0.951-0.965 accuracy):
 
-- DPO, 200 steps (AdamW): held-out preference accuracy 0.912-0.934; gate 0.85 (margin 0.06). Exact match
-  0.555 -> 0.717-0.742, a gain of 0.162-0.187; gate +0.10 (margin 0.06).
-- SFT, 100 steps: exact match 0.555 -> 0.826-0.855, a gain of 0.271-0.300; gate +0.20 (margin 0.07).
+- DPO, 200 steps (AdamW): held-out preference accuracy 0.912-0.934 (0.951-0.965 on the README's machine); gate
+  0.85 (margin 0.06). Exact match 0.555 -> 0.717-0.742, a gain of 0.162-0.187 (0.160-0.176 there); gate +0.10
+  (margin 0.06).
+- SFT, 100 steps: exact match 0.555 -> 0.826-0.855, a gain of 0.271-0.300 (0.246-0.271 over seeds 0-3 on the
+  README's machine); gate +0.15 (margin 0.10).
 
 The tests run seeds 0 and 1. Regenerate:
     python scripts/seeds.py --jobs 2 --seeds 0-4 --metrics eval/rewards/accuracies eval/exact_match -- \
@@ -53,4 +55,4 @@ def test_sft_on_the_embedded_default_raises_exact_match(seed, tmp_path):
     metrics = train(compose_config("hardware=cpu", f"seed={seed}", "algo=sft", "train.max_steps=100",
                                    "train.eval_every_steps=0", output_dir=tmp_path))
     exact = _eval_trajectory(tmp_path, "eval/exact_match")
-    assert metrics["eval/exact_match"] >= exact[0] + 0.20
+    assert metrics["eval/exact_match"] >= exact[0] + 0.15
