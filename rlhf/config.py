@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -27,6 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf import optim, validate
 from rlhf.errors import UserError
+from rlhf.settings import TrainSettings
 
 # Limits shared by every target of a config group, by argument name (the targets are third-party classes).
 GROUP_LIMITS = {"optimizer": optim.OPTIMIZER_LIMITS, "scheduler": optim.SCHEDULER_LIMITS}
@@ -132,8 +135,6 @@ def check_config(cfg: DictConfig) -> None:
     if "output_dir" in container:
         validate.check_run_dir(container["output_dir"], "output_dir")
     if isinstance(container.get("train"), dict):  # first: the schedule's length and others derive from train.*
-        from rlhf.loop import TrainSettings
-
         check_fields(container["train"], TrainSettings, "train")
         TrainSettings(**container["train"])
     _walk(container, "")
@@ -158,3 +159,41 @@ def _walk(node: Any, where: str) -> None:
             _walk(value, f"{where}[{i}]")
     else:
         validate.check_finite(where, node)
+
+
+# --- before Hydra makes the run folder ---------------------------------------------------------------------------
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - Hydra is a dependency
+    Callback = object  # type: ignore[misc,assignment]
+
+
+class CheckBeforeRun(Callback):
+    """Hydra callback: check the composed config before Hydra creates the run (or sweep) folder, so that a bad
+    command line stops with one message and leaves no folder behind. ``rlhf.train`` checks again, for callers
+    that do not come through ``train.py``. Jobs of a sweep are checked in their own process."""
+
+    def on_run_start(self, config, **kwargs: Any) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config, **kwargs: Any) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(config, dir_key: str) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        try:
+            folder = OmegaConf.select(config, dir_key)
+            validate.check_run_dir(folder, dir_key)
+            HydraConfig.instance().set_config(config)  # ${hydra:...} resolves; Hydra sets it again for the job
+            job = OmegaConf.to_container(config, resolve=False)
+            job.pop("hydra", None)
+            job = OmegaConf.create(job)
+            if "output_dir" in job:
+                job.output_dir = os.path.abspath(str(folder))  # Hydra fills hydra.runtime.output_dir later
+            check_config(job)
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(1)
+

@@ -23,7 +23,6 @@ import logging
 import logging.config
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from rlhf import checkpoint, run_folder
 from rlhf.config import build, check_config
 from rlhf.errors import UserError
+from rlhf.hardware.base import free_port
 from rlhf.signals import Stopped, forward_to_children
 
 log = logging.getLogger(__name__)
@@ -198,12 +198,6 @@ def _die_with_parent() -> None:
         return
     if os.getppid() == 1:  # the parent died before prctl
         os._exit(1)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- one run folder under torchrun / accelerate launch ----------------------------------------------------------

@@ -10,8 +10,8 @@
   schedulers) get the limits their config group shares, by argument name, from :mod:`rlhf.optim`.
 - :func:`rlhf.config.check_config` applies all of it to every ``_target_`` node, refuses NaN and infinity
   anywhere, and runs the whole-run checks below (top-level keys, the run folder, float16 on a CPU).
-- :class:`CheckBeforeRun`: a Hydra callback (added by ``train.py``) that runs ``check_config`` before Hydra creates
-  the run folder, so a bad command line leaves nothing behind.
+- :class:`rlhf.config.CheckBeforeRun`: a Hydra callback (declared in ``conf/config.yaml``) that runs
+  ``check_config`` before Hydra creates the run folder, so a bad command line leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import difflib
 import inspect
 import math
 import os
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,43 +266,3 @@ def check_float16_on_cpu(config: Mapping[str, Any]) -> None:
         raise UserError(f"model.dtype=float16 trains on the CPU here ({where}), where float16 weights turn to NaN "
                         "within a few steps. Fix: model.dtype=float32 (add hardware.mixed_precision=bf16 for "
                         "half-precision compute), or run on a GPU.")
-
-
-# --- before Hydra makes the run folder ---------------------------------------------------------------------------
-try:
-    from hydra.experimental.callback import Callback
-except ImportError:  # pragma: no cover - Hydra is a dependency
-    Callback = object  # type: ignore[misc,assignment]
-
-
-class CheckBeforeRun(Callback):
-    """Hydra callback: check the composed config before Hydra creates the run (or sweep) folder, so that a bad
-    command line stops with one message and leaves no folder behind. ``rlhf.train`` checks again, for callers
-    that do not come through ``train.py``. Jobs of a sweep are checked in their own process."""
-
-    def on_run_start(self, config, **kwargs: Any) -> None:
-        self._check(config, "hydra.run.dir")
-
-    def on_multirun_start(self, config, **kwargs: Any) -> None:
-        self._check(config, "hydra.sweep.dir")
-
-    @staticmethod
-    def _check(config, dir_key: str) -> None:
-        from hydra.core.hydra_config import HydraConfig
-
-        from rlhf.config import check_config
-
-        try:
-            folder = OmegaConf.select(config, dir_key)
-            check_run_dir(folder, dir_key)
-            HydraConfig.instance().set_config(config)  # ${hydra:...} resolves; Hydra sets it again for the job
-            job = OmegaConf.to_container(config, resolve=False)
-            job.pop("hydra", None)
-            job = OmegaConf.create(job)
-            if "output_dir" in job:
-                job.output_dir = os.path.abspath(str(folder))  # Hydra fills hydra.runtime.output_dir later
-            check_config(job)
-        except UserError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(1)
-

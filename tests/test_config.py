@@ -35,8 +35,8 @@ from rlhf import hub, train
 from rlhf.config import build, check_config, check_fields
 from rlhf.data.source import DataSource
 from rlhf.errors import UserError
-from rlhf.loop import TrainSettings
 from rlhf.models.loading import DTYPES, load_policy
+from rlhf.settings import TrainSettings
 from tests.conftest import CONF, FAST, compose_config
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,13 @@ def cpus_available() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a rendezvous or process group on this machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class DataParallel:

@@ -35,6 +35,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.errors import UserError
+from rlhf.hardware.base import free_port
 from rlhf.hardware.sharded import Sharded, global_numel, name_deepspeed_accelerator
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,6 @@ class ZeRO(Sharded):
         deepspeed = import_deepspeed(self.uses_cuda())
         accelerator = super().start(*args, **kwargs)
         if not torch.distributed.is_initialized():  # one process (e.g. ZeRO-Offload on one GPU): no group yet
-            from rlhf.launch import free_port
 
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed reads it (launchers set it)
             torch.distributed.init_process_group(

@@ -18,9 +18,8 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from rlhf import train
 from rlhf.errors import UserError
-from rlhf.hardware import DataParallel, cpus_available
-from rlhf.launch import free_port
-from rlhf.loop import TrainSettings
+from rlhf.hardware import DataParallel, cpus_available, free_port
+from rlhf.settings import TrainSettings
 from tests.conftest import FAST, ROOT, compose_config, fast_initial_model
 
 

@@ -31,8 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.config import build
 from rlhf.errors import UserError
-from rlhf.hardware import FSDP2, ZeRO
-from rlhf.launch import free_port
+from rlhf.hardware import FSDP2, ZeRO, free_port
 from tests.conftest import FAST, assert_equal_trees, compose_config, fast_initial_model
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
