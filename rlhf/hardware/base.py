@@ -2,7 +2,8 @@
 
 A ``conf/hardware/*.yaml`` option builds a :class:`DataParallel` (or a subclass) through ``_target_``. The loop
 calls the same methods whatever the option: ``start`` (the Accelerator and the process group), ``prepare``,
-``accumulate``/``backward``, ``optimizer_step`` (clip, step, zero the gradients) and ``save_model`` (one whole
+``accumulate``/``backward``, ``clip_gradients`` (the norm before clipping), ``step`` (step and zero the gradients)
+or ``skip_step`` (a non-finite step), ``save_state``/``load_state`` (checkpoints) and ``save_model`` (one whole
 Hugging Face model, written by the main process). :mod:`rlhf.launch` reads ``processes_per_node`` and
 ``num_nodes`` to start the processes; nothing else in the package knows about hardware.
 """
@@ -182,12 +183,6 @@ class DataParallel:
     def skip_step(self, model, optimizer) -> None:
         """Drop this step's gradients without changing the parameters (a non-finite loss or gradient)."""
         optimizer.zero_grad(set_to_none=True)
-
-    def optimizer_step(self, model, optimizer, max_grad_norm: float | None) -> float | None:
-        """Clip (when ``max_grad_norm`` is set), step and zero the gradients; return the norm before clipping."""
-        norm = self.clip_gradients(model, max_grad_norm)
-        after = self.step(model, optimizer)
-        return norm if norm is not None else after
 
     # --- saving -------------------------------------------------------------------------------------------
     def unwrap(self, model) -> torch.nn.Module:

@@ -324,7 +324,7 @@ def test_deepspeed_config_follows_the_loop():
     assert extra.deepspeed_settings(4)["zero_optimization"] == {"stage": 2, "overlap_comm": True}
     assert extra.deepspeed_settings(4)["bf16"] == {"enabled": True}
     with pytest.raises(UserError, match="train.max_grad_norm=1.0 but hardware.max_grad_norm=0.25"):
-        strategy.optimizer_step(model=None, optimizer=None, max_grad_norm=1.0)
+        strategy.clip_gradients(model=None, max_grad_norm=1.0)
 
 
 def test_zero_without_deepspeed_says_how_to_install_it(monkeypatch):
