@@ -9,8 +9,9 @@ import hydra
 from omegaconf import DictConfig
 
 from rlhf import train
+from rlhf.config import checked_by_callback
 from rlhf.errors import UserError
-from rlhf.launch import hydra_overrides_for_this_rank
+from rlhf.launch import hydra_overrides_for_this_rank, run
 from rlhf.signals import Stopped, hand_over
 from rlhf.slurm import for_the_sweep, in_submitit_job
 
@@ -18,7 +19,8 @@ from rlhf.slurm import for_the_sweep, in_submitit_job
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     try:
-        metrics = train(cfg)
+        # A single run was checked by the config's Hydra callback in this process; a sweep's job is checked here.
+        metrics = run(cfg) if checked_by_callback() else train(cfg)
     except Stopped as stopped:  # a signal: the checkpoint is written; one line, then a non-zero exit
         if stopped.signum == signal.SIGUSR2 and hand_over(signal.SIGUSR2):  # submitit requeues the job and exits
             return None

@@ -8,8 +8,8 @@ step, the scheduler step and the step's logging and evaluation, never inside an 
   and ZeRO (DeepSpeed's own ``save_checkpoint``);
 - ``scheduler.pt``: the learning-rate schedule's state (the same on every rank);
 - ``rank_<r>.pt``: each rank's own state: every random generator (Python, NumPy, torch, CUDA), the loop's
-  :class:`TrainState` (step, epoch, position in the epoch, the sums behind the averaged log window, counters) and
-  the algorithm's state when it has one (``algo.state_dict()``);
+  :class:`~rlhf.state.TrainState` (step, epoch, position in the epoch, the sums behind the averaged log window, counters) and
+  the algorithm's state (``algo.state_dict()``, empty for most);
 - ``meta.json``, written last: what the checkpoint is (step, processes, versions). A folder without it is not a
   checkpoint.
 
@@ -20,19 +20,16 @@ back with ``torch.load(weights_only=True)``: a checkpoint never runs code when i
 Why not Accelerate's ``save_state`` for all of it: it saves the optimizer from the main process only (wrong for
 FSDP2 and ZeRO, whose optimizer states are split over the ranks) and pickles the random states (its loader needs
 ``weights_only=False``). Its recipe is kept: the seedable sampler, ``set_epoch`` and ``skip_first_batches``
-(:mod:`rlhf.loop`), per-rank random states, and checkpoints only at step boundaries.
+(:mod:`rlhf.data.loaders`), per-rank random states, and checkpoints only at step boundaries.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import random
 import shutil
-from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +38,8 @@ import torch
 
 from rlhf.errors import UserError
 from rlhf.files import use_umask
+from rlhf.metrics import any_process
+from rlhf.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -48,34 +47,6 @@ FOLDER = "checkpoints"
 PREFIX = "step_"
 META = "meta.json"
 FORMAT = 1  # bumped when the layout changes; an older checkpoint is refused with a clear message
-
-
-@dataclass
-class TrainState:
-    """Where the loop is, and everything it carries from step to step (saved per rank)."""
-
-    step: int = 0  # optimizer steps done (skipped non-finite steps included)
-    epoch: int = 0  # passes over the training split begun
-    batch_in_epoch: int = 0  # micro-batches of this epoch already consumed by this process
-    nonfinite_steps: int = 0  # steps skipped because the loss or gradient norm was not finite
-    nonfinite_in_row: int = 0  # of which at the end, in a row
-    window_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # log window, this rank
-    window_weights: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    window_steps: int = 0  # optimizer steps in the log window
-    window_tokens: int = 0  # non-padding tokens this rank trained on in the log window (for perf/*)
-    last: dict[str, float] = field(default_factory=dict)  # the latest metrics of each key (summary.json)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {**data, "window_sums": dict(self.window_sums), "window_weights": dict(self.window_weights),
-                "last": dict(self.last)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainState:
-        state = cls(**data)
-        state.window_sums = defaultdict(float, state.window_sums)
-        state.window_weights = defaultdict(float, state.window_weights)
-        return state
 
 
 # --- random generators ---------------------------------------------------------------------------------------------
@@ -210,6 +181,22 @@ def replace_folder(staging: Path, folder: Path) -> None:
     _fsync_dir(folder.parent)
 
 
+def save_pretrained_atomically(model, tokenizer, folder: Path, state_dict: dict | None = None) -> None:
+    """Write a Hugging Face model and its tokenizer to a sibling folder, then swap it in: an interrupted or failed
+    save never replaces a good model. ``state_dict``: the whole model's weights when the model itself is sharded
+    (FSDP2, ZeRO-3). Called by the main process, through ``strategy.save_model``."""
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        model.save_pretrained(staging, state_dict=state_dict)
+        tokenizer.save_pretrained(staging)
+    except OSError as error:  # e.g. the disk is full
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"could not save the model to {folder} ({error}); the checkpoints, the metrics and any "
+                        "previous model there are kept. Fix: free disk space, then resume=auto.") from error
+    replace_folder(staging, folder)
+
+
 def save(run_dir: Path, state: TrainState, *, model, optimizer, scheduler, algo, strategy, accelerator,
          keep_last: int | None, meta: dict[str, Any]) -> Path:
     """Write the checkpoint of ``state.step`` (a collective: every rank calls it) and prune to ``keep_last``."""
@@ -223,19 +210,14 @@ def save(run_dir: Path, state: TrainState, *, model, optimizer, scheduler, algo,
     accelerator.wait_for_everyone()
     try:
         strategy.save_state(model, optimizer, staging)
-        own = {"train": state.to_dict(), "rng": rng_state()}
-        if hasattr(algo, "state_dict"):
-            own["algo"] = algo.state_dict()
+        own = {"train": state.to_dict(), "rng": rng_state(), "algo": algo.state_dict()}
         torch.save(own, staging / f"rank_{rank}.pt")
         if accelerator.is_main_process:
             torch.save(scheduler.state_dict(), staging / "scheduler.pt")
         error = None
     except OSError as failure:  # e.g. the disk is full: keep the previous checkpoints, say so, stop
         error = failure
-    failed = torch.tensor([error is not None], dtype=torch.float32, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        failed = accelerator.reduce(failed, reduction="sum")
-    if float(failed) > 0:
+    if any_process({"failed": error is not None}, accelerator)["failed"]:
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"could not write the checkpoint of step {state.step} in {root} ({error or 'on another rank'}); "
@@ -273,7 +255,6 @@ def load(folder: Path, *, model, optimizer, scheduler, algo, strategy, accelerat
     strategy.load_state(model, optimizer, folder)
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
     own = torch.load(own_file, weights_only=True)
-    if "algo" in own:
-        algo.load_state_dict(own["algo"])
+    algo.load_state_dict(own.get("algo", {}))
     set_rng_state(own["rng"])
     return TrainState.from_dict(own["train"])

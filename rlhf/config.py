@@ -1,7 +1,9 @@
 """Checks on the composed config that turn mistakes into one clear message before anything is built.
 
-:func:`check_config` is the one entry point (``rlhf.train`` calls it; so does ``train.py``, before Hydra makes the
-run folder). It raises :class:`rlhf.errors.UserError` naming the key as the user types it and the fix for:
+:func:`check_config` is the one entry point, run once per process: by :class:`CheckBeforeRun` for ``train.py``
+(before Hydra makes the run folder), by ``rlhf.train`` for a sweep's job or a Python caller; never by the ranks a
+run starts (they receive the checked config). It raises :class:`rlhf.errors.UserError` naming the key as the user
+types it and the fix for:
 
 - a top-level key ``conf/config.yaml`` does not define (``+optimiser=lion``), and a run folder that is empty, the
   current folder or the checkout (``hydra.run.dir=``);
@@ -136,7 +138,7 @@ def check_config(cfg: DictConfig) -> None:
         validate.check_run_dir(container["output_dir"], "output_dir")
     if isinstance(container.get("train"), dict):  # first: the schedule's length and others derive from train.*
         check_fields(container["train"], TrainSettings, "train")
-        TrainSettings(**container["train"])
+        validate.check_limits(container["train"], TrainSettings, "train")
     _walk(container, "")
     validate.check_float16_on_cpu(container)
 
@@ -150,7 +152,9 @@ def _walk(node: Any, where: str) -> None:
             except Exception as error:
                 raise UserError(f"{where}._target_={target}: cannot import it ({error}). Fix: check the name, or "
                                 "install the package that provides it.") from error
-            check_fields(node, obj, where)
+            ranges = {**GROUP_LIMITS.get(where, {}), **getattr(obj, "__limits__", {})}
+            given_meaning = {k for k, v in node.items() if v is None and k in ranges and ranges[k].null}
+            check_fields({k: v for k, v in node.items() if k not in given_meaning}, obj, where)
             validate.check_limits(node, obj, where, GROUP_LIMITS.get(where))
         for key, value in node.items():
             _walk(value, f"{where}.{key}" if where else str(key))
@@ -170,11 +174,17 @@ except ImportError:  # pragma: no cover - Hydra is a dependency
 
 class CheckBeforeRun(Callback):
     """Hydra callback: check the composed config before Hydra creates the run (or sweep) folder, so that a bad
-    command line stops with one message and leaves no folder behind. ``rlhf.train`` checks again, for callers
-    that do not come through ``train.py``. Jobs of a sweep are checked in their own process."""
+    command line stops with one message and leaves no folder behind.
+
+    A single run is checked here, once: ``train.py`` then calls :func:`rlhf.launch.run`, which does not check again
+    (:func:`checked_by_callback`). The jobs of a sweep differ from the sweep's base config, so each is checked in
+    its own process, by :func:`rlhf.launch.train`."""
+
+    checked_run = False  # this process's single run was checked by on_run_start
 
     def on_run_start(self, config, **kwargs: Any) -> None:
         self._check(config, "hydra.run.dir")
+        CheckBeforeRun.checked_run = True
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
         self._check(config, "hydra.sweep.dir")
@@ -197,3 +207,7 @@ class CheckBeforeRun(Callback):
             print(f"error: {error}", file=sys.stderr)
             sys.exit(1)
 
+
+def checked_by_callback() -> bool:
+    """Whether :class:`CheckBeforeRun` has checked this process's single run (the same config the job gets)."""
+    return CheckBeforeRun.checked_run

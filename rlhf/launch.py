@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf import checkpoint, run_folder
 from rlhf.config import build, check_config
@@ -47,29 +47,34 @@ def launched_elsewhere() -> bool:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Train as `cfg` says, on as many processes as ``cfg.hardware`` asks for; return the final metrics."""
+    """Check `cfg`, then train as it says (:func:`run`); return the final metrics. The entry for Python callers."""
+    check_config(cfg)
+    return run(cfg)
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Train as `cfg` (already checked in this process: ``train.py`` after :class:`~rlhf.config.CheckBeforeRun`)
+    says, on as many processes as ``cfg.hardware`` asks for; return the final metrics.
+
+    The strategy is built here once; ``resume`` is resolved here once (:func:`rlhf.run_folder.prepare`), by every
+    process that enters, before any rank of this run starts training."""
     from rlhf import loop
 
-    check_config(cfg)
     strategy = build(cfg.hardware)
-    processes = strategy.processes_per_node()
-    if run_folder.owned_by_parent():  # a rank started by _start: the parent holds the folder
-        return loop.train(cfg)
-    if launched_elsewhere() and os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 holds and prepares it
-        return loop.train(cfg)
     run_dir = Path(cfg.output_dir)
-    # The main machine holds the folder (one lock); the others only read which checkpoint to resume from.
-    with run_folder.claim(run_dir) if strategy.node_rank == 0 else contextlib.nullcontext():
-        found = run_folder.prepare(run_dir, cfg.get("resume"))
-        with open_dict(cfg):
-            cfg.resume = str(found) if found is not None else None  # every rank resumes from the same one
-        if launched_elsewhere() or (processes == 1 and strategy.num_nodes == 1):
-            return loop.train(cfg)
-        return _start(cfg, processes, strategy.threads(processes), strategy.num_nodes, strategy.node_rank,
+    started_here = run_folder.owned_by_parent() or launched_elsewhere()  # a rank: the loop runs in this process
+    holds_folder = strategy.node_rank == 0 and not run_folder.owned_by_parent() and os.environ.get("RANK", "0") == "0"
+    # The main machine's first process holds the folder (one lock); the others only read which checkpoint to resume.
+    with run_folder.claim(run_dir) if holds_folder else contextlib.nullcontext():
+        resume = run_folder.prepare(run_dir, cfg.get("resume"))
+        if started_here or (strategy.processes_per_node() == 1 and strategy.num_nodes == 1):
+            return loop.train(cfg, strategy, resume)
+        processes = strategy.processes_per_node()
+        return _start(cfg, resume, processes, strategy.threads(processes), strategy.num_nodes, strategy.node_rank,
                       strategy.rdzv_endpoint)
 
 
-def _start(cfg: DictConfig, processes: int, threads: int, nodes: int, node_rank: int,
+def _start(cfg: DictConfig, resume: Path | None, processes: int, threads: int, nodes: int, node_rank: int,
            endpoint: str | None) -> dict[str, float]:
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -92,7 +97,7 @@ def _start(cfg: DictConfig, processes: int, threads: int, nodes: int, node_rank:
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the children's thread count: processes x threads <= CPUs
     try:
         with forward_to_children() as forwarded:  # Slurm's USR2 reaches this process: pass it on to the ranks
-            results = elastic_launch(config, _worker)(container, _logging_config())
+            results = elastic_launch(config, _worker)(container, str(resume) if resume else None, _logging_config())
     except ChildFailedError as error:
         raise _plain(error) from None  # ChildFailedError does not survive submitit's pickling of a result
     except SignalException as error:  # SIGTERM/SIGINT: the agent has stopped the ranks (each checkpointed first)
@@ -157,8 +162,9 @@ def configure_worker_logging(logging_config: dict | None, rank: int) -> None:
         datasets.disable_progress_bars()
 
 
-def _worker(container: dict, logging_config: dict | None) -> dict[str, float]:
-    """One rank: rebuild the config and run the loop. Errors are logged here, where the cause is known."""
+def _worker(container: dict, resume: str | None, logging_config: dict | None) -> dict[str, float]:
+    """One rank: rebuild the config (checked and resolved by the parent: not checked again), build the strategy and
+    run the loop from the parent's ``resume``. Errors are logged here, where the cause is known."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from rlhf import loop
@@ -170,7 +176,8 @@ def _worker(container: dict, logging_config: dict | None) -> dict[str, float]:
     @record
     def run() -> dict[str, float]:
         try:
-            return loop.train(OmegaConf.create(container))
+            cfg = OmegaConf.create(container)
+            return loop.train(cfg, build(cfg.hardware), Path(resume) if resume else None)
         except UserError as error:
             raise RuntimeError(f"{_USER_ERROR}{error}") from None
         except Stopped as stopped:  # a clean stop, after the checkpoint

@@ -1,13 +1,42 @@
-"""Metric sinks. Every run writes ``metrics.jsonl`` in its run folder; other sinks add to that."""
+"""Where a run's record goes: metric sinks (every run writes ``metrics.jsonl`` in its run folder; other sinks add
+to that) and the run's log lines in ``<run dir>/train.log`` (:func:`log_file`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+@contextlib.contextmanager
+def log_file(run_dir: Path, enabled: bool) -> Iterator[None]:
+    """Log to ``<run dir>/train.log`` for the duration of the run, unless a handler already does (Hydra's)."""
+    path = (run_dir / "train.log").resolve()
+    root = logging.getLogger()
+    if not enabled or any(getattr(h, "baseFilename", None) == str(path) for h in root.handlers):
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    handler.setLevel(logging.INFO)
+    root.addHandler(handler)
+    package = logging.getLogger("rlhf")
+    level = package.level
+    if package.getEffectiveLevel() > logging.INFO:
+        package.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        package.setLevel(level)
 
 
 class JsonlLogger:

@@ -1,7 +1,9 @@
-"""Parameter groups for optimizers built from ``conf/optimizer/*.yaml``, and the values every optimizer and
-scheduler accepts."""
+"""Parameter groups for optimizers built from ``conf/optimizer/*.yaml``, the schedule of a run of known length,
+and the values every optimizer and scheduler accepts."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -25,6 +27,15 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
     return groups
 
 
+def schedule(make: functools.partial, optimizer: torch.optim.Optimizer, total_steps: int):
+    """The learning-rate schedule a ``conf/scheduler`` option makes (a partial call) for a run of ``total_steps``
+    optimizer steps. ``num_training_steps: null`` (cosine, linear) means the run's length: ``train.max_steps``, or
+    what ``train.num_epochs`` makes of the data, known only once the data is loaded."""
+    if make.keywords.get("num_training_steps", 0) is None:
+        return make(optimizer, num_training_steps=total_steps)
+    return make(optimizer)
+
+
 # --- allowed values ------------------------------------------------------------------------------------------
 # conf/optimizer/*.yaml and conf/scheduler/*.yaml build third-party classes, whose arguments cannot carry
 # rlhf.validate.limits. These limits apply, by argument name, to whichever class the `optimizer` / `scheduler`
@@ -39,9 +50,8 @@ OPTIMIZER_LIMITS: dict[str, Range] = {
 
 SCHEDULER_LIMITS: dict[str, Range] = {
     "num_warmup_steps": Range(ge=0, integer=True, meaning="optimizer steps of linear warmup; 0 for none", fix=10),
-    "num_training_steps": Range(ge=0, integer=True, meaning="optimizer steps until the learning rate reaches 0 "
-                                "(0 only with train.max_steps=0, an evaluation-only run)",
-                                fix="${train.max_steps}"),
+    "num_training_steps": Range(ge=0, integer=True, meaning="optimizer steps until the learning rate reaches 0; "
+                                "null for the run's length", fix="null", null="the run's length (rlhf.optim.schedule)"),
     "num_cycles": Range(gt=0, meaning="cosine periods over training; 0.5 decays once from peak to 0", fix=0.5),
     "step_size": Range(ge=1, integer=True, meaning="optimizer steps between two decays", fix=100),
     "gamma": Range(gt=0, le=1, meaning="factor the learning rate is multiplied by at each decay: every step for "

@@ -1,54 +1,77 @@
-"""The ``train:`` block of the config as an object: its fields, their checks, and the accumulation they imply."""
+"""The ``train:`` block of the config as an object: its fields, their allowed values, and the accumulation they imply.
+
+The block is written once, with its defaults and their comments, in ``conf/config.yaml``; this class gives it
+types and limits. :func:`rlhf.config.check_config` checks the block against both (``@limits`` below) before
+anything is built, so constructing a :class:`TrainSettings` checks nothing again.
+"""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from rlhf.errors import UserError
+from rlhf.validate import Range, limits
 
 NONFINITE_POLICIES = ("skip", "stop")  # train.on_nonfinite: drop a step whose loss or gradient is NaN/Inf, or stop
 
 
-@dataclass
+def _steps_or_epochs(values: Mapping[str, Any], where: str) -> None:
+    """Exactly one of ``max_steps`` and ``num_epochs`` sets the run's length."""
+    steps, epochs = values.get("max_steps"), values.get("num_epochs")
+    if (steps is None) == (epochs is None):
+        raise UserError(f"{where}.max_steps={steps} and {where}.num_epochs={epochs}: set exactly one of them. Fix: e.g. "
+                        f"{where}.max_steps=null {where}.num_epochs=2 (epochs), or {where}.num_epochs=null (steps).")
+
+
+def _known_policy(values: Mapping[str, Any], where: str) -> None:
+    policy = values.get("on_nonfinite")
+    if policy not in NONFINITE_POLICIES:
+        raise UserError(f"{where}.on_nonfinite={policy!r} is not one of {list(NONFINITE_POLICIES)}. Fix: "
+                        f"{where}.on_nonfinite=skip (skip the step) or stop (stop the run at once).")
+
+
+def _count(meaning: str, fix: Any, low: int = 1) -> Range:
+    return Range(ge=low, integer=True, meaning=meaning, fix=fix)
+
+
+@limits(
+    _steps_or_epochs,
+    _known_policy,
+    max_steps=_count("optimizer steps; 0 evaluates the starting model and stops", 300, low=0),
+    num_epochs=_count("passes over the training split, instead of max_steps", 1),
+    per_device_batch_size=_count("examples per process per micro-batch", 32),
+    grad_accumulation_steps=_count("micro-batches per optimizer step", 1),
+    global_batch_size=_count("examples per optimizer step over all processes", 64),
+    max_grad_norm=Range(gt=0, meaning="the gradient norm is clipped to this; null for no clipping", fix=1.0),
+    eval_every_steps=_count("optimizer steps between evaluations; 0 evaluates only at the end", 50, low=0),
+    eval_batch_size=_count("examples per process per evaluation batch", 64),
+    log_every_steps=_count("optimizer steps averaged into one line of training metrics", 10),
+    save_every_steps=_count("optimizer steps between checkpoints; 0 saves only on a stop signal", 100, low=0),
+    keep_last=_count("checkpoints kept; null keeps all", 2),
+    max_nonfinite_in_row=_count("non-finite steps in a row before the run stops", 5),
+)
+@dataclass(frozen=True)
 class TrainSettings:
-    """The ``train:`` block of the config: how long and in what batches to train, and how the run survives
-    interruptions. Units are in the names."""
+    """The ``train:`` block (see ``conf/config.yaml`` for what each field does and its default). Units are in the
+    names: ``*_steps`` are optimizer steps, ``*_batch_size`` are examples (pairs for DPO)."""
 
-    max_steps: int | None = 300  # optimizer steps (0: evaluate the starting model and stop); or num_epochs
-    num_epochs: int | None = None  # passes over the training split instead of max_steps (set one of the two)
-    per_device_batch_size: int = 32  # examples (pairs for DPO) per process per micro-batch
-    grad_accumulation_steps: int | None = None  # micro-batches per optimizer step (None: 1, or from global)
-    global_batch_size: int | None = None  # examples per optimizer step over all processes (None: not fixed)
-    max_grad_norm: float | None = 1.0  # clip the global gradient norm to this; null disables clipping
-    eval_every_steps: int = 50  # evaluate on the held-out split every N optimizer steps (0: only at the end)
-    eval_batch_size: int = 64  # examples per process per evaluation batch
-    log_every_steps: int = 10  # write averaged training metrics every N optimizer steps
-    eval_at_start: bool = True  # evaluate before the first step, to show where training starts from
-    save_final: bool = True  # save the trained model and tokenizer to <run dir>/final
-    save_every_steps: int = 100  # write a checkpoint every N optimizer steps (0: only when stopped by a signal)
-    keep_last: int | None = 2  # checkpoints kept (the oldest are removed after a new one is complete); null: all
-    on_nonfinite: str = "skip"  # a step whose loss or gradient norm is NaN/Inf: "skip" it, or "stop" the run
-    max_nonfinite_in_row: int = 5  # with on_nonfinite=skip: stop after this many non-finite steps in a row
-
-    def __post_init__(self) -> None:
-        for name in ("per_device_batch_size", "grad_accumulation_steps", "global_batch_size", "eval_batch_size",
-                     "log_every_steps", "num_epochs", "keep_last", "max_nonfinite_in_row"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise UserError(f"train.{name}={getattr(self, name)} must be at least 1.")
-        for name in ("max_steps", "eval_every_steps", "save_every_steps"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise UserError(f"train.{name}={getattr(self, name)} must be at least 0.")
-        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
-            raise UserError(f"train.max_grad_norm={self.max_grad_norm} must be a finite number > 0, or null for no "
-                            "clipping. Fix: e.g. train.max_grad_norm=1.0")
-        if (self.max_steps is None) == (self.num_epochs is None):
-            raise UserError(
-                f"train.max_steps={self.max_steps} and train.num_epochs={self.num_epochs}: set exactly one of them. "
-                "Fix: e.g. train.max_steps=null train.num_epochs=2 (epochs), or train.num_epochs=null (steps).")
-        if self.on_nonfinite not in NONFINITE_POLICIES:
-            raise UserError(f"train.on_nonfinite={self.on_nonfinite!r} is not one of {list(NONFINITE_POLICIES)}. "
-                            "Fix: train.on_nonfinite=skip (skip the step) or stop (stop the run at once).")
+    max_steps: int | None
+    num_epochs: int | None
+    per_device_batch_size: int
+    grad_accumulation_steps: int | None
+    global_batch_size: int | None
+    max_grad_norm: float | None
+    eval_every_steps: int
+    eval_batch_size: int
+    log_every_steps: int
+    eval_at_start: bool
+    save_final: bool
+    save_every_steps: int
+    keep_last: int | None
+    on_nonfinite: str
+    max_nonfinite_in_row: int
 
     def accumulation_steps(self, processes: int) -> int:
         """Micro-batches per optimizer step: set, or derived from ``global_batch_size`` for this many processes,
@@ -68,3 +91,15 @@ class TrainSettings:
                 f"train.global_batch_size={self.global_batch_size} = {self.per_device_batch_size} per device x "
                 f"{processes} process(es) x {derived}. Fix: drop one of them (train.grad_accumulation_steps=null).")
         return derived
+
+    def steps(self, micro_batches_per_epoch: int, accumulation: int) -> int:
+        """The run's length in optimizer steps: ``max_steps``, or what ``num_epochs`` makes of the epoch's
+        micro-batches (per process) at ``accumulation`` micro-batches per step."""
+        if self.num_epochs is None:
+            return self.max_steps
+        steps = self.num_epochs * micro_batches_per_epoch // accumulation
+        if steps < 1:
+            raise UserError(f"train.num_epochs={self.num_epochs} is less than one optimizer step "
+                            f"({micro_batches_per_epoch} micro-batch(es) per epoch per process, {accumulation} per "
+                            "step). Fix: more epochs, or a smaller train.per_device_batch_size / accumulation.")
+        return steps

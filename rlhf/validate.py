@@ -58,6 +58,8 @@ class Range:
         fix: a value that works, shown as ``Fix: <key>=<fix>``.
         integer: only whole numbers (step counts).
         each: the argument takes a list of such numbers (``betas``); a single number is checked as is.
+        null: what ``null`` means for this argument, when rlhf gives it one that its type does not (a schedule's
+            ``num_training_steps``: the run's length); ``null`` is then accepted whatever the annotation says.
     """
 
     gt: float | None = None
@@ -68,6 +70,7 @@ class Range:
     fix: Any = None
     integer: bool = False
     each: bool = False
+    null: str = ""
 
     def describe(self) -> str:
         """The allowed values in words: ``> 0``, ``in [0, 1)``, ``a whole number >= 0``."""

@@ -27,14 +27,10 @@ from rlhf.models.reference import FrozenCopy
 from rlhf.models.tiny import TinySpec
 
 
-class _CPU:
-    device = torch.device("cpu")
-
-
 def ours(policy, rows) -> dict[str, float]:
     algo = DPO(beta=0.1, reference=FrozenCopy())
     model = copy.deepcopy(policy.model)
-    algo.setup(model, policy.tokenizer, _CPU())
+    algo.setup(model, policy.tokenizer)
     batch = algo.collate([algo.tokenize(r, policy.tokenizer) for r in rows])
     with torch.no_grad():
         _, metrics = algo.loss(model.eval(), batch)

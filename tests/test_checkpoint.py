@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf import checkpoint, run_folder, train
-from rlhf.checkpoint import TrainState
 from rlhf.errors import UserError
 from rlhf.logging import JsonlLogger
+from rlhf.state import TrainState
 from tests.conftest import FAST, ROOT, compose_config
 from tests.runs import TWO_PROCESSES, assert_same_run, start, uninterrupted
 

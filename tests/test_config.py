@@ -36,6 +36,7 @@ from rlhf.config import build, check_config, check_fields
 from rlhf.data.source import DataSource
 from rlhf.errors import UserError
 from rlhf.models.loading import DTYPES, load_policy
+from rlhf.optim import schedule
 from rlhf.settings import TrainSettings
 from tests.conftest import CONF, FAST, compose_config
 
@@ -91,13 +92,15 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
         assert not torch.equal(before, next(model.parameters()))
     elif group == "scheduler":
         optimizer = torch.optim.SGD(_small_model().parameters(), lr=1.0)
-        scheduler = instantiate(node)(optimizer)
+        scheduler = schedule(instantiate(node), optimizer, cfg.train.max_steps)  # as the loop builds it
         lrs = []
         for _ in range(cfg.train.max_steps):
             optimizer.step()
             scheduler.step()
             lrs.append(scheduler.get_last_lr()[0])
         assert all(0.0 <= lr <= 1.0 for lr in lrs) and len(set(lrs)) > 1
+        if "num_training_steps" in node:  # null: the schedule ends exactly with the run
+            assert node.num_training_steps is None and lrs[-1] == 0.0 and lrs[-2] > 0.0
     elif group == "algo":
         algo = instantiate(node)
         assert set(algo.columns) >= {"prompt"} and callable(algo.loss)

@@ -77,9 +77,9 @@ def test_sft_then_dpo_from_the_saved_model(fast_config, tmp_path, monkeypatch):
     started_from = {}
     setup = DPO.setup
 
-    def spy(self, policy, tokenizer, accelerator):  # the policy DPO is handed, before its first step
+    def spy(self, policy, tokenizer):  # the policy DPO is handed, before its first step
         started_from.update({k: v.detach().clone() for k, v in policy.state_dict().items()})
-        return setup(self, policy, tokenizer, accelerator)
+        return setup(self, policy, tokenizer)
 
     monkeypatch.setattr(DPO, "setup", spy)
     metrics = train(fast_config("algo=dpo", f"model.name_or_path={folder}", "train.eval_at_start=true"))
@@ -91,7 +91,7 @@ def test_sft_then_dpo_from_the_saved_model(fast_config, tmp_path, monkeypatch):
 def test_impossible_training_settings_are_clear_errors(fast_config):
     with pytest.raises(UserError, match="per_device_batch_size"):
         train(fast_config("data.task.num_train=4", "train.per_device_batch_size=8"))
-    with pytest.raises(UserError, match=r"train.max_steps=-1 must be at least 0"):
+    with pytest.raises(UserError, match=r"train.max_steps=-1 must be a whole number >= 0"):
         train(fast_config("train.max_steps=-1"))
     with pytest.raises(UserError, match=r"set exactly one of them. Fix: e.g. train.max_steps=null train.num_epochs=2"):
         train(fast_config("train.num_epochs=2"))

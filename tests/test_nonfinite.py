@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf import checkpoint, train
-from rlhf.loop import NonFinite
+from rlhf.nonfinite import NonFinite
 from tests.conftest import FAST, ROOT
 
 NAN = ["algo=sft", "algo._target_=tests.nonfinite_loss.NaNAt"]

@@ -116,10 +116,15 @@ def test_nan_and_inf_are_refused_anywhere(override):
     assert refused(override).startswith(f"{key}={value} is not a finite number")
 
 
-def test_train_settings_are_checked_first_with_their_own_message():
-    assert refused("train.max_grad_norm=inf") == ("train.max_grad_norm=inf must be a finite number > 0, or null for "
-                                                  "no clipping. Fix: e.g. train.max_grad_norm=1.0")
-    assert refused("train.max_steps=-5") == "train.max_steps=-5 must be at least 0."
+def test_train_settings_are_checked_first_by_their_limits():
+    """The train block is checked before the components (whose values may derive from it), by the @limits that
+    rlhf.settings.TrainSettings declares."""
+    assert refused("train.max_grad_norm=inf") == (
+        "train.max_grad_norm=inf is not a finite number; it must be > 0 (the gradient norm is clipped to this; null "
+        "for no clipping). Fix: train.max_grad_norm=1.0")
+    assert refused("train.max_steps=-5") == ("train.max_steps=-5 must be a whole number >= 0 (optimizer steps; 0 "
+                                             "evaluates the starting model and stops). Fix: train.max_steps=300")
+    assert refused("train.keep_last=0", "optimizer.lr=-1").startswith("train.keep_last=0 must be a whole number >= 1")
 
 
 # --- a list where one value belongs: a sweep written as a list ---------------------------------------------------

@@ -1,9 +1,6 @@
 """Algorithms. One file each: pure loss functions plus the small class that the loop drives.
 
-An algorithm object provides (see :class:`rlhf.algos.base.Algorithm`):
-
-- ``columns``: the text columns it needs (``prompt``/``completion``, ``prompt``/``chosen``/``rejected``...);
-- ``tokenize(row, tokenizer)`` and ``collate(rows)``: from text rows to tensors;
-- ``setup(policy, accelerator)``: anything built from the policy before training (e.g. a reference model);
-- ``loss(model, batch) -> (loss, metrics)`` and ``evaluate(model, batch) -> metrics``.
+Every algorithm subclasses :class:`rlhf.algos.base.Algorithm`, whose docstring is the whole contract: the
+required ``columns``, ``tokenize``, ``collate``, ``loss`` and ``evaluate``; and the optional ``setup``, ``frozen``
+models, ``batch_source`` and ``state_dict``/``load_state_dict``, with their defaults.
 """

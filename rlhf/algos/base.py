@@ -1,4 +1,5 @@
-"""What the loop expects from an algorithm, and the forward pass every log-likelihood method shares."""
+"""What the loop expects from an algorithm (:class:`Algorithm`, the one contract a new algorithm implements), and
+the forward pass every log-likelihood method shares."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from rlhf.data.loaders import Batches
 from rlhf.errors import UserError
+from rlhf.state import TrainState
 from rlhf.validate import Range
 
 # Allowed lengths for algorithms that tokenize prompt + completion (see rlhf.validate.limits).
@@ -25,20 +28,77 @@ def prompt_leaves_room(values: dict[str, Any], where: str) -> None:
                         f"{where}.max_prompt_length={max(1, total // 2)} (or a larger {where}.max_length)")
 
 
-class Algorithm(Protocol):
-    """The contract between the loop and an algorithm. The loop never asks which algorithm it runs."""
+class Algorithm:
+    """The contract between the loop and an algorithm: what a new algorithm's author implements. Subclass it.
 
-    columns: tuple[str, ...]
+    The loop never asks which algorithm it runs. It calls, in this order:
 
-    def tokenize(self, row: dict[str, str], tokenizer) -> dict[str, list[int]]: ...
+    1. ``tokenize(row, tokenizer)`` on every row of the data (text columns named by ``columns``), then
+       ``setup(policy, tokenizer)`` with the initial policy, before the hardware strategy wraps it;
+    2. for each model in ``frozen`` (built by ``setup``; the policy is never among them):
+       ``strategy.prepare_frozen(model)``, which puts it where it runs (the device, the autocast of mixed
+       precision) and is stored back under the same name;
+    3. ``batch_source(loader, state, accelerator)`` once; then every micro-batch comes from its ``next()``;
+    4. ``loss(model, batch)`` per micro-batch and ``evaluate(model, batch)`` per held-out batch (``collate``
+       makes both kinds of batch from tokenized rows);
+    5. ``state_dict()`` into every checkpoint, ``load_state_dict(state)`` when a run resumes from one.
 
-    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]: ...
+    Required: ``columns``, ``tokenize``, ``collate``, ``loss``, ``evaluate``. The rest have defaults here.
+    Allowed argument values are declared with :func:`rlhf.validate.limits` above the class.
+    """
 
-    def setup(self, policy: torch.nn.Module, tokenizer, accelerator) -> None: ...
+    columns: tuple[str, ...] = ()  # the text columns each row must have (rlhf.data checks them)
 
-    def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]: ...
+    @property
+    def frozen(self) -> dict[str, torch.nn.Module]:
+        """Models this algorithm uses but never trains (a reference, a reward model), by name; set in ``setup``.
+        Default: none."""
+        return self.__dict__.setdefault("_frozen", {})
 
-    def evaluate(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]: ...
+    @frozen.setter
+    def frozen(self, models: dict[str, torch.nn.Module]) -> None:
+        self.__dict__["_frozen"] = dict(models)
+
+    def tokenize(self, row: dict[str, str], tokenizer) -> dict[str, list[int]]:
+        """One text row to token lists (run once per row, before training; the result is cached)."""
+        raise NotImplementedError
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """Tokenized rows to one padded batch of tensors."""
+        raise NotImplementedError
+
+    def setup(self, policy: torch.nn.Module, tokenizer) -> None:
+        """Anything built from the initial policy before training: a reference copy goes into ``self.frozen``.
+        Default: nothing."""
+
+    def batch_source(self, loader, state: TrainState, accelerator) -> BatchSource:
+        """Where training micro-batches come from. Default: the training split's batches, epoch after epoch,
+        resumable mid-epoch (:class:`rlhf.data.loaders.Batches`). An online algorithm returns its own object with a
+        ``next()`` that generates a batch with the policy."""
+        return Batches(loader, state, accelerator)
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """The scalar to minimize on one micro-batch, and the metrics to log (scalar tensors, averaged)."""
+        raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Metrics of one held-out batch (scalar tensors; averaged over the split, weighted by rows)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this algorithm carries between steps (e.g. a running baseline), saved in each rank's checkpoint
+        and read back with ``torch.load(weights_only=True)``: tensors, numbers, strings, lists, dicts. Default:
+        nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (an empty dict for a checkpoint that has none)."""
+
+
+class BatchSource(Protocol):
+    """What :meth:`Algorithm.batch_source` returns: the next training micro-batch, forever."""
+
+    def next(self) -> dict[str, Tensor]: ...
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, completion_stats, prompt_leaves_room
+from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, completion_stats, prompt_leaves_room
 from rlhf.algos.sft import nll_loss
 from rlhf.data.collate import collate_sequences, encode, require_completion
 from rlhf.models.reference import FrozenCopy
@@ -41,13 +41,13 @@ def sigmoid_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: flo
     max_prompt_length=PROMPT_TOKENS,
     max_length=SEQUENCE_TOKENS,
 )
-class DPO:
+class DPO(Algorithm):
     """DPO on ``prompt``/``chosen``/``rejected`` rows; chosen and rejected share one forward pass.
 
     Args:
         beta: strength of the implicit KL penalty (> 0); rewards are ``beta * log(pi/ref)``.
         loss: the per-pair loss (a partial function of chosen/rejected log-ratios and beta).
-        reference: builds the frozen reference model from the initial policy.
+        reference: builds the frozen reference model from the initial policy (``self.frozen["reference"]``).
         nll_weight: weight (>= 0) of an added NLL term on the chosen completion (RPO, Pang et al. 2024,
             arXiv:2404.19733); 0 is plain DPO.
         disable_dropout: turn dropout off in policy and reference (as TRL does), so log-ratios start at 0.
@@ -74,7 +74,6 @@ class DPO:
         self.disable_dropout = disable_dropout
         self.max_prompt_length, self.max_length = max_prompt_length, max_length
         self.pad_id = 0
-        self.ref_model: torch.nn.Module | None = None
 
     def tokenize(self, row: dict[str, str], tokenizer) -> dict[str, list[int]]:
         out = {}
@@ -84,13 +83,17 @@ class DPO:
             out[f"{side}_input_ids"], out[f"{side}_completion_mask"] = encoded["input_ids"], encoded["completion_mask"]
         return out
 
-    def setup(self, policy, tokenizer, accelerator) -> None:
+    def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id
         if self.disable_dropout:
             for module in policy.modules():
                 if isinstance(module, torch.nn.Dropout):
                     module.p = 0.0
-        self.ref_model = self.reference(policy, accelerator)
+        self.frozen = {"reference": self.reference(policy)}  # the loop puts it where it runs (prepare_frozen)
+
+    @property
+    def ref_model(self) -> torch.nn.Module:
+        return self.frozen["reference"]
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass."""

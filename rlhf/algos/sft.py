@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, completion_stats, prompt_leaves_room
+from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, completion_stats, prompt_leaves_room
 from rlhf.data.collate import collate_sequences, encode, require_completion
 from rlhf.validate import limits
 
@@ -21,7 +21,7 @@ def nll_loss(token_logps: Tensor, mask: Tensor) -> Tensor:
 
 
 @limits(prompt_leaves_room, max_prompt_length=PROMPT_TOKENS, max_length=SEQUENCE_TOKENS)
-class SFT:
+class SFT(Algorithm):
     """Supervised fine-tuning on ``prompt``/``completion`` rows (or ``messages``/``text``).
 
     Args:
@@ -46,7 +46,7 @@ class SFT:
             out["completion_mask"] = [1] * len(out["input_ids"])
         return out
 
-    def setup(self, policy, tokenizer, accelerator) -> None:
+    def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:

@@ -1,7 +1,8 @@
 """How a run uses its hardware: the one object that differs between one process, DDP, FSDP2 and ZeRO.
 
 A ``conf/hardware/*.yaml`` option builds a :class:`DataParallel` (or a subclass) through ``_target_``. The loop
-calls the same methods whatever the option: ``start`` (the Accelerator and the process group), ``prepare``,
+calls the same methods whatever the option: ``start`` (the Accelerator and the process group), ``prepare_frozen``
+(models that do not train), ``prepare`` (the policy, its optimizer and the training loader),
 ``accumulate``/``backward``, ``clip_gradients`` (the norm before clipping), ``step`` (step and zero the gradients)
 or ``skip_step`` (a non-finite step), ``save_state``/``load_state`` (checkpoints) and ``save_model`` (one whole
 Hugging Face model, written by the main process). :mod:`rlhf.launch` reads ``processes_per_node`` and
@@ -24,6 +25,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwa
 from accelerate.state import AcceleratorState
 
 from rlhf.errors import UserError
+from rlhf.metrics import any_process
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +155,17 @@ class DataParallel:
                 f"mixed precision {self.mixed_precision}")
 
     # --- training -------------------------------------------------------------------------------------------
+    def prepare_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Put a model that is used but never trained (a reference, a reward model) where it runs: on this
+        process's device, in eval mode, without gradients, its forward under the same autocast as the policy's
+        (``mixed_precision``). Every process keeps a whole copy; a sharding strategy may override this to shard it
+        like the policy."""
+        module = module.to(self.accelerator.device).eval().requires_grad_(False)
+        if self.mixed_precision != "no":
+            dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
+            module.forward = torch.autocast(device_type=self.accelerator.device.type, dtype=dtype)(module.forward)
+        return module
+
     def prepare(self, model, make_optimizer, train_loader):
         """Wrap the model for this hardware, build its optimizer with ``make_optimizer(model)`` and shard the
         training loader; return ``(model, optimizer, train_loader)``. The scheduler is built on that optimizer."""
@@ -209,11 +222,8 @@ class DataParallel:
 
     def all_finite(self, model) -> bool:
         """Whether every parameter of the model is finite, on every process (before anything is saved)."""
-        bad = sum(int(not torch.isfinite(p.detach()).all()) for p in self.local_parameters(model))
-        flag = torch.tensor([bad], dtype=torch.float32, device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            flag = self.accelerator.reduce(flag, reduction="sum")
-        return float(flag) == 0
+        bad = any(not torch.isfinite(p.detach()).all() for p in self.local_parameters(model))
+        return not any_process({"nonfinite": bad}, self.accelerator)["nonfinite"]
 
     def local_parameters(self, model) -> list[torch.Tensor]:
         """The parameter tensors this process stores (its shards for the sharded strategies)."""

@@ -113,7 +113,7 @@ class TinySpec:
         policy = self.random_init()
         model, tokenizer = policy.model, policy.tokenizer
         sft = SFT()
-        sft.setup(model, tokenizer, None)
+        sft.setup(model, tokenizer)
         rows = [sft.tokenize(r, tokenizer) for r in self.task.rows("train", ("prompt", "completion"))]
         steps, batch_size = self.warm_start["steps"], self.warm_start["batch_size"]
         # Recipe measured to reach ~50% exact match in 150 steps on the default task and size.

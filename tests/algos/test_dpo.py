@@ -8,10 +8,6 @@ from rlhf.models.reference import FrozenCopy
 from rlhf.models.tiny import TinySpec
 
 
-class _CPU:
-    device = torch.device("cpu")
-
-
 def test_sigmoid_loss_matches_hand_computed_values():
     # beta 0.1, h = (c - r) logratio difference: h=10 -> -log(sigmoid(1)) = log(1 + e^-1)
     chosen = torch.tensor([2.0, 0.0, -1.0])
@@ -37,7 +33,7 @@ def _batch(policy, algo):
 def test_dpo_at_init_has_zero_rewards_and_log2_loss():
     policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
     algo = DPO(beta=0.1, reference=FrozenCopy())
-    algo.setup(policy.model, policy.tokenizer, _CPU())
+    algo.setup(policy.model, policy.tokenizer)
     loss, metrics = algo.loss(policy.model, _batch(policy, algo))
     assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["rewards/chosen"].item() == pytest.approx(0.0, abs=1e-6)
@@ -48,7 +44,7 @@ def test_dpo_at_init_has_zero_rewards_and_log2_loss():
 def test_dpo_rewards_are_beta_times_logratios_and_nll_term_is_weight_times_chosen_nll():
     policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
     algo = DPO(beta=0.5, reference=FrozenCopy())
-    algo.setup(policy.model, policy.tokenizer, _CPU())
+    algo.setup(policy.model, policy.tokenizer)
     with torch.no_grad():  # move the policy away from the reference
         for p in policy.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -79,7 +75,7 @@ def test_dpo_rewards_are_beta_times_logratios_and_nll_term_is_weight_times_chose
 def test_dpo_collate_puts_chosen_first_in_one_batch():
     policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
     algo = DPO()
-    algo.setup(policy.model, policy.tokenizer, _CPU())
+    algo.setup(policy.model, policy.tokenizer)
     batch = _batch(policy, algo)
     assert batch["input_ids"].shape[0] == 4
     eos = policy.tokenizer.eos_token_id

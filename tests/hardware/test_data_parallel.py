@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from rlhf import train
 from rlhf.errors import UserError
 from rlhf.hardware import DataParallel, cpus_available, free_port
-from rlhf.settings import TrainSettings
 from tests.conftest import FAST, ROOT, compose_config, fast_initial_model
 
 
@@ -29,18 +28,6 @@ def _lines(run: Path) -> list[dict]:
 
 def _params(run: Path) -> list[torch.Tensor]:
     return [p.detach() for p in AutoModelForCausalLM.from_pretrained(run / "final").parameters()]
-
-
-# --- settings and arithmetic (no processes) -----------------------------------------------------------------
-def test_global_batch_size_derives_accumulation_and_refuses_what_does_not_fit():
-    assert TrainSettings(per_device_batch_size=4, global_batch_size=16).accumulation_steps(2) == 2
-    assert TrainSettings(per_device_batch_size=4, global_batch_size=16).accumulation_steps(1) == 4
-    assert TrainSettings(per_device_batch_size=4, grad_accumulation_steps=3).accumulation_steps(2) == 3
-    assert TrainSettings(per_device_batch_size=4).accumulation_steps(2) == 1
-    with pytest.raises(UserError, match=r"global_batch_size=12 is not a multiple of .* 4 x 2 = 8"):
-        TrainSettings(per_device_batch_size=4, global_batch_size=12).accumulation_steps(2)
-    with pytest.raises(UserError, match=r"grad_accumulation_steps=3 disagrees with train.global_batch_size=16"):
-        TrainSettings(per_device_batch_size=4, grad_accumulation_steps=3, global_batch_size=16).accumulation_steps(2)
 
 
 def test_threads_never_exceed_the_cpus_of_the_job(monkeypatch):

@@ -94,7 +94,8 @@ def _run_all(runs: dict[str, dict], env: dict[str, str]) -> dict[str, str]:
     """One rank: train every run in turn; return each run's ``hardware:`` line as this rank logged it (and, under
     ``seconds:<run>``, how long the run took)."""
     os.environ.update(env)
-    from rlhf import loop
+    from rlhf import loop, run_folder
+    from rlhf.config import build
 
     logging.basicConfig(level=logging.WARNING)
     lines = _Lines()
@@ -104,7 +105,8 @@ def _run_all(runs: dict[str, dict], env: dict[str, str]) -> dict[str, str]:
     described = {}
     for name, container in runs.items():
         start = time.perf_counter()
-        loop.train(OmegaConf.create(container))
+        cfg = OmegaConf.create(container)
+        loop.train(cfg, build(cfg.hardware), run_folder.prepare(Path(cfg.output_dir), cfg.get("resume")))
         described[f"seconds:{name}"] = f"{time.perf_counter() - start:.1f}"
         described[name] = next(m for m in reversed(lines.messages) if m.startswith("hardware:"))
     return described

@@ -1,0 +1,103 @@
+"""Everything one run trains with, built once from its config: :func:`build_run` returns a :class:`BuiltRun`.
+
+config groups -> policy, algorithm, data, optimizer, schedule, logger; the hardware strategy (built by the caller,
+started before this) places them: frozen models through ``strategy.prepare_frozen``, the policy, its optimizer and
+the training loader through ``strategy.prepare``. Nothing here runs a training step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from accelerate.utils import set_seed
+from omegaconf import DictConfig
+
+from rlhf.algos.base import Algorithm
+from rlhf.config import build
+from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
+from rlhf.errors import UserError
+from rlhf.hardware import global_numel
+from rlhf.optim import param_groups, schedule
+from rlhf.settings import TrainSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltRun:
+    """One run's components, placed on its hardware. ``max_steps`` is the run's length in optimizer steps (from
+    ``train.max_steps`` or ``train.num_epochs``); ``accumulation`` the micro-batches per step on each process."""
+
+    settings: TrainSettings
+    run_dir: Path
+    strategy: Any  # rlhf.hardware.DataParallel or a subclass
+    accelerator: Any
+    model: Any  # wrapped by the strategy; strategy.unwrap(model) is the Hugging Face model
+    tokenizer: Any
+    algo: Algorithm
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any
+    eval_loader: Any
+    accumulation: int
+    max_steps: int
+    rows: dict[str, int]  # training and held-out rows after tokenization
+    skipped_rows: int  # bad rows left out by data.on_bad_row=skip
+
+    def describe(self) -> None:
+        """Log what is about to happen: the folder, the hardware, the batch arithmetic, the model's size."""
+        settings, processes = self.settings, self.accelerator.num_processes
+        parameters = list(self.strategy.unwrap(self.model).parameters())
+        total = sum(global_numel(p) for p in parameters)  # ZeRO-3 keeps empty local tensors
+        trainable = sum(global_numel(p) for p in parameters if p.requires_grad)
+        log.info("run dir: %s", self.run_dir)
+        log.info("hardware: %s", self.strategy.describe())
+        log.info("global batch %d = %d per device x %d process(es) x %d accumulation step(s); %d optimizer steps%s",
+                 settings.per_device_batch_size * processes * self.accumulation, settings.per_device_batch_size,
+                 processes, self.accumulation, self.max_steps,
+                 f" ({settings.num_epochs} epoch(s))" if settings.num_epochs else "")
+        log.info("parameters: %s (%s trainable); %d training rows, %d held-out rows",
+                 f"{total:,}", f"{trainable:,}", self.rows["train"], self.rows["eval"])
+
+
+def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
+    """Build every component of ``cfg`` on the started ``strategy`` (its Accelerator exists)."""
+    accelerator = strategy.accelerator
+    settings = TrainSettings(**cfg.train)  # checked with the rest of the config, before any process started
+    accumulation = settings.accumulation_steps(accelerator.num_processes)
+    set_seed(cfg.seed)
+    with accelerator.local_main_process_first():  # e.g. the tiny model's warm start is built once per machine
+        policy = build(cfg.model)
+    model, tokenizer = policy.model, policy.tokenizer
+    algo: Algorithm = build(cfg.algo)
+    data = build(cfg.data)
+    with accelerator.local_main_process_first():
+        splits = data.load(algo.columns, tokenizer)
+    tokenized = tokenize_once(splits, algo, tokenizer, accelerator, run_dir / ".cache")
+    _check_split_sizes(tokenized, settings, accelerator.num_processes)
+
+    algo.setup(model, tokenizer)  # before prepare(): e.g. the reference copies the initial policy
+    algo.frozen = {name: strategy.prepare_frozen(module) for name, module in algo.frozen.items()}
+    training = train_loader(tokenized["train"], settings.per_device_batch_size, algo.collate, cfg.seed)
+    evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)
+    # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
+    make_optimizer = build(cfg.optimizer, _convert_="all")  # plain lists (betas): checkpoints load weights-only
+    model, optimizer, training = strategy.prepare(model, lambda m: make_optimizer(param_groups(m)), training)
+    max_steps = settings.steps(len(training), accumulation)
+    scheduler = schedule(build(cfg.scheduler), optimizer, max_steps)
+    return BuiltRun(settings, run_dir, strategy, accelerator, model, tokenizer, algo, optimizer, scheduler,
+                    training, evaluation, accumulation, max_steps,
+                    rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows)
+
+
+def _check_split_sizes(tokenized, settings: TrainSettings, processes: int) -> None:
+    if len(tokenized["train"]) < settings.per_device_batch_size * processes:
+        raise UserError(f"the training split has {len(tokenized['train'])} rows, fewer than one batch "
+                        f"(train.per_device_batch_size={settings.per_device_batch_size} x "
+                        f"{processes} process(es)). Fix: lower the batch size.")
+    if len(tokenized["eval"]) < processes:
+        raise UserError(f"the held-out split has {len(tokenized['eval'])} rows, fewer than the "
+                        f"{processes} processes. Fix: hold out more rows (data.eval_size).")

@@ -1,0 +1,68 @@
+"""Numbers over every process: the one reduction helper, the training log window's means, and evaluation.
+
+Each process sees its own shard of the batches, so every metric the run reports is a sum over the processes
+before it is a mean. :func:`sum_over_processes` is the only place that sums: the log window, evaluation, the
+step's non-finite and stop flags, a failed checkpoint, a non-finite parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from rlhf.state import TrainState
+
+
+def sum_over_processes(values: Mapping[str, float | torch.Tensor], accelerator, *,
+                       same_keys: bool = False) -> dict[str, float]:
+    """Each value summed over every process, in one all-reduce of one float64 tensor.
+
+    Processes may hold different keys (an algorithm may report a metric for some batches only): unless
+    ``same_keys`` promises that every process passes the same keys, they first agree on the union (one small
+    all-gather), and a key a process lacks counts 0 there. A collective: every process calls it."""
+    keys = sorted(values)
+    if accelerator.num_processes == 1:
+        return {key: float(values[key]) for key in keys}
+    if not same_keys:
+        everyone: list[list[str] | None] = [None] * accelerator.num_processes
+        torch.distributed.all_gather_object(everyone, keys)
+        keys = sorted(set().union(*everyone))
+    packed = torch.tensor([float(values.get(key, 0.0)) for key in keys], dtype=torch.float64,
+                          device=accelerator.device)
+    return dict(zip(keys, accelerator.reduce(packed, reduction="sum").tolist()))
+
+
+def any_process(flags: Mapping[str, bool], accelerator) -> dict[str, bool]:
+    """Each flag OR-ed over every process (one small all-reduce)."""
+    sums = sum_over_processes({key: float(flag) for key, flag in flags.items()}, accelerator, same_keys=True)
+    return {key: value > 0 for key, value in sums.items()}
+
+
+def window_means(state: TrainState, prefix: str, accelerator) -> dict[str, float]:
+    """The log window's metric means over every process: each metric's sum over its weight, both summed first."""
+    sums = sum_over_processes({**{f"sum:{k}": v for k, v in state.window_sums.items()},
+                               **{f"weight:{k}": v for k, v in state.window_weights.items()}}, accelerator)
+    keys = sorted(key.removeprefix("sum:") for key in sums if key.startswith("sum:"))
+    return {f"{prefix}{key}": sums[f"sum:{key}"] / sums[f"weight:{key}"] for key in keys
+            if sums[f"weight:{key}"] > 0}
+
+
+@torch.no_grad()
+def evaluate(model, algo, loader, accelerator) -> dict[str, float]:
+    """Mean of the algorithm's evaluation metrics over the held-out split (row-weighted, summed over processes).
+    ``loader`` yields ``(batch, rows)``: see :func:`rlhf.data.loaders.eval_loader`."""
+    model.eval()
+    sums: dict[str, torch.Tensor] = {}
+    rows_seen = 0.0
+    for batch, rows in tqdm(loader, desc="evaluating", leave=False, disable=not accelerator.is_main_process):
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        for key, value in algo.evaluate(model, batch).items():
+            sums[key] = sums.get(key, 0) + value.double() * rows
+        rows_seen += rows
+    model.train()
+    totals = sum_over_processes({**sums, "_rows": rows_seen}, accelerator)
+    return {f"eval/{key}": value / totals["_rows"] for key, value in totals.items() if key != "_rows"}

@@ -1,0 +1,36 @@
+"""Where a run is, and everything the loop carries from one step to the next (saved per rank in checkpoints)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TrainState:
+    """Where the loop is, and everything it carries from step to step (saved per rank)."""
+
+    step: int = 0  # optimizer steps done (skipped non-finite steps included)
+    epoch: int = 0  # passes over the training split begun
+    batch_in_epoch: int = 0  # micro-batches of this epoch already consumed by this process
+    nonfinite_steps: int = 0  # steps skipped because the loss or gradient norm was not finite
+    nonfinite_in_row: int = 0  # of which at the end, in a row
+    window_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # log window, this rank
+    window_weights: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    window_steps: int = 0  # optimizer steps in the log window
+    window_tokens: int = 0  # non-padding tokens this rank trained on in the log window (for perf/*)
+    last: dict[str, float] = field(default_factory=dict)  # the latest metrics of each key (summary.json)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**data, "window_sums": dict(self.window_sums), "window_weights": dict(self.window_weights),
+                "last": dict(self.last)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainState:
+        state = cls(**data)
+        state.window_sums = defaultdict(float, state.window_sums)
+        state.window_weights = defaultdict(float, state.window_weights)
+        return state
