@@ -8,9 +8,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from rlhf.errors import UserError
+from rlhf.results import Run
 
 
 def main() -> int:
@@ -19,9 +21,12 @@ def main() -> int:
     parser.add_argument("--min", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--min-of-start", action="append", default=[], metavar="KEY=DELTA")
     args = parser.parse_args()
-    lines = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines()]
-    final = json.loads((args.run_dir / "summary.json").read_text())["final"]
-    start = next((r for r in lines if r["step"] == 0), {})
+    try:
+        run = Run(args.run_dir)
+        final, start = run.final_metrics(), run.at(0)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     failed = False
     for spec, relative in [(s, False) for s in args.min] + [(s, True) for s in args.min_of_start]:
         key, value = spec.split("=", 1)

@@ -11,24 +11,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from pathlib import Path
 
-import yaml
-
-
-def find_runs(paths: list[Path]) -> list[Path]:
-    runs = []
-    for path in paths:
-        runs += sorted(p.parent for p in path.rglob("summary.json")) if not (path / "summary.json").exists() else [path]
-    return runs
-
-
-def load(run: Path) -> tuple[dict[str, str], dict[str, float]]:
-    overrides_file = run / ".hydra" / "overrides.yaml"
-    overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.exists() else []
-    return dict(o.split("=", 1) for o in overrides if "=" in o), json.loads((run / "summary.json").read_text())["final"]
+from rlhf.errors import UserError
+from rlhf.results import find
 
 
 def main() -> int:
@@ -37,11 +24,14 @@ def main() -> int:
     parser.add_argument("--metrics", nargs="*", help="metric names to show (default: every eval/* metric)")
     parser.add_argument("--csv", action="store_true", help="write CSV to stdout")
     args = parser.parse_args()
-    runs = find_runs(args.paths)
-    if not runs:
+    try:
+        loaded = [(run.path, run.override_values, run.final) for run in find(args.paths) if run.final is not None]
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if not loaded:
         print(f"no finished runs (folders with summary.json) under {[str(p) for p in args.paths]}", file=sys.stderr)
         return 1
-    loaded = [(run, *load(run)) for run in runs]
     # Only overrides that differ between runs tell them apart.
     keys = sorted({k for _, o, _ in loaded for k in o})
     varying = [k for k in keys if len({o.get(k) for _, o, _ in loaded}) > 1] or keys

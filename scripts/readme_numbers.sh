@@ -22,14 +22,13 @@ for part in $parts; do
       $PY train.py algo=dpo model.name_or_path=$OUT/sft/final algo.nll_weight=1.0 hydra.run.dir=$OUT/rpo >/dev/null 2>&1
       for run in sft dpo rpo; do
         $PY - "$OUT/$run" <<'PY'
-import json, sys
-from pathlib import Path
-run = Path(sys.argv[1])
-lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-evals = [r for r in lines if "eval/exact_match" in r]
+import sys
+from rlhf.results import Run
+run = Run(sys.argv[1])
+evals = [r for r in run.metrics if "eval/exact_match" in r]
 first, last = evals[0], evals[-1]
 keys = [k for k in ("eval/rewards/accuracies", "eval/exact_match", "eval/logps/chosen") if k in last]
-print(f"{run.name:4s}", "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys))
+print(f"{run.path.name:4s}", "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys))
 PY
       done ;;
     hardware)  # "Hardware": the main job on 1 and on 2 CPU processes at the same global batch (32), seed 0

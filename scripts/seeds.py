@@ -14,7 +14,6 @@ set gates with margin below the worst seed measured here.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -22,6 +21,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from rlhf.results import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN_JOB = ["algo=dpo", "optimizer=lion"]
@@ -65,10 +66,8 @@ def run_seed(seed: int, overrides: list[str], folder: Path, threads: int | None)
     seconds = time.perf_counter() - start
     if out.returncode != 0:
         raise SystemExit(f"seed {seed} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    start_metrics = next((r for r in lines if r["step"] == 0), {})
-    final = json.loads((folder / "summary.json").read_text())["final"]
-    return {"seed": seed, "start": start_metrics, "final": final, "seconds": seconds}
+    run = Run(folder)
+    return {"seed": seed, "start": run.at(0), "final": run.final_metrics(), "seconds": seconds}
 
 
 def main() -> int:
