@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tests.conftest import FAST, ROOT
 
 # Runs train.py in this interpreter after wrapping the functions to count; prints the counts as the last line.
@@ -56,7 +54,6 @@ def test_a_single_run_is_checked_built_and_resolved_once(tmp_path):
     assert steps == [0, 1, 2, 3, 3, 4, 4]  # it did resume: step 4's train and eval lines follow step 3's
 
 
-@pytest.mark.serial
 def test_a_sweep_checks_its_base_then_each_job_once(tmp_path):
     """on_multirun_start checks the sweep's base config before the sweep folder exists; each job's own config is
     checked once, in the job."""

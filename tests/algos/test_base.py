@@ -1,8 +1,14 @@
 import torch
 
-from rlhf.algos.base import completion_stats, selective_log_softmax
+from rlhf import train
+from rlhf.algos.base import Algorithm, completion_stats, selective_log_softmax
+from rlhf.algos.dpo import DPO
+from rlhf.algos.sft import SFT
 from rlhf.data.collate import collate_sequences
+from rlhf.data.loaders import Batches
 from rlhf.models.tiny import TinySpec
+from rlhf.state import TrainState
+from tests.conftest import FAST, compose_config
 
 
 def test_selective_log_softmax_equals_gather_of_log_softmax():
@@ -28,3 +34,40 @@ def test_completion_stats_sum_completion_tokens_and_greedy_match_agrees_with_gen
         logps = model(torch.tensor([prompt + wrong])).logits.log_softmax(-1)[0]
     manual = sum(logps[t - 1, (prompt + wrong)[t]].item() for t in range(4, 8))
     assert abs(stats.logps[1].item() - manual) < 1e-4
+
+
+# --- the contract's optional parts: the loop calls them, with these defaults ------------------------------------
+class _Source:
+    """A batch source that hands out one fixed batch and counts the calls."""
+
+    def __init__(self, batch) -> None:
+        self.batch, self.calls = batch, 0
+
+    def next(self):
+        self.calls += 1
+        return self.batch
+
+
+class SFTFromOneBatch(SFT):
+    """SFT whose every micro-batch is the first one of the default source (as an online algorithm would replace
+    the data with batches of its own)."""
+
+    source: _Source | None = None
+
+    def batch_source(self, loader, state, accelerator):
+        first = super().batch_source(loader, state, accelerator).next()
+        SFTFromOneBatch.source = _Source(first)
+        return SFTFromOneBatch.source
+
+
+def test_the_loop_takes_its_micro_batches_from_batch_source(tmp_path):
+    train(compose_config(*FAST, "algo=sft", "algo._target_=tests.algos.test_base.SFTFromOneBatch",
+                         "train.max_steps=3", "train.grad_accumulation_steps=2", output_dir=tmp_path))
+    assert SFTFromOneBatch.source is not None and SFTFromOneBatch.source.calls == 3 * 2
+
+
+def test_defaults_of_the_optional_parts():
+    algo = SFT()
+    assert algo.state_dict() == {} and algo.load_state_dict({}) is None and algo.frozen == {}
+    assert isinstance(algo.batch_source([], TrainState(), None), Batches)
+    assert isinstance(DPO(), Algorithm) and isinstance(algo, Algorithm)

@@ -82,6 +82,29 @@ def test_each_train_call_in_one_process_gets_the_hardware_it_asks_for(tmp_path, 
         assert {(enabled, dtype) if enabled else False for enabled, dtype in seen} == {expected}, precision
 
 
+def test_the_dpo_reference_goes_through_prepare_frozen_and_runs_in_the_policys_precision(tmp_path, monkeypatch):
+    """The reference is prepared by the strategy (strategy.prepare_frozen): frozen, in eval mode, and under the
+    same autocast as the policy; both models' forwards are seen, as two objects."""
+    seen: dict[int, set] = {}
+    forward = LlamaForCausalLM.forward
+
+    def spy(self, *args, **kwargs):
+        autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
+        seen.setdefault(id(self), set()).add((autocast, self.training, any(p.requires_grad for p in self.parameters())))
+        return forward(self, *args, **kwargs)
+
+    prepared = []
+    prepare_frozen = DataParallel.prepare_frozen
+    monkeypatch.setattr(LlamaForCausalLM, "forward", spy)
+    monkeypatch.setattr(DataParallel, "prepare_frozen", lambda self, m: prepared.append(m) or prepare_frozen(self, m))
+    train(compose_config(*FAST, "algo=dpo", "hardware.mixed_precision=bf16", "train.eval_at_start=false",
+                         output_dir=tmp_path))
+    assert len(prepared) == 1 and id(prepared[0]) in seen, "the reference did not go through prepare_frozen"
+    assert seen.pop(id(prepared[0])) == {(torch.bfloat16, False, False)}  # the reference: bf16, eval, frozen
+    (policy,) = seen.values()
+    assert {autocast for autocast, _, _ in policy} == {torch.bfloat16}
+    assert (torch.bfloat16, True, True) in policy  # it trained
+
 # --- several processes ---------------------------------------------------------------------------------------
 @pytest.mark.serial
 @pytest.mark.parametrize("algo", ["sft", "dpo"])

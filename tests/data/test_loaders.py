@@ -1,0 +1,46 @@
+"""rlhf/data/loaders.py: held-out batches dealt out whole, and training batches that continue where they stopped."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from rlhf.data.loaders import Batches, eval_loader, train_loader
+from rlhf.state import TrainState
+
+
+class _Rank:
+    def __init__(self, rank: int, world: int) -> None:
+        self.process_index, self.num_processes = rank, world
+
+    @staticmethod
+    def skip_first_batches(loader, n: int):
+        return itertools.islice(loader, n, None)
+
+
+def _collate(rows):
+    return {"row": torch.tensor([r["row"] for r in rows])}
+
+
+def test_eval_batches_are_dealt_whole_and_every_process_runs_as_many():
+    dataset = [{"row": i} for i in range(10)]  # batches of 2: five batches for two processes
+    shares = [list(eval_loader(dataset, 2, _collate, _Rank(rank, 2))) for rank in (0, 1)]
+    assert [len(share) for share in shares] == [3, 3]  # rank 1 repeats a batch with weight 0
+    counted = sorted(r for share in shares for batch, rows in share if rows for r in batch["row"].tolist())
+    assert counted == list(range(10))  # each row once, with its weight
+    assert [rows for _, rows in shares[1]] == [2.0, 2.0, 0.0]
+    assert [batch["row"].tolist() for batch, _ in shares[0]] == [[0, 1], [4, 5], [8, 9]]
+
+
+def test_batches_continue_mid_epoch_and_into_the_next():
+    loader = train_loader([{"row": i} for i in range(6)], 2, _collate, seed=0)
+    state = TrainState()
+    whole = Batches(loader, state, _Rank(0, 1))
+    seen = [whole.next()["row"].tolist() for _ in range(5)]  # 3 batches an epoch: into the second
+    assert (state.epoch, state.batch_in_epoch) == (1, 2)
+    resumed_state = TrainState(epoch=0, batch_in_epoch=2)
+    loader = train_loader([{"row": i} for i in range(6)], 2, _collate, seed=0)
+    resumed = Batches(loader, resumed_state, _Rank(0, 1))  # the loader's own seeded generator: the same order
+    assert resumed.next()["row"].tolist() == seen[2]
+    assert sorted(r for batch in seen[:3] for r in batch) == list(range(6))  # one epoch: every row once
