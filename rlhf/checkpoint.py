@@ -132,10 +132,14 @@ def read_meta(folder: Path) -> dict[str, Any]:
 
 # --- writing -------------------------------------------------------------------------------------------------------
 def _fsync_tree(folder: Path) -> None:
+    """Every file and every folder below ``folder`` (``sharded/``, DeepSpeed's ``global_step*/``), deepest first,
+    then ``folder`` itself: what ``meta.json`` vouches for is on disk before the folder is renamed into place."""
     for path in sorted(folder.rglob("*"), reverse=True):
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+        elif path.is_dir():
+            _fsync_dir(path)
     _fsync_dir(folder)
 
 
@@ -228,11 +232,30 @@ def save(run_dir: Path, state: TrainState, *, model, optimizer, scheduler, algo,
         (staging / META).write_text(json.dumps({"format": FORMAT, "step": state.step, **meta}, indent=2))
         _fsync_tree(staging)
         replace_folder(staging, final)
-        if keep_last:
-            for old in complete(run_dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        prune(run_dir, keep_last, written=final)
     accelerator.wait_for_everyone()
     return final
+
+
+REMOVING = ".removing-"  # a checkpoint being deleted: renamed first, so it never looks complete while half gone
+
+
+def prune(run_dir: Path, keep_last: int | None, written: Path) -> None:
+    """Remove the oldest complete checkpoints beyond ``keep_last``, never ``written`` (the one just saved). Each is
+    first renamed to ``.removing-step_<N>`` (one atomic rename), then deleted: a kill during the deletion leaves a
+    folder that no one takes for a checkpoint, and the next prune finishes it."""
+    root = Path(run_dir) / FOLDER
+    for leftover in root.glob(f"{REMOVING}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if not keep_last:
+        return
+    for old in complete(run_dir)[:-keep_last]:
+        if old == written:
+            continue
+        doomed = old.with_name(REMOVING + old.name)
+        os.replace(old, doomed)
+        _fsync_dir(root)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load(folder: Path, *, model, optimizer, scheduler, algo, strategy, accelerator) -> TrainState:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -263,3 +264,59 @@ def test_only_the_newest_keep_last_checkpoints_stay(fast_config, tmp_path):
     assert final.keys() == newest.keys() == older.keys()
     assert all(torch.equal(final[k], newest[k]) for k in final), "the step-3 checkpoint is not the final model"
     assert not all(torch.equal(final[k], older[k]) for k in final), "the step-2 checkpoint holds the final model"
+
+
+def _fake_checkpoints(run: Path, steps: list[int]) -> list[Path]:
+    folders = []
+    for step in steps:
+        folder = run / checkpoint.FOLDER / f"{checkpoint.PREFIX}{step:08d}"
+        (folder / "sharded").mkdir(parents=True)
+        for name in ("model.safetensors", "sharded/0.distcp", "rank_0.pt"):
+            (folder / name).write_bytes(b"x")
+        (folder / checkpoint.META).write_text(json.dumps({"format": checkpoint.FORMAT, "step": step}))
+        folders.append(folder)
+    return folders
+
+
+def test_a_kill_while_pruning_never_leaves_a_checkpoint_that_looks_complete(tmp_path, monkeypatch):
+    """The deletion of an old checkpoint is cut short after its first file: the folder is no longer listed (so
+    resume=auto or an explicit resume cannot pick a half-deleted one), and the next prune finishes removing it."""
+    run = tmp_path / "run"
+    oldest, _, newest = _fake_checkpoints(run, [1, 2, 3])
+    real_rmtree = shutil.rmtree
+
+    def killed(path, *args, **kwargs):
+        first = next(p for p in sorted(Path(path).rglob("*")) if p.is_file())
+        first.unlink()
+        raise KeyboardInterrupt  # the kill, mid-deletion
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.prune(run, keep_last=2, written=newest)
+    assert [p.name for p in checkpoint.complete(run)] == ["step_00000002", "step_00000003"]
+    with pytest.raises(UserError, match="no such checkpoint"):
+        checkpoint.resolve(str(oldest), run)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    checkpoint.prune(run, keep_last=2, written=newest)
+    assert sorted(p.name for p in (run / checkpoint.FOLDER).iterdir()) == ["step_00000002", "step_00000003"]
+
+
+def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
+    """A resume from step 2 of a folder that still holds steps 5 and 6 writes step 3: keep_last=2 must not remove
+    the checkpoint it just wrote, whatever the newer ones left there."""
+    run = tmp_path / "run"
+    folders = _fake_checkpoints(run, [2, 3, 5, 6])
+    checkpoint.prune(run, keep_last=2, written=folders[1])
+    assert [p.name for p in checkpoint.complete(run)] == ["step_00000003", "step_00000005", "step_00000006"]
+
+
+def test_every_folder_of_a_checkpoint_is_synced_before_it_counts(tmp_path, monkeypatch):
+    """Nested folders (sharded/, DeepSpeed's global_step*/) hold entries too: each is fsynced, not only the top."""
+    (folder,) = _fake_checkpoints(tmp_path, [1])
+    (folder / "global_step1" / "zero").mkdir(parents=True)
+    synced = []
+    real = checkpoint._fsync_dir
+    monkeypatch.setattr(checkpoint, "_fsync_dir", lambda path: synced.append(Path(path)) or real(path))
+    checkpoint._fsync_tree(folder)
+    assert set(synced) == {folder, folder / "sharded", folder / "global_step1", folder / "global_step1" / "zero"}
+    assert synced[-1] == folder  # the top last, once everything below it is on disk
