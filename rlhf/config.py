@@ -79,8 +79,9 @@ def _signature(target: Callable) -> tuple[inspect.Signature, dict[str, Any]] | N
     return signature, hints
 
 
-def check_fields(values: dict[str, Any], target: Callable, where: str) -> None:
-    """Raise UserError if `values` has a field `target` does not accept, or a scalar of the wrong type."""
+def check_fields(values: dict[str, Any], target: Callable, where: str, nullable: set[str] = frozenset()) -> None:
+    """Raise UserError if `values` has a field `target` does not accept, or a scalar of the wrong type. A field in
+    `nullable` may be null whatever its annotation (rlhf gives that null a meaning: :attr:`rlhf.validate.Range.null`)."""
     found = _signature(target)
     if found is None:
         return
@@ -98,7 +99,7 @@ def check_fields(values: dict[str, Any], target: Callable, where: str) -> None:
                                 f"Valid fields: {valid}.")
             continue
         allowed = _allowed_types(hints.get(key, inspect.Parameter.empty))
-        if allowed is None:
+        if allowed is None or (value is None and key in nullable):
             continue
         expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
         if isinstance(value, (dict, list)):
@@ -153,8 +154,7 @@ def _walk(node: Any, where: str) -> None:
                 raise UserError(f"{where}._target_={target}: cannot import it ({error}). Fix: check the name, or "
                                 "install the package that provides it.") from error
             ranges = {**GROUP_LIMITS.get(where, {}), **getattr(obj, "__limits__", {})}
-            given_meaning = {k for k, v in node.items() if v is None and k in ranges and ranges[k].null}
-            check_fields({k: v for k, v in node.items() if k not in given_meaning}, obj, where)
+            check_fields(node, obj, where, nullable={k for k, r in ranges.items() if r.null})
             validate.check_limits(node, obj, where, GROUP_LIMITS.get(where))
         for key, value in node.items():
             _walk(value, f"{where}.{key}" if where else str(key))

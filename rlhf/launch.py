@@ -67,9 +67,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     # The main machine's first process holds the folder (one lock); the others only read which checkpoint to resume.
     with run_folder.claim(run_dir) if holds_folder else contextlib.nullcontext():
         resume = run_folder.prepare(run_dir, cfg.get("resume"))
-        if started_here or (strategy.processes_per_node() == 1 and strategy.num_nodes == 1):
-            return loop.train(cfg, strategy, resume)
         processes = strategy.processes_per_node()
+        if started_here or (processes == 1 and strategy.num_nodes == 1):
+            return loop.train(cfg, strategy, resume)
         return _start(cfg, resume, processes, strategy.threads(processes), strategy.num_nodes, strategy.node_rank,
                       strategy.rdzv_endpoint)
 

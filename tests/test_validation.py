@@ -103,6 +103,12 @@ def test_scheduler_limits(option, override, message):
     assert message in refused(f"scheduler={option}", override)
 
 
+def test_a_null_with_a_meaning_still_needs_a_target_that_takes_it():
+    """num_training_steps: null means the run's length for cosine (annotated int); StepLR has no such argument."""
+    accepted("scheduler=cosine", "scheduler.num_training_steps=null")
+    assert "has no argument 'num_training_steps'" in refused("scheduler=step", "+scheduler.num_training_steps=null")
+
+
 def test_scheduler_options_pass_as_shipped():
     for option in SCHEDULERS:
         accepted(f"scheduler={option}", "scheduler.num_warmup_steps=0" if option in ("cosine", "linear") else "seed=0")
