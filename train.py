@@ -1,23 +1,28 @@
 """Entry point: compose the config with Hydra, then run `rlhf.train(cfg)`. See README.md and `--help`."""
 
-import logging
-import shlex
 import signal
 import sys
 
-import hydra
-from omegaconf import DictConfig
+if __name__ == "__main__":  # a stop signal during the imports waits, then counts once the handler is installed
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2))
 
-from rlhf import train
-from rlhf.config import checked_by_callback
-from rlhf.errors import UserError
-from rlhf.launch import hydra_overrides_for_this_rank, run
-from rlhf.signals import Stopped, hand_over
-from rlhf.slurm import for_the_sweep, in_submitit_job
+import logging  # noqa: E402
+import shlex  # noqa: E402
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from rlhf import train  # noqa: E402
+from rlhf.config import checked_by_callback  # noqa: E402
+from rlhf.errors import UserError  # noqa: E402
+from rlhf.launch import hydra_overrides_for_this_rank, run  # noqa: E402
+from rlhf.signals import Stopped, hand_over, install  # noqa: E402
+from rlhf.slurm import for_the_sweep, in_submitit_job  # noqa: E402
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    install()  # for the life of this process (a Slurm job enters here; `python train.py` did so before composing)
     try:
         # A single run was checked by the config's Hydra callback in this process; a sweep's job is checked here.
         metrics = run(cfg) if checked_by_callback() else train(cfg)
@@ -55,5 +60,6 @@ def resume_command(run_dir) -> str:
 
 
 if __name__ == "__main__":
+    install()  # stop signals are recorded from here on (and those that came during the imports are delivered now)
     sys.argv += hydra_overrides_for_this_rank()  # under torchrun, only rank 0 writes .hydra/ and train.log
     main()

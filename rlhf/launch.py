@@ -23,17 +23,18 @@ import logging
 import logging.config
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf import checkpoint, run_folder
+from rlhf import checkpoint, run_folder, signals
 from rlhf.config import build, check_config
 from rlhf.errors import UserError
 from rlhf.hardware.base import free_port
-from rlhf.signals import Stopped, forward_to_children
+from rlhf.signals import Stopped, catch_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     process that enters, before any rank of this run starts training."""
     from rlhf import loop
 
+    signals.reached("startup")
     strategy = build(cfg.hardware)
     run_dir = Path(cfg.output_dir)
     started_here = run_folder.owned_by_parent() or launched_elsewhere()  # a rank: the loop runs in this process
@@ -76,7 +78,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
 def _start(cfg: DictConfig, resume: Path | None, processes: int, threads: int, nodes: int, node_rank: int,
            endpoint: str | None) -> dict[str, float]:
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -96,14 +98,13 @@ def _start(cfg: DictConfig, resume: Path | None, processes: int, threads: int, n
     omp = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the children's thread count: processes x threads <= CPUs
     try:
-        with forward_to_children() as forwarded:  # Slurm's USR2 reaches this process: pass it on to the ranks
-            results = elastic_launch(config, _worker)(container, str(resume) if resume else None, _logging_config())
+        with catch_stop_signals() as request:
+            if request.signum is not None:  # before any rank exists: stop here, nothing new to save
+                raise Stopped(request.signum, resume, Path(cfg.output_dir), checkpoint.step_of(resume) if resume else 0)
+            results = _launch_and_wait(elastic_launch(config, _worker), request,
+                                       container, str(resume) if resume else None, _logging_config())
     except ChildFailedError as error:
         raise _plain(error) from None  # ChildFailedError does not survive submitit's pickling of a result
-    except SignalException as error:  # SIGTERM/SIGINT: the agent has stopped the ranks (each checkpointed first)
-        newest = checkpoint.latest(Path(cfg.output_dir))
-        raise Stopped(error.sigval, newest, Path(cfg.output_dir),
-                      checkpoint.step_of(newest) if newest else 0) from None
     finally:
         quiet.setLevel(level)
         if omp is None:
@@ -113,8 +114,41 @@ def _start(cfg: DictConfig, resume: Path | None, processes: int, threads: int, n
     result = results.get(0, {}) if results else {}
     if _STOPPED in result:  # rank 0 stopped on a signal after its checkpoint
         signum, folder, step = result[_STOPPED]
-        raise Stopped(forwarded.signum or signum, Path(folder) if folder else None, Path(cfg.output_dir), step)
+        raise Stopped(request.signum or signum, Path(folder) if folder else None, Path(cfg.output_dir), step)
+    if request.signum is not None:
+        log.warning("received %s after the last step: the run finished first (nothing to resume)",
+                    signal.Signals(request.signum).name)
     return result
+
+
+def _launch_and_wait(launch, request, *args) -> dict:
+    """Run torch's elastic agent in a thread of its own, which starts the ranks with the stop signals blocked (they
+    unblock them once their handler is installed). The agent, outside the main thread, installs no signal handlers:
+    this process's own handler records a stop signal, and this thread passes it on to every rank (however long their
+    step and checkpoint take; no 30 s grace). A second Ctrl-C kills the ranks and aborts."""
+    outcome: dict[str, Any] = {}
+
+    def agent() -> None:
+        signals.block()  # inherited by the ranks this thread spawns
+        try:
+            outcome["results"] = launch(*args)
+        except BaseException as error:  # handed to the main thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=agent, name="rlhf-ranks", daemon=True)
+    forward = signals.Forwarder(request)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.05)
+            forward()
+    except KeyboardInterrupt:  # the second Ctrl-C
+        forward.kill_all()
+        thread.join(30)
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["results"]
 
 
 def _plain(error: Exception) -> Exception:
@@ -170,7 +204,9 @@ def _worker(container: dict, resume: str | None, logging_config: dict | None) ->
     from rlhf import loop
 
     _die_with_parent()
+    signals.reached("rank_startup")  # tests: a signal before this rank's handler (held back: see rlhf.signals)
     rank = int(os.environ.get("RANK", "0"))
+    signals.install(announce=False, ctrl_c=False)  # for the rank's whole life; then what came meanwhile is delivered
     configure_worker_logging(logging_config, rank)
 
     @record
@@ -180,14 +216,9 @@ def _worker(container: dict, resume: str | None, logging_config: dict | None) ->
             return loop.train(cfg, build(cfg.hardware), Path(resume) if resume else None)
         except UserError as error:
             raise RuntimeError(f"{_USER_ERROR}{error}") from None
-        except Stopped as stopped:  # a clean stop, after the checkpoint
-            if stopped.signum == signal.SIGUSR2:  # forwarded by the parent, which waits for the result: return it
-                return {_STOPPED: (stopped.signum, str(stopped.checkpoint or ""), stopped.step)}
-            # SIGTERM/SIGINT: the elastic agent in the parent is already closing the ranks and reads no result (a
-            # rank that returned one would wait for it until the agent's SIGKILL, 30 s later): leave now.
-            logging.shutdown()
-            os._exit(stopped.exit_code)
-        except KeyboardInterrupt:  # a second Ctrl-C: abort quietly (the parent says so once)
+        except Stopped as stopped:  # a clean stop, after the checkpoint: the parent reads it from rank 0's result
+            return {_STOPPED: (stopped.signum, str(stopped.checkpoint or ""), stopped.step)}
+        except KeyboardInterrupt:  # not expected (the rank ignores Ctrl-C): abort quietly
             os._exit(130)
 
     return run()

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from rlhf import checkpoint, run_folder
+from rlhf import checkpoint, run_folder, signals
 from rlhf.built_run import BuiltRun, build_run
 from rlhf.config import build
 from rlhf.logging import log_file
@@ -65,23 +65,32 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
             record({"data/skipped_rows": run.skipped_rows}, 0)
         if resume is None and (run.settings.eval_at_start or run.max_steps == 0):
             _evaluate(run, record, 0)
-        _train(run, state, record, stop)
+        _train(run, state, record, stop, resume)
         final = _finish(run, state, cfg.seed)
+        if stop.signum is not None:  # it came during the final save, which completed: the run is finished
+            log.warning("received %s during the final save; the run finished first (nothing to resume)",
+                        signal.Signals(stop.signum).name)
         if accelerator.is_main_process:
             logger.finish()
         return final
 
 
-def _train(run: BuiltRun, state: TrainState, record, stop) -> None:
-    """Optimizer steps from ``state.step`` to ``run.max_steps``: step, log, evaluate, checkpoint, stop on a signal."""
+def _train(run: BuiltRun, state: TrainState, record, stop, resume: Path | None) -> None:
+    """Optimizer steps from ``state.step`` to ``run.max_steps``: step, log, evaluate, checkpoint, stop on a signal
+    (one that came during start-up stops the run before its first step; one during the final evaluation, after
+    a checkpoint of the last step)."""
     settings, accelerator = run.settings, run.accelerator
+    if any_process({"stop": stop.signum is not None}, accelerator)["stop"]:
+        raise Stopped(_signum(stop), resume, run.run_dir, state.step)
     batches = run.algo.batch_source(run.train_loader, state, accelerator)
     window_start = time.perf_counter()
     bar = tqdm(total=run.max_steps, initial=state.step, desc="training", dynamic_ncols=True,
                disable=not accelerator.is_main_process or run.max_steps == 0,
                mininterval=0.5 if sys.stderr.isatty() else 15.0)
     with logging_redirect_tqdm():  # log lines print above the progress bar
+        saved, first = None, state.step
         while state.step < run.max_steps:
+            signals.reached(f"step_{state.step + 1}")
             outcome = train_step(run, state, batches, stop)
             bar.update(1)
             step = state.step
@@ -96,15 +105,22 @@ def _train(run: BuiltRun, state: TrainState, record, stop) -> None:
                 state.window_steps, state.window_tokens, window_start = 0, 0, time.perf_counter()
             every = settings.eval_every_steps
             if (every and step % every == 0) or step == run.max_steps:
+                if step == run.max_steps:
+                    signals.reached("final_eval")
                 _evaluate(run, record, step)
             saved = None
             if settings.save_every_steps and step % settings.save_every_steps == 0:
                 saved = _save_checkpoint(run, state)
             if outcome.stop:
                 bar.close()
-                signum = stop.signum if stop.signum is not None else int(signal.SIGTERM)  # another process's signal
-                raise Stopped(signum, saved or _save_checkpoint(run, state), run.run_dir, step)
+                raise Stopped(_signum(stop), saved or _save_checkpoint(run, state), run.run_dir, step)
         bar.close()
+    if state.step > first and any_process({"stop": stop.signum is not None}, accelerator)["stop"]:  # final evaluation
+        raise Stopped(_signum(stop), saved or _save_checkpoint(run, state), run.run_dir, state.step)
+
+
+def _signum(stop) -> int:
+    return stop.signum if stop.signum is not None else int(signal.SIGTERM)  # another process's signal
 
 
 @dataclass
@@ -191,6 +207,7 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
     """The final model in ``<run dir>/final`` and ``summary.json``; return the final metrics."""
     run.accelerator.wait_for_everyone()
     final = dict(state.last)
+    signals.reached("final_save")
     if run.settings.save_final and run.max_steps > 0:
         if not run.strategy.all_finite(run.model):
             raise NonFinite(f"step {state.step}: the model's parameters are not finite; final/ was not written. "

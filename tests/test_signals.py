@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhf import checkpoint
+from rlhf import checkpoint, signals
 from tests.conftest import FAST, ROOT
-from tests.runs import TWO_PROCESSES, assert_same_run, start
+from tests.runs import TWO_PROCESSES, assert_same_run, start, uninterrupted
 
 SLOW_RUN = [*(o for o in FAST if not o.startswith("train.max_steps")), "train.max_steps=100000",
             "train.save_every_steps=0"]
@@ -108,3 +108,78 @@ def test_a_signal_to_a_two_process_run_stops_both_ranks_and_resumes_exactly(sig,
     assert 3 <= checkpoint.step_of(newest) < 40 and not (run / "final").exists()
     start(run, *TWO_PROCESSES, "resume=auto")
     assert_same_run(two_process_reference, run, 40, processes=2)
+
+
+# --- a signal at any moment: each phase hit deterministically (rlhf.signals.reached) --------------------------------
+def _signalled(run: Path, when: str, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
+    """``train.py`` (tests.runs.RUN: 40 steps, checkpoints every 10) that sends itself ``when`` =
+    ``<phase>:<SIGNAL>:<parent|all>`` as the phase begins; ``all`` signals every process of the run (its own
+    session), as Slurm does."""
+    process = start(run, *overrides, wait=False, env={signals.TEST_SIGNAL: when})
+    _, err = process.communicate(timeout=240)
+    assert "Traceback" not in err, err[-3000:]
+    return process, err
+
+
+def _stopped_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if "stopped by" in line]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _assert_stopped_before_the_first_step(run: Path, process, err: str, sig: int) -> None:
+    assert process.returncode == 128 + sig, err[-3000:]
+    assert f"stopped by {signal.Signals(sig).name} before the first step; nothing to resume" in _stopped_line(err)
+    assert not checkpoint.complete(run) and not (run / "final").exists()
+
+
+def _assert_stopped_with_checkpoint(run: Path, process, err: str, sig: int, step: int) -> None:
+    assert process.returncode == 128 + sig, err[-3000:]
+    assert f"stopped by {signal.Signals(sig).name} after step {step};" in _stopped_line(err)
+    assert checkpoint.latest(run).name == f"step_{step:08d}" and not (run / "final").exists()
+
+
+def _assert_finished_despite(run: Path, process, err: str) -> None:
+    assert process.returncode == 0, err[-3000:]
+    assert "during the final save; the run finished first" in err or "after the last step" in err, err[-3000:]
+    assert (run / "final" / "model.safetensors").exists() and "stopped by" not in err
+
+
+def test_a_signal_in_each_phase_of_a_one_process_run_ends_cleanly(tmp_path):
+    """Start-up (before any handler of the loop: recorded, the run stops before its first step), the first step
+    (it completes and is checkpointed), the final evaluation (a checkpoint of the last step; the resumed run only
+    saves the final model and ends exactly as an uninterrupted one), the final save (it completes: the run is
+    finished)."""
+    one_process_reference = tmp_path / "reference"
+    uninterrupted(one_process_reference)
+    process, err = _signalled(tmp_path / "a", "startup:SIGTERM:all")
+    _assert_stopped_before_the_first_step(tmp_path / "a", process, err, signal.SIGTERM)
+    process, err = _signalled(tmp_path / "b", "step_1:SIGINT:parent")
+    _assert_stopped_with_checkpoint(tmp_path / "b", process, err, signal.SIGINT, 1)
+    process, err = _signalled(tmp_path / "c", "final_eval:SIGUSR2:parent")  # outside Slurm USR2 stops as SIGTERM
+    _assert_stopped_with_checkpoint(tmp_path / "c", process, err, signal.SIGUSR2, 40)
+    start(tmp_path / "c", "resume=auto")
+    assert_same_run(one_process_reference, tmp_path / "c", 40)
+    process, err = _signalled(tmp_path / "d", "final_save:SIGTERM:all")
+    _assert_finished_despite(tmp_path / "d", process, err)
+    assert_same_run(one_process_reference, tmp_path / "d", 40)
+
+
+@pytest.mark.serial
+def test_a_signal_in_each_phase_of_a_two_process_run_ends_cleanly(tmp_path, two_process_reference):
+    """The same phases on 2 processes, signalling the parent alone (which passes it on) or every process at once
+    (Slurm's way: each rank gets it directly, and again from the parent: one request). A rank signalled before its
+    handler exists holds the signal until the handler is installed."""
+    process, err = _signalled(tmp_path / "a", "rank_startup:SIGUSR2:all", *TWO_PROCESSES)
+    _assert_stopped_before_the_first_step(tmp_path / "a", process, err, signal.SIGUSR2)
+    process, err = _signalled(tmp_path / "b", "startup:SIGTERM:parent", *TWO_PROCESSES)
+    _assert_stopped_before_the_first_step(tmp_path / "b", process, err, signal.SIGTERM)
+    process, err = _signalled(tmp_path / "c", "step_1:SIGUSR2:all", *TWO_PROCESSES)
+    _assert_stopped_with_checkpoint(tmp_path / "c", process, err, signal.SIGUSR2, 1)
+    process, err = _signalled(tmp_path / "d", "final_eval:SIGTERM:all", *TWO_PROCESSES)
+    _assert_stopped_with_checkpoint(tmp_path / "d", process, err, signal.SIGTERM, 40)
+    start(tmp_path / "d", *TWO_PROCESSES, "resume=auto")
+    assert_same_run(two_process_reference, tmp_path / "d", 40, processes=2)
+    process, err = _signalled(tmp_path / "e", "final_save:SIGUSR2:parent", *TWO_PROCESSES)
+    _assert_finished_despite(tmp_path / "e", process, err)
+    assert_same_run(two_process_reference, tmp_path / "e", 40, processes=2)
