@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rlhf.errors import UserError
+
 
 @contextlib.contextmanager
 def log_file(run_dir: Path, enabled: bool) -> Iterator[None]:
@@ -83,12 +85,18 @@ class WandbLogger(JsonlLogger):
         tags: run tags.
         mode: ``online``, ``offline`` or ``disabled``; ``None``: ``WANDB_MODE`` if set, else online if an API key
             is set, else offline.
+        rewind: on resume, rewind the W&B run to the checkpoint's step (W&B's ``resume_from``, a preview feature
+            that the server must support, online only), so that the steps the stopped attempt logged after its
+            checkpoint are replaced by the resumed run's. ``False``: continue the W&B run under its id, which keeps
+            the stopped attempt's values for those steps and drops the resumed run's (W&B ignores a step below
+            its current one); ``metrics.jsonl`` is right either way.
     """
 
     def __init__(self, project: str = "rlhf", entity: str | None = None, name: str | None = None,
-                 tags: list[str] | None = None, mode: str | None = None) -> None:
+                 tags: list[str] | None = None, mode: str | None = None, rewind: bool = False) -> None:
         super().__init__()
         self.project, self.entity, self.name, self.tags, self.mode = project, entity, name, tags, mode
+        self.rewind = rewind
         self.run = None
 
     def start(self, run_dir: str, config: dict[str, Any], resume_step: int | None = None) -> None:
@@ -100,9 +108,15 @@ class WandbLogger(JsonlLogger):
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id + "\n")
         mode = wandb_mode(self.mode)
+        if resume_step is not None and self.rewind:
+            if mode != "online":
+                raise UserError(f"logger.rewind=true needs W&B online (the mode is {mode}): W&B rewinds a run on its "
+                                "server. Fix: log in (wandb login) and drop WANDB_MODE, or logger.rewind=false.")
+            where = {"resume_from": f"{run_id}?_step={resume_step}"}  # W&B's rewind: history cut back to the step
+        else:
+            where = {"id": run_id, "resume": "allow"}
         self.run = wandb.init(project=self.project, entity=self.entity, name=self.name or Path(run_dir).name,
-                              tags=self.tags, config=config, dir=run_dir, mode=mode,
-                              id=run_id, resume="allow")
+                              tags=self.tags, config=config, dir=run_dir, mode=mode, **where)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         super().log(metrics, step)

@@ -67,7 +67,7 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
             _evaluate(run, record, 0)
         _train(run, state, record, stop, resume)
         final = _finish(run, state, cfg.seed)
-        if stop.signum is not None:  # it came during the final save, which completed: the run is finished
+        if stop.signum is not None and stop.announce:  # during the final save, which completed: the run is finished
             log.warning("received %s during the final save; the run finished first (nothing to resume)",
                         signal.Signals(stop.signum).name)
         if accelerator.is_main_process:

@@ -12,7 +12,8 @@
 # Slurm job is COMPLETED even when the run inside failed: Hydra hands the error to the sweep, whose exit status is
 # checked too), prints a table and the timings. Last, the requeue test: a run under a short time limit gets USR2
 # mid-training, checkpoints, is requeued by submitit and resumes, and must end bit-identical (parameters and
-# metrics) to an uninterrupted run of the same command. Then it stops the cluster (on any exit).
+# metrics) to an uninterrupted run of the same command; and the same on 2 processes (hardware=cpu_ddp), where Slurm's
+# USR2 reaches the job's process and both ranks at once, against the cpu_ddp sweep job. Then it stops the cluster.
 #   SLURM_CI_DIR  where the sweeps go (default outputs/ci-slurm; emptied first)
 #   RLHF_CACHE    the tiny model's warm-start cache, inherited by the jobs (default .ci-cache, as .ci/run)
 #   SLURM_CI_KEEP=1  leave the cluster running at the end (it is stopped by default, even one that was running)
@@ -38,6 +39,64 @@ stop() {
   local t; t=$(now); bash scripts/slurm/stop.sh --quiet; echo "ci_slurm: cluster stopped in $(since "$t") s"
 }
 trap stop EXIT
+
+# While sweep $1 runs: release requeued jobs at once (Slurm holds them 121 s, Reason=BeginTime) and, once the first
+# attempt has logged step 10, send USR2 through Slurm to the running job (once). Slurm's own USR2 comes 30-90 s into
+# an attempt, after these short runs may have ended: scancel --signal=USR2 is the same signal, delivered the same way
+# (to every process of the job step: the job's own process and the ranks it started).
+watch_and_signal() {
+  local sweep=$1 folder=$2 signalled=0 metrics id
+  while kill -0 "$sweep" 2>/dev/null; do
+    for id in $(squeue -h -o "%i %r" | awk '$2 == "BeginTime" {print $1}'); do
+      scontrol update JobId="$id" StartTime=now && echo "released requeued job $id"
+    done
+    metrics=$(ls "$folder"/*/metrics.jsonl 2>/dev/null | head -n 1 || true)
+    if [[ $signalled == 0 && -n $metrics ]] && grep -q '"step": [1-9][0-9], "train/' "$metrics"; then
+      id=$(squeue -h -t RUNNING -o %i | head -n 1)
+      [[ -n $id ]] && scancel --signal=USR2 "$id" && signalled=1 && echo "sent USR2 to running job $id"
+    fi
+    sleep 0.5
+  done
+}
+
+# The requeued run in sweep folder $1 against the uninterrupted run folder $2: resumed at least once, REQUEUED then
+# COMPLETED in sacct, parameters and metrics.jsonl (perf/* aside) bit-identical.
+check_requeued() {
+  $PY - "$1" "$2" <<'EOF'
+import json, subprocess, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+
+sweep, reference = Path(sys.argv[1]), Path(sys.argv[2])
+(run,) = [p.parent.parent for p in sweep.glob("*/.hydra/hydra.yaml")]
+log = (run / "train.log").read_text()
+resumed = [line.split("resumed from ")[1].split(":")[0] for line in log.splitlines() if "resumed from " in line]
+errors = []
+if not resumed:
+    errors.append("the job was never resumed (no 'resumed from' in train.log): no USR2, or no checkpoint")
+job = next(p.name.split("_")[0] for p in (sweep / ".submitit").iterdir() if p.is_dir())
+sacct = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "JobID,State,Elapsed"],
+                       capture_output=True, text=True).stdout.split()
+if not any("REQUEUED" in line for line in sacct) or sacct[-1].split("|")[1] != "COMPLETED":
+    errors.append(f"sacct does not show a requeue then COMPLETED: {sacct}")
+a, b = load_file(run / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+    errors.append("the requeued run's final parameters differ from the uninterrupted run's")
+def metrics(folder):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+            for line in (folder / "metrics.jsonl").read_text().splitlines()]
+if metrics(run) != metrics(reference):
+    errors.append("the requeued run's metrics.jsonl differs from the uninterrupted run's (perf/* aside)")
+print(f"attempts: {len(resumed) + 1} (resumed from {', '.join(Path(r).name for r in resumed)}); sacct: {' '.join(sacct)}")
+same = not [e for e in errors if "differ" in e]
+print(f"final eval/loss {json.loads((run / 'summary.json').read_text())['final']['eval/loss']:.6f}; "
+      f"parameters and metrics bit-identical to the uninterrupted run: {same}")
+for e in errors:
+    print("FAIL", e, file=sys.stderr)
+sys.exit(1 if errors else 0)
+EOF
+}
 
 [[ $(id -u) == 0 ]] || fail "needs root (installs Slurm with apt and starts its daemons)"
 [[ -x $PY ]] || fail "no $PY: run scripts/setup.sh first"
@@ -144,58 +203,23 @@ reference=$!
 timeout 900 $PY train.py -m launcher=slurm hydra.launcher.timeout_min=2 hydra.launcher.signal_delay_s=30 \
   hydra.launcher.max_num_timeout=8 "${REQ[@]}" hydra.sweep.dir="$OUT/requeue" >"$OUT/requeue.log" 2>&1 &
 sweep=$!
-signalled=0
-while kill -0 $sweep 2>/dev/null; do
-  for id in $(squeue -h -o "%i %r" | awk '$2 == "BeginTime" {print $1}'); do
-    scontrol update JobId="$id" StartTime=now && echo "released requeued job $id"
-  done
-  # Slurm's own USR2 comes 30-90 s into an attempt, after this short run may have ended: so that one
-  # checkpoint-and-requeue surely happens mid-training, send USR2 through Slurm (the same signal to the same
-  # process, handled the same way) once the first attempt has logged step 10.
-  metrics=$(ls "$OUT"/requeue/*/metrics.jsonl 2>/dev/null | head -n 1 || true)
-  if [[ $signalled == 0 && -n $metrics ]] && grep -q '"step": [1-9][0-9], "train/' "$metrics"; then
-    id=$(squeue -h -t RUNNING -o %i | head -n 1)
-    [[ -n $id ]] && scancel --signal=USR2 "$id" && signalled=1 && echo "sent USR2 to running job $id"
-  fi
-  sleep 0.5
-done
+watch_and_signal $sweep "$OUT/requeue"
 wait $sweep || { tail -n 15 "$OUT/requeue.log" >&2; fail "the requeue sweep failed: see $OUT/requeue.log"; }
 wait $reference || { tail -n 15 "$OUT/requeue_reference.log" >&2; fail "the uninterrupted reference run failed"; }
 T_REQUEUE=$(since "$T")
-$PY - "$OUT" <<'EOF' || fail "see above"
-import json, subprocess, sys
-from pathlib import Path
-import torch
-from safetensors.torch import load_file
+check_requeued "$OUT/requeue" "$OUT/requeue_reference" || fail "see above"
 
-out = Path(sys.argv[1])
-(run,) = [p.parent.parent for p in (out / "requeue").glob("*/.hydra/hydra.yaml")]
-reference = out / "requeue_reference"
-log = (run / "train.log").read_text()
-resumed = [line.split("resumed from ")[1].split(":")[0] for line in log.splitlines() if "resumed from " in line]
-errors = []
-if not resumed:
-    errors.append("the job was never resumed (no 'resumed from' in train.log): no USR2, or no checkpoint")
-job = next(p.name.split("_")[0] for p in (out / "requeue" / ".submitit").iterdir() if p.is_dir())
-sacct = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "JobID,State,Elapsed"],
-                       capture_output=True, text=True).stdout.split()
-if not any("REQUEUED" in line for line in sacct) or sacct[-1].split("|")[1] != "COMPLETED":
-    errors.append(f"sacct does not show a requeue then COMPLETED: {sacct}")
-a, b = load_file(run / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
-if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
-    errors.append("the requeued run's final parameters differ from the uninterrupted run's")
-def metrics(folder):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
-            for line in (folder / "metrics.jsonl").read_text().splitlines()]
-if metrics(run) != metrics(reference):
-    errors.append("the requeued run's metrics.jsonl differs from the uninterrupted run's (perf/* aside)")
-print(f"attempts: {len(resumed) + 1} (resumed from {', '.join(Path(r).name for r in resumed)}); sacct: {' '.join(sacct)}")
-same = not [e for e in errors if "differ" in e]
-print(f"final eval/loss {json.loads((run / 'summary.json').read_text())['final']['eval/loss']:.6f}; "
-      f"parameters and metrics bit-identical to the uninterrupted run: {same}")
-for e in errors:
-    print("FAIL", e, file=sys.stderr)
-sys.exit(1 if errors else 0)
-EOF
+echo "== requeue on 2 processes (hardware=cpu_ddp): USR2 reaches the job's process and both ranks at once"
+# The cpu_ddp sweep job above is the uninterrupted reference: the same settings, plus a 0.5 s sleep in each
+# training micro-batch (tests.slow_loss, which changes no number) so that USR2 surely lands mid-run.
+T=$(now)
+timeout 900 $PY train.py -m launcher=slurm hydra.launcher.timeout_min=5 hydra.launcher.signal_delay_s=30 \
+  hydra.launcher.max_num_timeout=3 hardware=cpu_ddp "${RUN[@]}" algo._target_=tests.slow_loss.SlowDPOFrom \
+  +algo.call=0 +algo.seconds=0.5 hydra.sweep.dir="$OUT/requeue_ddp" >"$OUT/requeue_ddp.log" 2>&1 &
+sweep=$!
+watch_and_signal $sweep "$OUT/requeue_ddp"
+wait $sweep || { tail -n 15 "$OUT/requeue_ddp.log" >&2; fail "the 2-process requeue sweep failed: see $OUT/requeue_ddp.log"; }
+T_REQUEUE_DDP=$(since "$T")
+check_requeued "$OUT/requeue_ddp" "$(dirname "$(dirname "$(ls "$OUT"/cpu_ddp/*/.hydra/hydra.yaml)")")" || fail "see above"
 
-echo "== ok: cluster start $T_START s, sweeps $T_SWEEP s, requeue $T_REQUEUE s, total $(since "$T0") s (before stopping the cluster)"
+echo "== ok: cluster start $T_START s, sweeps $T_SWEEP s, requeue $T_REQUEUE s, 2-process requeue $T_REQUEUE_DDP s, total $(since "$T0") s (before stopping the cluster)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlhf import logging as rlhf_logging
+from rlhf.errors import UserError
 from rlhf.logging import WandbLogger, wandb_mode
 
 
@@ -104,3 +105,24 @@ def test_a_resumed_run_continues_the_same_wandb_run(no_wandb_env, monkeypatch, t
     WandbLogger(mode="offline").start(str(tmp_path), {})  # a new run in the folder: a new id
     ids = [kwargs["id"] for kwargs in seen]
     assert ids[0] == ids[1] != ids[2] and all(kwargs["resume"] == "allow" for kwargs in seen)
+
+
+def test_a_resumed_wandb_run_continues_its_id_or_rewinds_to_the_checkpoint_step(no_wandb_env, monkeypatch, tmp_path):
+    """Default: the same W&B id, resume="allow". logger.rewind=true: W&B's rewind to the checkpoint's step
+    (resume_from="<id>?_step=<N>", and no id/resume beside it), online only, refused otherwise with the fix."""
+    import wandb
+
+    calls = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs) or _FakeRun())
+    run = str(tmp_path / "run")
+    WandbLogger(project="p", mode="online").start(run, {})
+    run_id = (tmp_path / "run" / "wandb_run_id.txt").read_text().strip()
+    assert calls[0]["id"] == run_id and calls[0]["resume"] == "allow" and "resume_from" not in calls[0]
+    WandbLogger(project="p", mode="online").start(run, {}, resume_step=20)
+    assert calls[1]["id"] == run_id and calls[1]["resume"] == "allow" and "resume_from" not in calls[1]
+    WandbLogger(project="p", mode="online", rewind=True).start(run, {}, resume_step=20)
+    assert calls[2]["resume_from"] == f"{run_id}?_step=20" and "id" not in calls[2] and "resume" not in calls[2]
+    WandbLogger(project="p", mode="online", rewind=True).start(str(tmp_path / "new"), {})  # a new run: nothing to rewind
+    assert "resume_from" not in calls[3]
+    with pytest.raises(UserError, match="logger.rewind=true needs W&B online"):
+        WandbLogger(project="p", mode="offline", rewind=True).start(run, {}, resume_step=20)
