@@ -17,12 +17,13 @@ from rlhf.config import checked_by_callback  # noqa: E402
 from rlhf.errors import UserError  # noqa: E402
 from rlhf.launch import hydra_overrides_for_this_rank, run  # noqa: E402
 from rlhf.signals import Stopped, hand_over, install  # noqa: E402
-from rlhf.slurm import for_the_sweep, in_submitit_job  # noqa: E402
+from rlhf.slurm import for_the_sweep, in_submitit_job, log_to_the_run_folder_from_the_first_node_only  # noqa: E402
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     install()  # for the life of this process (a Slurm job enters here; `python train.py` did so before composing)
+    log_to_the_run_folder_from_the_first_node_only()
     try:
         # A single run was checked by the config's Hydra callback in this process; a sweep's job is checked here.
         metrics = run(cfg) if checked_by_callback() else train(cfg)

@@ -24,6 +24,11 @@ a submitit job instead of exiting (an exit would read as a crash, reported ~40 s
 logs the traceback of any other error there (Hydra keeps none), and raises :func:`for_the_sweep` of it: the error
 itself, or a plain ``RuntimeError`` with its type and message when it would not survive pickling.
 
+Several machines (``hardware=multinode hardware.num_nodes=N``): the job asks for N nodes, one task each; every task
+runs the Hydra job, takes its node rank from ``SLURM_NODEID`` and meets the others at the first node of the job on a
+port derived from the job id (:func:`rdzv_endpoint`). Only the first node writes the run folder (``.hydra/``,
+``train.log``, and, as global rank 0, everything else).
+
 Time limits and requeue: ``signal_delay_s`` before its time limit a job gets USR2. The run's handler
 (:mod:`rlhf.signals`) lets the step finish, writes a checkpoint, then calls submitit's own handler, which requeues
 the job (at most ``max_num_timeout`` times) and ends the process. The requeued job is the same Hydra job in the same
@@ -91,6 +96,56 @@ def local_gpus(device: str, num_processes: int | None) -> int:
     if device == "cuda" and num_processes is not None:
         return int(num_processes)
     return count
+
+
+def slurm_node() -> int | None:
+    """This machine's index among the nodes of the Slurm job that submitit started here (``SLURM_NODEID``: every
+    node's task runs the same Hydra job), else None."""
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm" and "SLURM_NODEID" in os.environ:
+        return int(os.environ["SLURM_NODEID"])
+    return None
+
+
+def node_rank() -> int:
+    """``hardware.node_rank`` of ``multinode``: the Slurm node index in a Slurm job, else ``$NODE_RANK``, else 0."""
+    node = slurm_node()
+    return node if node is not None else int(os.environ.get("NODE_RANK", "0"))
+
+
+def rdzv_endpoint(num_nodes: int) -> str | None:
+    """``hardware.rdzv_endpoint`` of ``multinode``: ``$RDZV_ENDPOINT`` when set; in a Slurm job of several nodes,
+    the job's first host (submitit parses Slurm's compressed node list) and a port derived from the job id, so that
+    every node agrees without talking; else None (the strategy then asks for it)."""
+    if os.environ.get("RDZV_ENDPOINT"):
+        return os.environ["RDZV_ENDPOINT"]
+    if slurm_node() is None or int(num_nodes) <= 1:
+        return None
+    from submitit import JobEnvironment
+
+    return f"{JobEnvironment().hostnames[0]}:{port_for_job(int(os.environ['SLURM_JOB_ID']))}"
+
+
+def port_for_job(job_id: int) -> int:
+    """The rendezvous port of a Slurm job: in 20000..59999, the same on every node, different for jobs whose ids
+    are less than 40000 apart."""
+    return 20000 + job_id % 40000
+
+
+def on_first_node(value: Any) -> Any:
+    """``value`` on the first node of a Slurm job (and outside Slurm), None on the others: every node's task runs the
+    Hydra job, and only the first writes the run folder (``hydra.output_subdir``: ``.hydra/``)."""
+    return value if slurm_node() in (None, 0) else None
+
+
+def log_to_the_run_folder_from_the_first_node_only() -> None:
+    """On another node of a Slurm job, stop Hydra's ``train.log`` handler (the first node writes the run's log;
+    this node's warnings still reach its own stderr, which Slurm keeps)."""
+    if slurm_node() in (None, 0):
+        return
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def in_submitit_job() -> bool:
@@ -161,3 +216,6 @@ def _refuse_hardware_sweep(root: Any) -> None:
 OmegaConf.register_new_resolver("rlhf.slurm_gpus", slurm_gpus, replace=True)
 OmegaConf.register_new_resolver("rlhf.slurm_cpus", slurm_cpus, replace=True)
 OmegaConf.register_new_resolver("rlhf.local_gpus", local_gpus, replace=True)
+OmegaConf.register_new_resolver("rlhf.node_rank", node_rank, replace=True)
+OmegaConf.register_new_resolver("rlhf.rdzv_endpoint", rdzv_endpoint, replace=True)
+OmegaConf.register_new_resolver("rlhf.on_first_node", on_first_node, replace=True)

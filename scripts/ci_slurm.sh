@@ -40,15 +40,21 @@ stop() {
 }
 trap stop EXIT
 
-# While sweep $1 runs: release requeued jobs at once (Slurm holds them 121 s, Reason=BeginTime) and, once the first
+# While sweep $1 runs: release requeued jobs (Slurm holds them 121 s, Reason=BeginTime) and, once the first
 # attempt has logged step 10, send USR2 through Slurm to the running job (once). Slurm's own USR2 comes 30-90 s into
 # an attempt, after these short runs may have ended: scancel --signal=USR2 is the same signal, delivered the same way
 # (to every process of the job step: the job's own process and the ranks it started).
+# A job released in the same second as its requeue fails to start ("Job credential revoked": Slurm compares the
+# times in whole seconds): release it 3 s after it is first seen held.
 watch_and_signal() {
   local sweep=$1 folder=$2 signalled=0 metrics id
+  local -A held=()
   while kill -0 "$sweep" 2>/dev/null; do
     for id in $(squeue -h -o "%i %r" | awk '$2 == "BeginTime" {print $1}'); do
-      scontrol update JobId="$id" StartTime=now && echo "released requeued job $id"
+      [[ -n ${held[$id]:-} ]] || held[$id]=$SECONDS
+      if (( SECONDS - held[$id] >= 3 )); then
+        scontrol update JobId="$id" StartTime=now && echo "released requeued job $id" && unset "held[$id]"
+      fi
     done
     metrics=$(ls "$folder"/*/metrics.jsonl 2>/dev/null | head -n 1 || true)
     if [[ $signalled == 0 && -n $metrics ]] && grep -q '"step": [1-9][0-9], "train/' "$metrics"; then

@@ -136,3 +136,35 @@ def test_a_jobs_error_reaches_the_sweep_as_itself_or_as_a_plain_error():
     plain = rlhf.slurm.for_the_sweep(_TwoArgumentError("rank 1", 9))
     assert type(plain) is RuntimeError
     assert str(plain) == "tests.test_launchers._TwoArgumentError: rank 1 failed with code 9"
+
+
+def test_each_node_of_a_multinode_slurm_job_derives_its_rank_and_the_rendezvous(monkeypatch):
+    """In a Slurm job that submitit started (one task per node): the node rank is SLURM_NODEID, the rendezvous is
+    the job's first host (from Slurm's compressed node list) on a port derived from the job id, the same on every
+    node; only the first node writes .hydra/. Outside Slurm: NODE_RANK / RDZV_ENDPOINT, or 0 / none."""
+    for key in ("SUBMITIT_EXECUTOR", "SLURM_NODEID", "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "NODE_RANK",
+                "RDZV_ENDPOINT"):
+        monkeypatch.delenv(key, raising=False)
+
+    def composed() -> tuple:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("config", overrides=["hardware=multinode", "output_dir=x"], return_hydra_config=True)
+        return cfg.hardware.node_rank, cfg.hardware.rdzv_endpoint, cfg.hydra.output_subdir
+
+    assert composed() == (0, None, ".hydra")
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("RDZV_ENDPOINT", "10.0.0.1:29500")
+    assert composed() == (1, "10.0.0.1:29500", ".hydra")  # outside Slurm every machine writes its own .hydra/
+    monkeypatch.delenv("RDZV_ENDPOINT")
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[03-04]")
+    ports = set()
+    for node in (0, 1):
+        monkeypatch.setenv("SLURM_NODEID", str(node))
+        rank, endpoint, subdir = composed()
+        assert rank == node and subdir == (".hydra" if node == 0 else None)
+        ports.add(endpoint)
+    assert ports == {f"gpu03:{rlhf.slurm.port_for_job(123456)}"}
+    assert 20000 <= rlhf.slurm.port_for_job(123456) < 60000
+    assert rlhf.slurm.port_for_job(123456) != rlhf.slurm.port_for_job(123457)

@@ -180,3 +180,29 @@ def test_a_failing_rank_reports_its_own_error(tmp_path):
     assert out.returncode == 1
     assert "data.path=no_such_file.jsonl: no such file" in out.stderr
     assert "Traceback" not in out.stderr.split("error: ")[-1]
+
+
+@pytest.mark.serial
+def test_two_slurm_nodes_simulated_on_loopback_find_each_other_from_slurms_environment(tmp_path):
+    """What each node's task of `python train.py -m launcher=slurm hardware=multinode hardware.num_nodes=2` does,
+    simulated on 127.0.0.1: the same command on both "nodes", with only Slurm's variables differing (SLURM_NODEID).
+    They derive their ranks and the rendezvous (the job's first host, a port from the job id), train as one run,
+    and only the first node writes the run folder's log."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    while not 20000 <= port < 60000:
+        port = free_port()
+    job_id = port - 20000  # rlhf.slurm.port_for_job(job_id) == port: a port known to be free
+    args = [*FAST, "hardware=multinode", "hardware.device=cpu", "hardware.num_processes=1", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SUBMITIT_EXECUTOR": "slurm",
+           "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": "localhost"}
+    env.pop("NODE_RANK", None), env.pop("RDZV_ENDPOINT", None)
+    nodes = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path,
+                              env={**env, "SLURM_NODEID": str(node)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for node in (0, 1)]
+    outputs = [n.communicate(timeout=300) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert [r["step"] for r in _lines(run_dir) if "train/loss" in r] == [1, 2, 3]
+    log = (run_dir / "train.log").read_text()
+    assert "2 process(es)" in log and log.count("(2 machine(s) in all)") == 1, log  # node 1 logs to its stderr only
+    assert "(2 machine(s) in all)" in outputs[1][1]
