@@ -4,6 +4,7 @@ import logging
 import shlex
 import signal
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -12,6 +13,7 @@ from rlhf import train
 from rlhf.config import checked_by_callback
 from rlhf.errors import UserError
 from rlhf.launch import hydra_overrides_for_this_rank, run
+from rlhf.run_folder import resume_overrides
 from rlhf.signals import Stopped, hand_over
 from rlhf.slurm import for_the_sweep, in_submitit_job
 
@@ -47,13 +49,17 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def resume_command(run_dir) -> str:
-    """The command that continues this run: its own overrides, its folder, ``resume=auto``."""
+    """The command that continues this run: its folder and ``resume=auto`` (the run's recorded overrides are
+    re-applied, :func:`rlhf.run_folder.resume_overrides`), or its overrides too where Hydra recorded none."""
     from hydra.core.hydra_config import HydraConfig
 
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("resume=", "hydra.run.dir="))]
+    if (Path(run_dir) / ".hydra" / "overrides.yaml").is_file():
+        overrides = []
     return shlex.join(["python", "train.py", *overrides, f"hydra.run.dir={run_dir}", "resume=auto"])
 
 
 if __name__ == "__main__":
     sys.argv += hydra_overrides_for_this_rank()  # under torchrun, only rank 0 writes .hydra/ and train.log
+    sys.argv[1:] = resume_overrides(sys.argv[1:])  # hydra.run.dir=<run> resume=auto: the run's own overrides
     main()
