@@ -136,12 +136,13 @@ def check_data(cfg: DictConfig, fingerprint: str, folder: Path) -> None:
     if DATA in listed_changes(cfg):
         log.info("resume from %s on other training rows (resume_changes lists %s)", folder, DATA)
         return
+    listed = [*listed_changes(cfg), DATA]
     raise UserError(
-        f"resume from {folder}: the tokenized training data differs from the checkpoint's ({DATA} {recorded.get(DATA)}, "
-        f"now {fingerprint}), though the config does not say so: the data file, the Hub dataset or the tokenizer "
-        "has changed since. The data order and position would not continue. Fix: resume with the data it was "
-        f"trained on, or, to train on the new rows deliberately, add {DATA} to resume_changes "
-        f"(resume_changes=[{DATA}]).")
+        f"resume from {folder}: the tokenized training data differs from the checkpoint's ({DATA} "
+        f"{recorded.get(DATA)}, now {fingerprint}): the rows, or how they are tokenized, have changed since (a data "
+        "file edited in place, a new version of a Hub dataset, another tokenizer or length limit). The data order "
+        "and position would not continue. Fix: resume with the data it was trained on, or, to train on these rows "
+        f"deliberately, resume_changes=[{','.join(listed)}].")
 
 
 def _check_listed(folder: Path, listed: list[str], keys: list[str]) -> None:
@@ -151,8 +152,9 @@ def _check_listed(folder: Path, listed: list[str], keys: list[str]) -> None:
             continue
         close = difflib.get_close_matches(name, [*keys, DATA], n=1)
         hint = f" Did you mean {close[0]}?" if close else ""
-        raise UserError(f"resume from {folder}: resume_changes lists {name}, which is not a key of the run's config (nor {DATA}).{hint} "
-                        "Fix: the key as you would override it, e.g. resume_changes=[train.max_steps].")
+        raise UserError(f"resume from {folder}: resume_changes lists {name}, which is not a key of the run's config "
+                        f"(nor {DATA}).{hint} Fix: the key as you would override it, e.g. "
+                        "resume_changes=[train.max_steps].")
 
 
 def _how_to_keep(cfg: DictConfig, folder: Path) -> str:

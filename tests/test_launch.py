@@ -51,7 +51,8 @@ def test_a_single_run_is_checked_built_and_resolved_once(tmp_path):
     record = {p.name: p.read_text() for p in (tmp_path / ".hydra").iterdir()}
     # As a user resumes: the folder, resume=auto and the one deliberate change; the run's own overrides (FAST: a
     # smaller model, which the resume check would refuse to change) come from its record.
-    resumed = _counts(f"hydra.run.dir={tmp_path}", "resume=auto", "train.max_steps=4", "resume_changes=[train.max_steps]")
+    resumed = _counts(f"hydra.run.dir={tmp_path}", "resume=auto", "train.max_steps=4",
+                      "resume_changes=[train.max_steps]")
     assert resumed == {"check_config": 1, "strategy": 1, "resume_resolved": 1}
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 3, 4, 4]  # it did resume: step 4's train and eval lines follow step 3's
