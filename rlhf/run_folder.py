@@ -169,9 +169,7 @@ def resume_overrides(args: list[str]) -> list[str]:
     if not run_dir or resume in (None, "", "null"):
         return args
     recorded_dir = Path(os.path.expanduser(run_dir)) / RECORDED
-    # The newest attempt that was let resume (a refused one, or one that failed before the check, is not the run's).
-    attempts = sorted(recorded_dir.glob(f"{ATTEMPT}*/{RESUMED_FROM}"))
-    source = attempts[-1].with_name("overrides.yaml") if attempts else recorded_dir / "overrides.yaml"
+    source = _recorded_overrides(recorded_dir, _target_step(Path(os.path.expanduser(run_dir)), resume))
     try:
         recorded = [str(o) for o in yaml.safe_load(source.read_text()) or []]
     except (OSError, yaml.YAMLError):
@@ -182,10 +180,33 @@ def resume_overrides(args: list[str]) -> list[str]:
     # A key the run added with +key=... exists only through that override: a new value of it needs ++.
     now = [f"++{o}" if _key(o) in plus and not o.startswith(("+", "~")) else o for o in overrides]
     subdir = [] if "hydra.output_subdir" in given else [f"hydra.output_subdir={RECORDED}/{_attempt_name(recorded_dir)}"]
-    if carried:
+    if carried and os.environ.get("RANK", "0") == "0":  # under torchrun, once
         print(f"resume: re-applying the run's overrides from {source}: {' '.join(carried)}", file=sys.stderr)
     flags = [a for a in args if a not in overrides]
     return [*flags, *carried, *now, *subdir]
+
+
+def _target_step(run_dir: Path, resume: str) -> int | None:
+    """The step of the checkpoint this resume will continue (None: none yet, or not a step_<N> folder)."""
+    folder = checkpoint.latest(run_dir) if resume == "auto" else Path(os.path.expanduser(resume))
+    try:
+        return checkpoint.step_of(folder) if folder is not None else None
+    except ValueError:
+        return None
+
+
+def _recorded_overrides(recorded_dir: Path, step: int | None) -> Path:
+    """The overrides of the attempt that wrote the checkpoint of ``step``: the newest attempt that the resume check
+    let through and that began below that step (a refused attempt, or one that wrote nothing, is not it), else the
+    run's original record."""
+    def began_below(marker: Path) -> bool:
+        try:
+            return step is None or checkpoint.step_of(Path(marker.read_text().strip())) < step
+        except (OSError, ValueError):
+            return False
+
+    attempts = [m for m in sorted(recorded_dir.glob(f"{ATTEMPT}*/{RESUMED_FROM}")) if began_below(m)]
+    return attempts[-1].with_name("overrides.yaml") if attempts else recorded_dir / "overrides.yaml"
 
 
 def _key(override: str) -> str:

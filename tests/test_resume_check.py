@@ -8,7 +8,7 @@ import datasets
 import pytest
 import yaml
 
-from rlhf import run_folder
+from rlhf import checkpoint, run_folder
 from rlhf.config import check_config
 from rlhf.errors import UserError
 from rlhf.resume_check import NOT_OPTIMIZING, data_fingerprint, optimizing, recorded_config
@@ -106,6 +106,16 @@ def test_a_resume_re_applies_the_overrides_of_the_runs_last_checked_attempt(tmp_
     # Given again, a key wins over the recorded one; one the run added with + takes ++.
     argv = run_folder.resume_overrides([*given, "algo.call=2", "train.max_steps=30", "--cfg", "job"])
     assert argv[:-1] == ["--cfg", "job", "algo=sft", *given, "++algo.call=2", "train.max_steps=30"]
+    # The overrides of the attempt that wrote the checkpoint resumed: the attempt above began at step 10, so it
+    # wrote step 15 but not step 5; one that began at 15 and was stopped before its first checkpoint wrote nothing.
+    for step in (5, 10, 15):
+        folder = run / checkpoint.FOLDER / f"{checkpoint.PREFIX}{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / checkpoint.META).write_text("{}")
+    _record(hydra / "attempt-2024-01-03_00-00-00", ["algo=sft", "train.max_steps=99"], str(folder))
+    assert "train.max_steps=20" in run_folder.resume_overrides(given)
+    older = [f"hydra.run.dir={run}", f"resume={run / checkpoint.FOLDER / 'step_00000005'}"]
+    assert run_folder.resume_overrides(older)[:-1] == ["algo=sft", "+algo.call=1", "train.max_steps=10", *older]
     for untouched in (["-m", *given], [f"hydra.run.dir={run}"], [f"hydra.run.dir={run}", "resume=null"],
                       [f"hydra.run.dir={tmp_path / 'new'}", "resume=auto"], ["resume=auto"]):
         assert run_folder.resume_overrides(untouched) == untouched
