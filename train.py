@@ -2,6 +2,7 @@
 
 import signal
 import sys
+from pathlib import Path
 
 if __name__ == "__main__":  # a stop signal during the imports waits, then counts once the handler is installed
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2))
@@ -16,6 +17,7 @@ from rlhf import train  # noqa: E402
 from rlhf.config import checked_by_callback  # noqa: E402
 from rlhf.errors import UserError  # noqa: E402
 from rlhf.launch import hydra_overrides_for_this_rank, run  # noqa: E402
+from rlhf.run_folder import resume_overrides  # noqa: E402
 from rlhf.signals import Stopped, hand_over, install  # noqa: E402
 from rlhf.slurm import for_the_sweep, in_submitit_job, log_to_the_run_folder_from_the_first_node_only  # noqa: E402
 
@@ -53,14 +55,18 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def resume_command(run_dir) -> str:
-    """The command that continues this run: its own overrides, its folder, ``resume=auto``."""
+    """The command that continues this run: its folder and ``resume=auto`` (the run's recorded overrides are
+    re-applied, :func:`rlhf.run_folder.resume_overrides`), or its overrides too where Hydra recorded none."""
     from hydra.core.hydra_config import HydraConfig
 
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("resume=", "hydra.run.dir="))]
+    if (Path(run_dir) / ".hydra" / "overrides.yaml").is_file():
+        overrides = []
     return shlex.join(["python", "train.py", *overrides, f"hydra.run.dir={run_dir}", "resume=auto"])
 
 
 if __name__ == "__main__":
     install()  # stop signals are recorded from here on (and those that came during the imports are delivered now)
     sys.argv += hydra_overrides_for_this_rank()  # under torchrun, only rank 0 writes .hydra/ and train.log
+    sys.argv[1:] = resume_overrides(sys.argv[1:])  # hydra.run.dir=<run> resume=auto: the run's own overrides
     main()

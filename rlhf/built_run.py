@@ -21,6 +21,7 @@ from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
 from rlhf.errors import UserError
 from rlhf.hardware import global_numel
 from rlhf.optim import param_groups, schedule
+from rlhf.resume_check import data_fingerprint, record
 from rlhf.settings import TrainSettings
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class BuiltRun:
     max_steps: int
     rows: dict[str, int]  # training and held-out rows after tokenization
     skipped_rows: int  # bad rows left out by data.on_bad_row=skip
+    resume_record: dict[str, Any]  # what each checkpoint records for resumes (config.json, rlhf.resume_check)
 
     def describe(self) -> None:
         """Log what is about to happen: the folder, the hardware, the batch arithmetic, the model's size."""
@@ -90,7 +92,8 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     scheduler = schedule(build(cfg.scheduler), optimizer, max_steps)
     return BuiltRun(settings, run_dir, strategy, accelerator, model, tokenizer, algo, optimizer, scheduler,
                     training, evaluation, accumulation, max_steps,
-                    rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows)
+                    rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows,
+                    resume_record=record(cfg, strategy, data_fingerprint(tokenized["train"])))
 
 
 def _check_split_sizes(tokenized, settings: TrainSettings, processes: int) -> None:

@@ -10,6 +10,7 @@ step, the scheduler step and the step's logging and evaluation, never inside an 
 - ``rank_<r>.pt``: each rank's own state: every random generator (Python, NumPy, torch, CUDA), the loop's
   :class:`~rlhf.state.TrainState` (step, epoch, position in the epoch, the sums behind the averaged log window, counters) and
   the algorithm's state (``algo.state_dict()``, empty for most);
+- ``config.json``: what of the run's config and data a resume must keep (:mod:`rlhf.resume_check`);
 - ``meta.json``, written last: what the checkpoint is (step, processes, versions). A folder without it is not a
   checkpoint.
 
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 FOLDER = "checkpoints"
 PREFIX = "step_"
 META = "meta.json"
+CONFIG = "config.json"  # the run's config and data fingerprint (rlhf.resume_check), written before meta.json
 FORMAT = 1  # bumped when the layout changes; an older checkpoint is refused with a clear message
 
 
@@ -202,8 +204,9 @@ def save_pretrained_atomically(model, tokenizer, folder: Path, state_dict: dict 
 
 
 def save(run_dir: Path, state: TrainState, *, model, optimizer, scheduler, algo, strategy, accelerator,
-         keep_last: int | None, meta: dict[str, Any]) -> Path:
-    """Write the checkpoint of ``state.step`` (a collective: every rank calls it) and prune to ``keep_last``."""
+         keep_last: int | None, meta: dict[str, Any], config: dict[str, Any] | None = None) -> Path:
+    """Write the checkpoint of ``state.step`` (a collective: every rank calls it) and prune to ``keep_last``.
+    ``config``: the run's record for resumes (``config.json``, :func:`rlhf.resume_check.record`)."""
     root = Path(run_dir) / FOLDER
     final = root / f"{PREFIX}{state.step:08d}"
     staging = root / f".tmp-{final.name}"
@@ -229,6 +232,8 @@ def save(run_dir: Path, state: TrainState, *, model, optimizer, scheduler, algo,
                         "train.keep_last), then resume=auto.")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if config is not None:
+            (staging / CONFIG).write_text(json.dumps(config, indent=2))
         (staging / META).write_text(json.dumps({"format": FORMAT, "step": state.step, **meta}, indent=2))
         _fsync_tree(staging)
         replace_folder(staging, final)

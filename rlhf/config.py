@@ -11,7 +11,7 @@ types it and the fix for:
   ``int``/``float``/``bool``/``str`` argument (``algo.beta=abc``), a list where one value belongs (a sweep written
   ``[0.1,0.2]``), and a value outside its range: the target's own :func:`rlhf.validate.limits`, or for optimizers
   and schedulers the limits their group shares (:data:`GROUP_LIMITS`, from :mod:`rlhf.optim`);
-- NaN or infinity anywhere; ``model.dtype=float16`` on a CPU.
+- NaN or infinity anywhere; ``model.dtype=float16`` on a CPU; a ``resume_changes`` that is not a list of keys.
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ def check_config(cfg: DictConfig) -> None:
         validate.check_limits(container["train"], TrainSettings, "train")
     _walk(container, "")
     validate.check_float16_on_cpu(container)
+    validate.check_resume_changes(container)
 
 
 def _walk(node: Any, where: str) -> None:

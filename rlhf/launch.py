@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf import checkpoint, run_folder, signals
+from rlhf import checkpoint, resume_check, run_folder, signals
 from rlhf.config import build, check_config
 from rlhf.errors import UserError
 from rlhf.hardware.base import free_port
@@ -69,6 +69,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     # The main machine's first process holds the folder (one lock); the others only read which checkpoint to resume.
     with run_folder.claim(run_dir) if holds_folder else contextlib.nullcontext():
         resume = run_folder.prepare(run_dir, cfg.get("resume"))
+        if resume is not None:  # before any process starts or anything loads: the config a resume must keep
+            resume_check.check_config(cfg, strategy, resume)
+            run_folder.record_resume(resume)
         processes = strategy.processes_per_node()
         if started_here or (processes == 1 and strategy.num_nodes == 1):
             return loop.train(cfg, strategy, resume)

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from rlhf import checkpoint, run_folder, signals
+from rlhf import checkpoint, resume_check, run_folder, signals
 from rlhf.built_run import BuiltRun, build_run
 from rlhf.config import build
 from rlhf.logging import log_file
@@ -47,11 +47,14 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
         run.describe()
         state = TrainState()
         if resume is not None:
+            resume_check.check_data(cfg, run.resume_record[resume_check.DATA], resume)
             state = checkpoint.load(resume, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                                     algo=run.algo, strategy=strategy, accelerator=accelerator)
             log.info("resumed from %s: step %d, epoch %d", resume, state.step, state.epoch)
         logger = build(cfg.logger)
         if accelerator.is_main_process:
+            if resume is not None:  # a resume from an older checkpoint of this folder: its newer ones go aside
+                run_folder.set_aside_newer(run_dir, state.step, getattr(logger, "filename", "metrics.jsonl"))
             run_folder.clear_previous_results(run_dir)
             logger.start(str(run_dir), OmegaConf.to_container(cfg, resolve=True),
                          resume_step=state.step if resume is not None else None)
@@ -196,7 +199,7 @@ def _save_checkpoint(run: BuiltRun, state: TrainState) -> Path:
     accelerator = run.accelerator
     folder = checkpoint.save(run.run_dir, state, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                              algo=run.algo, strategy=run.strategy, accelerator=accelerator,
-                             keep_last=run.settings.keep_last,
+                             keep_last=run.settings.keep_last, config=run.resume_record,
                              meta={"processes": accelerator.num_processes, "strategy": type(run.strategy).__name__,
                                    "torch": torch.__version__})
     log.info("step %d: checkpoint %s", state.step, folder)

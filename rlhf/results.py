@@ -21,7 +21,7 @@ import yaml
 
 from rlhf.checkpoint import complete
 from rlhf.errors import UserError
-from rlhf.run_folder import LOCK
+from rlhf.run_folder import ATTEMPT, LOCK, RECORDED, RESUMED_FROM
 
 MARKERS = ("metrics.jsonl", "summary.json", ".hydra")  # a folder holding any of these is a run folder
 NONFINITE = ("nan", "inf", "-inf")  # metrics.jsonl writes a non-finite value as one of these strings
@@ -74,17 +74,23 @@ class Run:
                             "outputs/<date>/<time>, or one job's folder of a multirun).")
 
     def _yaml(self, name: str) -> Any:
-        file = self.path / ".hydra" / name
+        """A file of the run's Hydra record: its newest resumed attempt's (``.hydra/attempt-<time>/``, which holds
+        the run's overrides and those the resume changed), else the run's original one."""
+        recorded = self.path / RECORDED
+        attempts = sorted(recorded.glob(f"{ATTEMPT}*/{RESUMED_FROM}"))
+        file = (attempts[-1].parent if attempts else recorded) / name
         return yaml.safe_load(file.read_text()) if file.is_file() else None
 
     @cached_property
     def config(self) -> dict[str, Any]:
-        """``.hydra/config.yaml``, the composed config as Hydra saved it (interpolations as written), or ``{}``."""
+        """``.hydra/config.yaml``, the composed config as Hydra saved it (interpolations as written), or ``{}``; for
+        a resumed run, its newest attempt's."""
         return self._yaml("config.yaml") or {}
 
     @cached_property
     def overrides(self) -> list[str]:
-        """The command line's overrides (``.hydra/overrides.yaml``), or ``[]``."""
+        """The command line's overrides (``.hydra/overrides.yaml``; for a resumed run, its newest attempt's), or
+        ``[]``."""
         return [str(o) for o in self._yaml("overrides.yaml") or []]
 
     @property

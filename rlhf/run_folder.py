@@ -6,17 +6,27 @@
 - :func:`prepare` turns ``resume`` into a checkpoint (or none) and refuses a new run into a folder that holds
   checkpoints; :func:`clear_previous_results` removes a previous run's ``final/`` and ``summary.json`` before a new
   or resumed run writes its first metrics, so that they never sit beside metrics they do not belong to.
+- :func:`set_aside_newer`: a resume from an older checkpoint of the folder moves the abandoned branch (the newer
+  checkpoints and the metrics lines after the resumed step) into ``checkpoints/abandoned-<time>/``, where neither
+  ``resume=auto`` nor ``train.keep_last`` sees them.
+- :func:`resume_overrides`: ``python train.py hydra.run.dir=<run> resume=auto`` re-applies the run's own recorded
+  overrides, and records the attempt's config beside the run's original one (``.hydra/attempt-<time>/``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
+import json
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+import yaml
 
 from rlhf import checkpoint
 from rlhf.errors import UserError
@@ -80,3 +90,133 @@ def clear_previous_results(run_dir: Path) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     if stale:
         log.info("removed the previous run's %s from %s", ", ".join(p.name for p in stale), run_dir)
+
+
+ABANDONED = "abandoned-"  # checkpoints/abandoned-<time>/: a branch given up by a resume from an older checkpoint
+
+
+def set_aside_newer(run_dir: Path, step: int, metrics_file: str = "metrics.jsonl") -> Path | None:
+    """This run resumes at ``step``: move the folder's newer complete checkpoints, and a copy of the lines of
+    ``metrics_file`` logged after ``step`` (the logger then cuts the file back), into
+    ``checkpoints/abandoned-<time>/``, so that a later ``resume=auto`` never continues the branch given up, and
+    ``keep_last`` counts only the branch that goes on. Return that folder (None when nothing was newer)."""
+    run_dir = Path(run_dir)
+    newer = [c for c in checkpoint.complete(run_dir) if checkpoint.step_of(c) > step]
+    if not newer:
+        return None
+    root = run_dir / checkpoint.FOLDER
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    aside, n = root / f"{ABANDONED}{stamp}", 1
+    while aside.exists():
+        n += 1
+        aside = root / f"{ABANDONED}{stamp}-{n}"
+    aside.mkdir()
+    lines = []
+    metrics = run_dir / metrics_file
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] > step:
+                    lines.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                break  # a line cut short by a kill: it and whatever follows are dropped, as the logger does
+        (aside / metrics_file).write_text("".join(lines))
+    for folder in newer:
+        os.replace(folder, aside / folder.name)
+    checkpoint._fsync_dir(root)
+    log.info("resuming at step %d: the newer checkpoint(s) %s and %d %s line(s) after step %d were moved to %s",
+             step, ", ".join(c.name for c in newer), len(lines), metrics_file, step, aside)
+    return aside
+
+
+# --- resuming without retyping the command ---------------------------------------------------------------------
+RECORDED = ".hydra"  # Hydra's record of a run: config.yaml, hydra.yaml, overrides.yaml
+ATTEMPT = "attempt-"  # .hydra/attempt-<time>/: the record of one resumed attempt, beside the run's original one
+_NOT_CARRIED = ("resume", "resume_changes")  # a resume says these anew: never taken from an earlier attempt
+RESUMED_FROM = "resumed_from.txt"  # in an attempt's record once its resume passed the check: the checkpoint
+
+
+def record_resume(checkpoint_folder: Path) -> None:
+    """Mark this Hydra job's record (``.hydra/attempt-<time>/``) as an attempt that resumed the run, once the resume
+    check let it, naming the checkpoint; :func:`resume_overrides` re-applies only such attempts' overrides."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return
+        hydra = HydraConfig.get()
+        if not hydra.output_subdir:
+            return
+        record = Path(hydra.runtime.output_dir) / hydra.output_subdir
+    except Exception:  # not under Hydra (rlhf.train called from Python)
+        return
+    if record.name.startswith(ATTEMPT) and record.is_dir():
+        (record / RESUMED_FROM).write_text(f"{checkpoint_folder}\n")
+
+
+def resume_overrides(args: list[str]) -> list[str]:
+    """The command line of a resume into a run folder that Hydra has recorded: ``train.py``'s arguments ``args``
+    with ``hydra.run.dir=<run>`` and ``resume=auto`` (or ``resume=<checkpoint>``) become the run's recorded
+    overrides (its latest attempt's, else its original ones), with those given now on top (the deliberate changes,
+    which the resume check refuses unless ``resume_changes`` lists them), and
+    ``hydra.output_subdir=.hydra/attempt-<time>`` so that the run's original ``.hydra/`` is never overwritten.
+    Any other command line (a new run, a new folder, a sweep) is returned as it is."""
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    if any(a in ("-m", "--multirun") for a in args):
+        return args
+    values = {_key(o): o.split("=", 1)[1] for o in overrides}
+    run_dir, resume = values.get("hydra.run.dir"), values.get("resume")
+    if not run_dir or resume in (None, "", "null"):
+        return args
+    recorded_dir = Path(os.path.expanduser(run_dir)) / RECORDED
+    source = _recorded_overrides(recorded_dir, _target_step(Path(os.path.expanduser(run_dir)), resume))
+    try:
+        recorded = [str(o) for o in yaml.safe_load(source.read_text()) or []]
+    except (OSError, yaml.YAMLError):
+        return args  # no record (a new folder, or hydra.output_subdir=null): the command line is all there is
+    given = {_key(o) for o in overrides}
+    plus = {_key(o) for o in recorded if o.startswith("+") and not o.startswith("++")}
+    carried = [o for o in recorded if _key(o) not in given and _key(o) not in _NOT_CARRIED]
+    # A key the run added with +key=... exists only through that override: a new value of it needs ++.
+    now = [f"++{o}" if _key(o) in plus and not o.startswith(("+", "~")) else o for o in overrides]
+    subdir = [] if "hydra.output_subdir" in given else [f"hydra.output_subdir={RECORDED}/{_attempt_name(recorded_dir)}"]
+    if carried and os.environ.get("RANK", "0") == "0":  # under torchrun, once
+        print(f"resume: re-applying the run's overrides from {source}: {' '.join(carried)}", file=sys.stderr)
+    flags = [a for a in args if a not in overrides]
+    return [*flags, *carried, *now, *subdir]
+
+
+def _target_step(run_dir: Path, resume: str) -> int | None:
+    """The step of the checkpoint this resume will continue (None: none yet, or not a step_<N> folder)."""
+    folder = checkpoint.latest(run_dir) if resume == "auto" else Path(os.path.expanduser(resume))
+    try:
+        return checkpoint.step_of(folder) if folder is not None else None
+    except ValueError:
+        return None
+
+
+def _recorded_overrides(recorded_dir: Path, step: int | None) -> Path:
+    """The overrides of the attempt that wrote the checkpoint of ``step``: the newest attempt that the resume check
+    let through and that began below that step (a refused attempt, or one that wrote nothing, is not it), else the
+    run's original record."""
+    def began_below(marker: Path) -> bool:
+        try:
+            return step is None or checkpoint.step_of(Path(marker.read_text().strip())) < step
+        except (OSError, ValueError):
+            return False
+
+    attempts = [m for m in sorted(recorded_dir.glob(f"{ATTEMPT}*/{RESUMED_FROM}")) if began_below(m)]
+    return attempts[-1].with_name("overrides.yaml") if attempts else recorded_dir / "overrides.yaml"
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("~+")
+
+
+def _attempt_name(recorded_dir: Path) -> str:
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    name, n = f"{ATTEMPT}{stamp}", 1
+    while (recorded_dir / name).exists():
+        n += 1
+        name = f"{ATTEMPT}{stamp}-{n}"
+    return name

@@ -269,3 +269,12 @@ def check_float16_on_cpu(config: Mapping[str, Any]) -> None:
         raise UserError(f"model.dtype=float16 trains on the CPU here ({where}), where float16 weights turn to NaN "
                         "within a few steps. Fix: model.dtype=float32 (add hardware.mixed_precision=bf16 for "
                         "half-precision compute), or run on a GPU.")
+
+
+def check_resume_changes(config: Mapping[str, Any]) -> None:
+    """``resume_changes`` is a list of config keys (or one key): ``[train.max_steps,optimizer.lr]``."""
+    value = config.get("resume_changes")
+    items = [value] if isinstance(value, str) else value if isinstance(value, (list, tuple)) else None
+    if value is not None and (items is None or not all(isinstance(k, str) and k for k in items)):
+        raise UserError(f"resume_changes={show(value)} is not a list of config keys. Fix: e.g. "
+                        "resume_changes=[train.max_steps] (the keys a resume may change on purpose).")

@@ -8,6 +8,7 @@ parameters and the optimizer state bit for bit, and every metric but ``perf/*`` 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -254,7 +255,7 @@ def test_only_the_newest_keep_last_checkpoints_stay(fast_config, tmp_path):
     for folder in kept:
         step = checkpoint.step_of(folder)
         assert sorted(p.name for p in folder.iterdir()) == [
-            "meta.json", "model.safetensors", "optimizer.pt", "rank_0.pt", "scheduler.pt"], folder.name
+            "config.json", "meta.json", "model.safetensors", "optimizer.pt", "rank_0.pt", "scheduler.pt"], folder.name
         assert checkpoint.read_meta(folder)["step"] == step
         assert torch.load(folder / "rank_0.pt", weights_only=True)["train"]["step"] == step
         assert torch.load(folder / "scheduler.pt", weights_only=True)["last_epoch"] == step
@@ -320,3 +321,84 @@ def test_every_folder_of_a_checkpoint_is_synced_before_it_counts(tmp_path, monke
     checkpoint._fsync_tree(folder)
     assert set(synced) == {folder, folder / "sharded", folder / "global_step1", folder / "global_step1" / "zero"}
     assert synced[-1] == folder  # the top last, once everything below it is on disk
+
+
+# --- a resume that cannot mix runs -------------------------------------------------------------------------------
+def _logged_steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_newer_branch_aside(fast_config, tmp_path, caplog):
+    """Checkpoints 2 and 4, then a resume from 2 that writes 3 (keep_last=1): step 4 and the metrics after step 2
+    go to checkpoints/abandoned-<time>/, so keep_last keeps 3 (not the stale 4) and resume=auto continues 3. A
+    branch into another folder leaves the source folder as it is."""
+    train(fast_config("train.max_steps=4", "train.save_every_steps=2", "train.keep_last=null"))
+    run = tmp_path / "run"
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    step_2 = run / checkpoint.FOLDER / "step_00000002"
+    shorter = ["train.max_steps=3", "resume_changes=[train.max_steps]", "train.save_every_steps=3", f"resume={step_2}"]
+    train(compose_config(*FAST, *shorter, output_dir=tmp_path / "branch"))
+    assert [p.name for p in checkpoint.complete(run)] == ["step_00000002", "step_00000004"]
+    assert [p.name for p in (run / checkpoint.FOLDER).iterdir() if p.name.startswith("abandoned")] == []
+    with caplog.at_level(logging.INFO, logger="rlhf"):
+        train(fast_config(*shorter, "train.keep_last=1"))
+    (aside,) = (run / checkpoint.FOLDER).glob(f"{run_folder.ABANDONED}*")
+    assert [p.name for p in checkpoint.complete(run)] == ["step_00000003"]
+    assert checkpoint.resolve("auto", run) == run / checkpoint.FOLDER / "step_00000003"
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "step_00000004"]
+    assert (aside / "metrics.jsonl").read_text().splitlines() == [x for x in lines if json.loads(x)["step"] > 2]
+    assert _logged_steps(run) == [0, 1, 2, 3, 3]  # the branch that goes on: its own lines after step 2
+    (said,) = [r.getMessage() for r in caplog.records if "moved to" in r.getMessage()]
+    assert "step_00000004" in said and str(aside) in said
+
+
+def test_a_resume_that_would_change_the_optimization_is_refused_naming_each_key(fast_config, tmp_path):
+    """Each change of what shapes the training is refused, naming the key with both values, before the resumed run
+    writes anything; what cannot change the optimization may change, and a change listed in resume_changes is
+    made."""
+    train(fast_config("train.save_every_steps=3"))
+    run = tmp_path / "run"
+    before = (run / "metrics.jsonl").read_text()
+    for overrides, said in [
+        (["seed=1", "optimizer.lr=0.01"], ["in 2 keys: optimizer.lr (checkpoint: 0.0001, now: 0.01); seed "
+                                           "(checkpoint: 0, now: 1).", "resume_changes=[optimizer.lr,seed]"]),
+        (["hardware.mixed_precision=bf16"], ["hardware.mixed_precision (checkpoint: no, now: bf16)"]),
+        (["hardware=fsdp"], ["hardware._target_ (checkpoint: rlhf.hardware.DataParallel, now: "
+                             "rlhf.hardware.fsdp.FSDP2)", "hardware.num_processes (checkpoint: 1, now: 2)"]),
+        (["train.max_steps=4"], ["train.max_steps (checkpoint: 3, now: 4)", "stretches cosine and linear schedules",
+                                 f"`python train.py hydra.run.dir={run} resume=auto` alone re-applies"]),
+        (["train.max_steps=4", "resume_changes=[train.max_step]"], ["resume_changes lists train.max_step, which is "
+                                                                    "not a key", "Did you mean train.max_steps?"]),
+    ]:
+        with pytest.raises(UserError) as refused:
+            train(fast_config("resume=auto", *overrides))
+        assert str(refused.value).startswith(f"resume from {run / checkpoint.FOLDER / 'step_00000003'}: ")
+        assert all(text in str(refused.value) for text in said), (overrides, str(refused.value))
+    assert (run / "metrics.jsonl").read_text() == before and [p.name for p in checkpoint.complete(run)] == [
+        "step_00000003"]
+    train(fast_config("resume=auto", "train.log_every_steps=2", "train.eval_batch_size=4", "hardware.timeout_s=60",
+                      "train.keep_last=5", "train.eval_every_steps=1", "model.tiny.cache_dir=" + str(tmp_path / "c"),
+                      "train.max_steps=4", "resume_changes=[train.max_steps]"))
+    assert _logged_steps(run)[-2:] == [4, 4]
+
+
+def test_a_resume_on_other_training_rows_is_refused(tmp_path):
+    """The data file changed in place (same config): refused, naming the fingerprints; allowed when listed."""
+    rows = tmp_path / "rows.jsonl"
+
+    def write(chosen: str) -> None:
+        rows.write_text("".join(json.dumps({"prompt": f"{i:03d}=", "chosen": f"{i:03d}"[::-1] + chosen,
+                                            "rejected": "x"}) + "\n" for i in range(80)))
+
+    def config(*overrides: str):
+        return compose_config(*FAST, f"data.path={rows}", "train.save_every_steps=3", *overrides,
+                              output_dir=tmp_path / "run")
+
+    write("")
+    train(config())
+    write("!")
+    with pytest.raises(UserError, match=r"the tokenized training data differs from the checkpoint's \(tokenized_data "
+                                        r"[0-9a-f]{16}, now [0-9a-f]{16}\).*resume_changes=\[tokenized_data\]"):
+        train(config("resume=auto"))
+    train(config("resume=auto", "train.max_steps=4", "resume_changes=[train.max_steps,tokenized_data]"))
+    assert _logged_steps(tmp_path / "run")[-2:] == [4, 4]

@@ -48,10 +48,19 @@ def test_a_single_run_is_checked_built_and_resolved_once(tmp_path):
     counts = _counts(*FAST, "train.save_every_steps=3", f"hydra.run.dir={tmp_path}")
     assert counts == {"check_config": 1, "strategy": 1, "resume_resolved": 1}
     assert (tmp_path / "checkpoints" / "step_00000003").is_dir()
-    resumed = _counts(*FAST, "train.max_steps=4", f"hydra.run.dir={tmp_path}", "resume=auto")
+    record = {p.name: p.read_text() for p in (tmp_path / ".hydra").iterdir()}
+    # As a user resumes: the folder, resume=auto and the one deliberate change; the run's own overrides (FAST: a
+    # smaller model, which the resume check would refuse to change) come from its record.
+    resumed = _counts(f"hydra.run.dir={tmp_path}", "resume=auto", "train.max_steps=4",
+                      "resume_changes=[train.max_steps]")
     assert resumed == {"check_config": 1, "strategy": 1, "resume_resolved": 1}
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 3, 4, 4]  # it did resume: step 4's train and eval lines follow step 3's
+    assert {p.name: p.read_text() for p in (tmp_path / ".hydra").glob("*.yaml")} == record  # the run's own record
+    (attempt,) = (tmp_path / ".hydra").glob("attempt-*")  # the resumed attempt's, beside it
+    assert (attempt / "resumed_from.txt").read_text().strip().endswith("step_00000003")
+    assert (attempt / "overrides.yaml").read_text().splitlines()[-3:] == [
+        "- resume=auto", "- train.max_steps=4", "- resume_changes=[train.max_steps]"]
 
 
 def test_a_sweep_checks_its_base_then_each_job_once(tmp_path):

@@ -168,3 +168,18 @@ def test_compare_runs_shows_the_finished_runs_and_what_tells_them_apart(tmp_path
         ["run", "optimizer", "eval/rewards/accuracies"], ["0_a", "sgd", "0.5"], ["1_b", "lion", "0.75"]]
     code, out, err = script("compare_runs", tmp_path / "2_c", monkeypatch=monkeypatch, capsys=capsys)
     assert code == 1 and "no finished runs (folders with summary.json)" in err
+
+
+def test_a_resumed_run_reads_its_latest_resumed_attempts_config(tmp_path):
+    """A resume records its attempt in .hydra/attempt-<time>/ (the run's original record stays): the run's config
+    and overrides are those of its latest attempt that resumed; one refused by the resume check does not count."""
+    folder = make_run(tmp_path / "run", overrides=("algo=dpo",))
+    for name, overrides, resumed in (("attempt-2024-01-01_00-00-00", ["algo=dpo", "train.max_steps=9"], True),
+                                     ("attempt-2024-01-02_00-00-00", ["algo=dpo", "seed=5"], False)):
+        attempt = folder / ".hydra" / name
+        attempt.mkdir()
+        (attempt / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        (attempt / "config.yaml").write_text(f"seed: {5 if not resumed else 0}\n")
+        if resumed:
+            (attempt / "resumed_from.txt").write_text("checkpoints/step_00000002\n")
+    assert Run(folder).overrides == ["algo=dpo", "train.max_steps=9"] and Run(folder).config == {"seed": 0}

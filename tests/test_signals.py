@@ -59,10 +59,9 @@ def test_a_stop_signal_checkpoints_and_exits_with_one_line_that_resumes(sig, tmp
     folder = run / "checkpoints" / f"step_{step:08d}"
     assert (folder / "meta.json").exists() and str(folder) in last[0]
     command = last[0].split("To resume: ")[1]
-    assert "resume=auto" in command and f"hydra.run.dir={run}" in command
-    if sig == signal.SIGTERM:  # the printed command continues the run where it stopped
-        command = command.replace("train.max_steps=100000", f"train.max_steps={step + 2}")
-        argv = [sys.executable, *command.split()[1:]]
+    assert command.split() == ["python", "train.py", f"hydra.run.dir={run}", "resume=auto"]  # the run's own overrides
+    if sig == signal.SIGTERM:  # the printed command continues the run where it stopped (here: 2 steps more)
+        argv = [sys.executable, *command.split()[1:], f"train.max_steps={step + 2}", "resume_changes=[train.max_steps]"]
         resumed = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         steps = _steps(run)
