@@ -52,8 +52,8 @@ class FSDP2(Sharded):
             model's own ``_no_split_modules`` (its decoder layers for Hugging Face models).
         mixed_precision: ``no``, or ``bf16``: FSDP2 computes and gathers parameters in bf16 and reduces gradients
             in fp32, keeping (and saving) fp32 parameters and optimizer states (``MixedPrecisionPolicy``); the
-            logits come out in fp32 for the losses. Runs on CPU processes too (tested). ``fp16`` is refused (it
-            would need a sharded gradient scaler).
+            logits come out in fp32 for the losses. Runs on CPU processes too (tested). ``fp16`` is refused, as by
+            every strategy.
     """
 
     def __init__(
@@ -72,9 +72,6 @@ class FSDP2(Sharded):
         super().__init__(device=device, num_processes=num_processes, num_nodes=num_nodes,
                          mixed_precision=mixed_precision, threads_per_process=threads_per_process,
                          rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, timeout_s=timeout_s)
-        if mixed_precision == "fp16":
-            raise UserError("hardware=fsdp does not support mixed_precision=fp16 (it would need a sharded gradient "
-                            "scaler). Fix: hardware.mixed_precision=bf16 (or no).")
         self.reshard_after_forward = reshard_after_forward
         self.layer_classes = list(layer_classes) if layer_classes is not None else None
 

@@ -344,11 +344,14 @@ def test_zero_without_deepspeed_says_how_to_install_it(monkeypatch):
 
 
 def test_impossible_sharded_settings_are_clear_errors():
-    with pytest.raises(UserError, match="fp16"):
+    with pytest.raises(UserError, match="mixed_precision=fp16 is not supported"):
         FSDP2(device="cpu", mixed_precision="fp16")
     if HAS_DEEPSPEED:
         with pytest.raises(UserError, match="hardware.stage=4"):
             ZeRO(stage=4)
+        for fp16 in ({"mixed_precision": "fp16"}, {"deepspeed_config": {"fp16": {"enabled": True}}}):
+            with pytest.raises(UserError, match="fp16.* is not supported"):
+                ZeRO(stage=2, **fp16)
     strategy = FSDP2(device="cpu", num_processes=1)
     strategy.start()
     with pytest.raises(UserError, match="needs several processes"):
