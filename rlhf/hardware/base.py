@@ -25,6 +25,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwa
 from accelerate.state import AcceleratorState
 
 from rlhf.errors import UserError
+from rlhf.files import save_safetensors, save_torch
 from rlhf.metrics import any_process
 from rlhf.validate import limits
 
@@ -221,12 +222,12 @@ class DataParallel:
 
     def save_state(self, model, optimizer, folder: Path) -> None:
         """Write the model's and the optimizer's state for an exact resume into ``folder`` (every process calls
-        it). Replicas: the main process writes ``model.safetensors`` and ``optimizer.pt``."""
+        it). Replicas: the main process writes ``model.safetensors`` and ``optimizer.pt``. Raises OSError on the
+        ranks whose write failed (a full disk): :func:`rlhf.checkpoint.save` sums that over the ranks, so every
+        strategy must return on every rank, never leave one waiting in a collective."""
         if self.accelerator.is_main_process:
-            from safetensors.torch import save_model
-
-            save_model(self.unwrap(model), str(folder / "model.safetensors"))
-            torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+            save_safetensors(self.unwrap(model), folder / "model.safetensors")
+            save_torch(optimizer.state_dict(), folder / "optimizer.pt")
 
     def load_state(self, model, optimizer, folder: Path) -> None:
         """Restore what :meth:`save_state` wrote, on every process."""

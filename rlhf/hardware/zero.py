@@ -189,6 +189,7 @@ class ZeRO(Sharded):
         optimizer = make_optimizer(model)  # DeepSpeed moves the model to the device and partitions it
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.deepspeed_settings(train_loader.batch_size))
+        self._use_own_checkpoint_engine(engine)
         train_loader = acc.prepare(train_loader)
         trainable = sum(global_numel(p) for p in engine.module.parameters() if p.requires_grad)
         whole = sum(1 for p in engine.module.parameters() if getattr(p, "ds_persist", False))
@@ -241,9 +242,26 @@ class ZeRO(Sharded):
             return state if self.accelerator.is_main_process else None
         return None
 
+    @staticmethod
+    def _use_own_checkpoint_engine(engine) -> None:
+        """DeepSpeed's files are written and read by :class:`~rlhf.hardware.zero_files.WeightsOnlyEngine`
+        (weights-only loads; a failed write raised after the save's closing barrier)."""
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        from rlhf.hardware.zero_files import install
+
+        if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+            raise UserError(f"hardware.deepspeed_config selects DeepSpeed's {type(engine.checkpoint_engine).__name__} "
+                            "for checkpoints; rlhf writes and reads ZeRO checkpoints with its own engine (weights-only "
+                            "loads, failed writes reported on every rank). Fix: leave the checkpoint writer and "
+                            "datastates settings out of hardware.deepspeed_config.")
+        install(engine)
+
     def save_state(self, model, optimizer, folder) -> None:
-        """Each rank's partitions of the model and optimizer, with DeepSpeed's ``save_checkpoint``."""
+        """Each rank's partitions of the model and optimizer, with DeepSpeed's ``save_checkpoint``. A rank whose
+        write failed raises it (OSError) only once every rank has passed the save's closing barrier."""
         model.save_checkpoint(str(folder / "zero"), tag="state", save_latest=False)
+        model.checkpoint_engine.raise_failure()
 
     def load_state(self, model, optimizer, folder) -> None:
         path, _ = model.load_checkpoint(str(folder / "zero"), tag="state", load_optimizer_states=True,
