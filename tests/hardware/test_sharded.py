@@ -12,6 +12,12 @@ for no clipping; 2 micro-batches per step exercise ``accumulate(sync)``; the cos
 every step, so a scheduler that DeepSpeed's optimizer ignored would show; the resumed runs go on for 4 steps and
 over an epoch boundary, with dropout on; bf16 runs are compared by their updates, which are far smaller than the
 weights.
+
+The same pair also resumes a DDP run, watching every ``torch.load`` of each resume (all weights-only), and runs
+DDP, FSDP2 and ZeRO-2 with one rank unable to write from step 2 on (``*_full_disk``, tests/full_disk.py): each
+ends on both ranks with the checkpoint-failure message (a UserError, which the pair catches and goes on), so a
+hang or a traceback there fails every test of the file. Their cost: about 3.5 s of the pair's time (6 runs of
+about 0.6 s).
 """
 
 from __future__ import annotations
