@@ -265,8 +265,9 @@ def _optimizer_state(folder: Path, tmp_path: Path) -> dict:
         whole = tmp_path / f"{folder.parent.parent.name}.pt"
         dcp_to_torch_save(folder / "sharded", whole)
         return torch.load(whole, weights_only=True)["optimizer"]
-    # DeepSpeed's files, written by this test's own runs, hold some of its classes: not a weights-only load.
-    return {f.name: torch.load(f, weights_only=False)["optimizer_state_dict"]
+    from rlhf.hardware.zero_files import WeightsOnlyEngine  # DeepSpeed's files, read as a resume reads them
+
+    return {f.name: WeightsOnlyEngine().load(str(f))["optimizer_state_dict"]
             for f in sorted((folder / "zero" / "state").glob("*optim_states.pt"))}
 
 
@@ -423,6 +424,23 @@ def test_deepspeed_config_follows_the_loop():
     assert extra.deepspeed_settings(4)["bf16"] == {"enabled": True}
     with pytest.raises(UserError, match="train.max_grad_norm=1.0 but hardware.max_grad_norm=0.25"):
         strategy.clip_gradients(model=None, max_grad_norm=1.0)
+
+
+@needs_deepspeed
+def test_zero_refuses_a_deepspeed_checkpoint_engine_other_than_its_own():
+    """A checkpoint writer chosen in deepspeed_config would load with weights_only=False and could strand the ranks
+    on a failed write: refused with the fix (the engine DeepSpeed builds by default is replaced)."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from rlhf.hardware.zero_files import WeightsOnlyEngine
+
+    with pytest.raises(UserError, match=r"selects DeepSpeed's object for checkpoints.* Fix: leave the checkpoint"):
+        ZeRO._use_own_checkpoint_engine(SimpleNamespace(checkpoint_engine=object(), _config=None))
+    engine = SimpleNamespace(checkpoint_engine=TorchCheckpointEngine(), _config=None)
+    ZeRO._use_own_checkpoint_engine(engine)
+    assert isinstance(engine.checkpoint_engine, WeightsOnlyEngine)
 
 
 def test_zero_without_deepspeed_says_how_to_install_it(monkeypatch):
