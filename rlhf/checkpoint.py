@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from rlhf.errors import UserError
-from rlhf.files import use_umask
+from rlhf.files import save_torch, use_umask
 from rlhf.metrics import any_process
 from rlhf.state import TrainState
 
@@ -218,9 +218,9 @@ def save(run_dir: Path, state: TrainState, *, model, optimizer, scheduler, algo,
     try:
         strategy.save_state(model, optimizer, staging)
         own = {"train": state.to_dict(), "rng": rng_state(), "algo": algo.state_dict()}
-        torch.save(own, staging / f"rank_{rank}.pt")
+        save_torch(own, staging / f"rank_{rank}.pt")
         if accelerator.is_main_process:
-            torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+            save_torch(scheduler.state_dict(), staging / "scheduler.pt")
         error = None
     except OSError as failure:  # e.g. the disk is full: keep the previous checkpoints, say so, stop
         error = failure

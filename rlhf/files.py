@@ -1,16 +1,25 @@
-"""Files with the permissions the user's umask gives, where a library writes them private.
+"""Files with the permissions the user's umask gives, where a library writes them private; write failures that
+libraries report as something other than :class:`OSError`.
 
 safetensors (0.8 and later) writes every ``*.safetensors`` file through a temporary file created with mode 0600
 and renames it into place, so ``save_pretrained`` leaves the weights readable by their owner only, beside a
 ``config.json`` that the umask made 0644; ``tempfile.mkdtemp`` makes its folder 0700. In a shared cache or a
 shared run folder, other users (a serving job, a colleague, a container with another uid) then cannot read the
 model. :func:`use_umask` gives a freshly written folder the modes a plain ``open()`` / ``mkdir()`` would have.
+
+A write that the system refuses (a full disk, a file-size limit) surfaces from ``torch.save(obj, path)`` as a
+``RuntimeError`` ("[enforce fail at inline_container.cc] ... unexpected pos 576 vs 534") and from safetensors as
+a ``SafetensorError``; :func:`save_torch` and :func:`save_safetensors` raise it as :class:`OSError`, the one type
+the checkpoint code treats as "could not write".
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
+
+import torch
 
 
 def current_umask() -> int:
@@ -43,3 +52,34 @@ def use_umask(folder: str | os.PathLike) -> None:
             if not os.path.islink(path):
                 os.chmod(path, 0o666 & ~mask)
     os.chmod(folder, 0o777 & ~mask)
+
+
+def save_torch(obj: Any, path: str | os.PathLike, zipfile: bool = True) -> None:
+    """``torch.save(obj, path)`` through a Python file, so that a refused write raises the system's own
+    :class:`OSError` (``[Errno 28] No space left on device: '<path>'``); torch's zip writer, given a path, reports
+    it as a ``RuntimeError`` that does not say why. Any other ``RuntimeError`` of the write is raised as OSError."""
+    try:
+        with open(path, "wb") as file:
+            torch.save(obj, file, _use_new_zipfile_serialization=zipfile)
+    except RuntimeError as error:  # the file's own OSError, when there was one, is in its context
+        reason = error.__context__
+        while reason is not None and not isinstance(reason, OSError):
+            reason = reason.__context__
+        if reason is not None and reason.errno is not None:
+            raise OSError(reason.errno, reason.strerror, str(path)) from error
+        raise OSError(f"writing {path} failed ({error})") from error
+    except OSError as error:
+        if error.filename is None and error.errno is not None:  # raised by the buffer's flush: name the file
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise
+
+
+def save_safetensors(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """``safetensors.torch.save_model(model, path)``; a failed write raised as :class:`OSError`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_model
+
+    try:
+        save_model(model, str(path))
+    except SafetensorError as error:
+        raise OSError(f"writing {path} failed ({error})") from error

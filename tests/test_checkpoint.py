@@ -236,6 +236,24 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_the_metrics(fast_config
     assert not (run / "final").exists()
 
 
+def test_a_resume_reads_every_file_weights_only(fast_config, tmp_path, monkeypatch):
+    """Every torch.load of a one-process resume passes weights_only=True: loading a checkpoint runs no code. (The
+    same for DDP, FSDP2 and ZeRO, DeepSpeed's own loads included: tests/hardware/test_sharded.py.)"""
+    train(fast_config("train.save_every_steps=2"))  # a checkpoint at step 2 of 3
+    calls, original = [], torch.load
+
+    def load(f, *args, **kwargs):
+        calls.append((Path(f).name if isinstance(f, (str, os.PathLike)) else type(f).__name__,
+                      kwargs.get("weights_only")))
+        return original(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    monkeypatch.setattr(torch.serialization, "load", load)
+    train(fast_config("train.save_every_steps=2", "resume=auto"))
+    assert {"optimizer.pt", "scheduler.pt", "rank_0.pt"} <= {name for name, _ in calls}, calls
+    assert [(name, flag) for name, flag in calls if flag is not True] == [], calls
+
+
 def _weights(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file's tensors; the tied embedding under both its names (each writer keeps only one of them)."""
     tensors = load_file(path)

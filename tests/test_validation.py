@@ -194,6 +194,27 @@ def test_float16_on_a_cpu_is_refused_with_the_fix(monkeypatch):
     accepted("hardware=cpu", "model.dtype=bfloat16")
 
 
+# --- fp16, in every hardware option ------------------------------------------------------------------------------
+HARDWARE = sorted(p.stem for p in (CONF / "hardware").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("option", HARDWARE)
+def test_fp16_is_refused_by_every_hardware_option_pointing_to_bf16(option):
+    """No strategy keeps fp16's loss scaler (updated on skipped steps, saved in checkpoints): one message, at check
+    time, on any machine, whatever the option."""
+    message = refused(f"hardware={option}", "hardware.mixed_precision=fp16")
+    assert message.startswith("hardware.mixed_precision=fp16 is not supported by any hardware option: fp16 needs a "
+                              "loss scaler")
+    assert "Fix: hardware.mixed_precision=bf16" in message
+
+
+def test_fp16_through_deepspeed_config_is_refused_too():
+    message = refused("hardware=zero2", "+hardware.deepspeed_config.fp16.enabled=true")
+    assert message.startswith("hardware.deepspeed_config.fp16.enabled=true is not supported: fp16 needs a loss scaler")
+    assert message.endswith("Fix: leave fp16 out of hardware.deepspeed_config and set hardware.mixed_precision=bf16.")
+    accepted("hardware=zero2", "hardware.mixed_precision=bf16", "+hardware.deepspeed_config.fp16.enabled=false")
+
+
 # --- the machinery ---------------------------------------------------------------------------------------------
 def test_range_describes_itself():
     assert Range(gt=0).describe() == "> 0"

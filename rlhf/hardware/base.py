@@ -16,7 +16,7 @@ import datetime
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,33 @@ from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwa
 from accelerate.state import AcceleratorState
 
 from rlhf.errors import UserError
+from rlhf.files import save_safetensors, save_torch
 from rlhf.metrics import any_process
+from rlhf.validate import limits
 
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("no", "bf16", "fp16")
+PRECISIONS = ("no", "bf16")
+
+
+FP16_REASON = ("fp16 needs a loss scaler that rlhf does not keep (it would have to be updated on every skipped step "
+               "and saved in every checkpoint, and under ZeRO an fp16 overflow would stop the run as a non-finite "
+               "gradient)")
+
+
+def check_precision(mixed_precision: Any, key: str = "hardware.mixed_precision") -> None:
+    """Refuse a mixed precision that no strategy trains with: fp16 (one message, pointing to bf16) or an unknown
+    name."""
+    if mixed_precision == "fp16":
+        raise UserError(f"{key}=fp16 is not supported by any hardware option: {FP16_REASON}. Fix: {key}=bf16 (the "
+                        "same memory and speed as fp16 on GPUs since Ampere, and it runs on CPUs), or \"no\".")
+    if mixed_precision not in PRECISIONS:
+        raise UserError(f"{key}={mixed_precision!r} is not one of {list(PRECISIONS)}. Fix: e.g. {key}=bf16")
+
+
+def _known_precision(values: Mapping[str, Any], where: str) -> None:
+    check_precision(values.get("mixed_precision", "no"), f"{where}.mixed_precision")
 
 
 def cpus_available() -> int:
@@ -51,6 +72,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@limits(_known_precision)  # checked with the config, before any process starts; subclasses inherit it
 class DataParallel:
     """One process, or several that each hold the whole model and average gradients (DDP via Accelerate).
 
@@ -58,7 +80,8 @@ class DataParallel:
         device: ``cpu``, ``cuda``, or ``auto`` (CUDA when present, else the CPU).
         num_processes: processes per machine; ``null``: one per local GPU (at least one).
         num_nodes: machines taking part (``multinode``); each runs the same command.
-        mixed_precision: ``no``, ``bf16`` or ``fp16`` autocast (parameters stay in ``model.dtype``).
+        mixed_precision: ``no`` or ``bf16`` autocast (parameters stay in ``model.dtype``); ``fp16`` is refused
+            (:func:`check_precision`).
         threads_per_process: torch threads of each process; ``null``: ``OMP_NUM_THREADS`` if set, else the
             CPUs the job has divided by the processes on this machine (never oversubscribed).
         rdzv_endpoint: ``host:port`` where the processes of all machines meet (``multinode``); ``null``: a
@@ -80,9 +103,7 @@ class DataParallel:
     ) -> None:
         if device not in DEVICES:
             raise UserError(f"hardware.device={device!r} is not one of {list(DEVICES)}. Fix: e.g. hardware.device=cpu")
-        if mixed_precision not in PRECISIONS:
-            raise UserError(f"hardware.mixed_precision={mixed_precision!r} is not one of {list(PRECISIONS)}. "
-                            "Fix: e.g. hardware.mixed_precision=bf16")
+        check_precision(mixed_precision)
         for name, value, low in (("num_processes", num_processes, 1), ("num_nodes", num_nodes, 1),
                                  ("threads_per_process", threads_per_process, 1), ("timeout_s", timeout_s, 1)):
             if value is not None and value < low:
@@ -128,8 +149,6 @@ class DataParallel:
         if self.uses_cuda() and not torch.cuda.is_available():
             raise UserError("hardware.device=cuda but torch sees no GPU. Fix: hardware=cpu (or cpu_ddp), or install "
                             "a CUDA build of torch.")
-        if self.mixed_precision == "fp16" and not self.uses_cuda():
-            raise UserError("hardware.mixed_precision=fp16 needs a GPU. Fix: hardware.mixed_precision=bf16 on a CPU.")
         # DeepSpeed, when installed, is imported by Accelerate (e.g. while saving); tell it the device up front or
         # it prints a guess on every rank.
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if self.uses_cuda() else "cpu")
@@ -161,9 +180,9 @@ class DataParallel:
         (``mixed_precision``). Every process keeps a whole copy; a sharding strategy may override this to shard it
         like the policy."""
         module = module.to(self.accelerator.device).eval().requires_grad_(False)
-        if self.mixed_precision != "no":
-            dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
-            module.forward = torch.autocast(device_type=self.accelerator.device.type, dtype=dtype)(module.forward)
+        if self.mixed_precision == "bf16":
+            autocast = torch.autocast(device_type=self.accelerator.device.type, dtype=torch.bfloat16)
+            module.forward = autocast(module.forward)
         return module
 
     def prepare(self, model, make_optimizer, train_loader):
@@ -203,12 +222,12 @@ class DataParallel:
 
     def save_state(self, model, optimizer, folder: Path) -> None:
         """Write the model's and the optimizer's state for an exact resume into ``folder`` (every process calls
-        it). Replicas: the main process writes ``model.safetensors`` and ``optimizer.pt``."""
+        it). Replicas: the main process writes ``model.safetensors`` and ``optimizer.pt``. Raises OSError on the
+        ranks whose write failed (a full disk): :func:`rlhf.checkpoint.save` sums that over the ranks, so every
+        strategy must return on every rank, never leave one waiting in a collective."""
         if self.accelerator.is_main_process:
-            from safetensors.torch import save_model
-
-            save_model(self.unwrap(model), str(folder / "model.safetensors"))
-            torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+            save_safetensors(self.unwrap(model), folder / "model.safetensors")
+            save_torch(optimizer.state_dict(), folder / "optimizer.pt")
 
     def load_state(self, model, optimizer, folder: Path) -> None:
         """Restore what :meth:`save_state` wrote, on every process."""

@@ -52,8 +52,8 @@ class FSDP2(Sharded):
             model's own ``_no_split_modules`` (its decoder layers for Hugging Face models).
         mixed_precision: ``no``, or ``bf16``: FSDP2 computes and gathers parameters in bf16 and reduces gradients
             in fp32, keeping (and saving) fp32 parameters and optimizer states (``MixedPrecisionPolicy``); the
-            logits come out in fp32 for the losses. Runs on CPU processes too (tested). ``fp16`` is refused (it
-            would need a sharded gradient scaler).
+            logits come out in fp32 for the losses. Runs on CPU processes too (tested). ``fp16`` is refused, as by
+            every strategy.
     """
 
     def __init__(
@@ -72,9 +72,6 @@ class FSDP2(Sharded):
         super().__init__(device=device, num_processes=num_processes, num_nodes=num_nodes,
                          mixed_precision=mixed_precision, threads_per_process=threads_per_process,
                          rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, timeout_s=timeout_s)
-        if mixed_precision == "fp16":
-            raise UserError("hardware=fsdp does not support mixed_precision=fp16 (it would need a sharded gradient "
-                            "scaler). Fix: hardware.mixed_precision=bf16 (or no).")
         self.reshard_after_forward = reshard_after_forward
         self.layer_classes = list(layer_classes) if layer_classes is not None else None
 
@@ -142,12 +139,21 @@ class FSDP2(Sharded):
         return state if self.accelerator.is_main_process else None
 
     def save_state(self, model, optimizer, folder) -> None:
-        """Each rank's shards of the model and the optimizer, with ``torch.distributed.checkpoint``."""
+        """Each rank's shards of the model and the optimizer, with ``torch.distributed.checkpoint``. It gathers
+        the ranks' write failures and raises them on every rank, as ``CheckpointException`` (a BaseException):
+        raised here as OSError, naming each failed rank's error."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(model, _inner(optimizer))
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder / "sharded"))
+        try:
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder / "sharded"))
+        except CheckpointException as failed:  # a BaseException, raised on every rank with every rank's failure
+            errors = {rank: error for rank, (error, _) in failed.failures.items()}
+            if not all(isinstance(e, (OSError, RuntimeError)) for e in errors.values()):  # not a write: a bug
+                raise RuntimeError(f"torch.distributed.checkpoint failed: {failed}") from None
+            raise OSError("; ".join(f"rank {rank}: {error}" for rank, error in sorted(errors.items()))) from None
 
     def load_state(self, model, optimizer, folder) -> None:
         import torch.distributed.checkpoint as dcp
@@ -155,12 +161,30 @@ class FSDP2(Sharded):
 
         model_state, optimizer_state = get_state_dict(model, _inner(optimizer))
         state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=str(folder / "sharded"))
+        dcp.load(state, checkpoint_id=str(folder / "sharded"), planner=_weights_only_planner())
         set_state_dict(model, _inner(optimizer), model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
 
     def local_parameters(self, model) -> list[torch.Tensor]:
         return [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+
+
+def _weights_only_planner():
+    """``torch.distributed.checkpoint``'s default load planner, except that the entries that are not tensors (the
+    optimizer's hyperparameters and step counts, saved as pickled bytes) are read with
+    ``torch.load(weights_only=True)``: torch's own reads them with ``weights_only=False``."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:  # the default: put it back into the nested state dict
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return WeightsOnlyLoadPlanner()
 
 
 def _inner(optimizer):

@@ -28,15 +28,16 @@ import importlib.util
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.errors import UserError
-from rlhf.hardware.base import free_port
+from rlhf.hardware.base import FP16_REASON, free_port
 from rlhf.hardware.sharded import Sharded, global_numel, name_deepspeed_accelerator
+from rlhf.validate import limits
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,16 @@ def _stepped(engine, optimizer) -> int:
     return sum(p.numel() for group in optimizer.param_groups for p in group["params"])
 
 
+def _no_fp16_in_deepspeed_config(values: Mapping[str, Any], where: str) -> None:
+    """fp16 through ``deepspeed_config`` is fp16 all the same: refused with the same message."""
+    extra = values.get("deepspeed_config") or {}
+    fp16 = extra.get("fp16") if isinstance(extra, Mapping) else None
+    if isinstance(fp16, Mapping) and fp16.get("enabled"):
+        raise UserError(f"{where}.deepspeed_config.fp16.enabled=true is not supported: {FP16_REASON}. Fix: leave fp16 "
+                        f"out of {where}.deepspeed_config and set {where}.mixed_precision=bf16.")
+
+
+@limits(_no_fp16_in_deepspeed_config)
 class ZeRO(Sharded):
     """DeepSpeed ZeRO data parallelism: optimizer states (stage 1), gradients (2) and parameters (3) split over
     the processes.
@@ -93,9 +104,10 @@ class ZeRO(Sharded):
         param_persistence_threshold: stage 3 keeps parameters with fewer elements than this gathered on every
             process (DeepSpeed's ``stage3_param_persistence_threshold``; its default 1e5 keeps all of a tiny
             model whole: 0 partitions everything).
-        mixed_precision: ``no``, ``bf16`` or ``fp16`` (GPU): DeepSpeed's own mixed precision, which keeps the
-            model in that dtype and fp32 master weights in the optimizer (fp16 adds dynamic loss scaling); the
-            saved model is in that dtype, as Hugging Face's Trainer saves it. bf16 runs on CPU processes (tested).
+        mixed_precision: ``no`` or ``bf16``: DeepSpeed's own mixed precision, which keeps the model in bf16 and
+            fp32 master weights in the optimizer; the saved model is in bf16, as Hugging Face's Trainer saves it.
+            bf16 runs on CPU processes (tested). ``fp16`` is refused, as by every strategy, here too when asked
+            through ``deepspeed_config`` (``fp16: {enabled: true}``).
         deepspeed_config: further DeepSpeed config entries, merged over the ones built here (e.g.
             ``{zero_optimization: {offload_optimizer: {device: cpu}}}``); see DeepSpeed's config reference.
     """
@@ -132,6 +144,7 @@ class ZeRO(Sharded):
         if isinstance(deepspeed_config, DictConfig):  # as Hydra passes it
             deepspeed_config = OmegaConf.to_container(deepspeed_config, resolve=True)
         self.deepspeed_config = dict(deepspeed_config or {})
+        _no_fp16_in_deepspeed_config({"deepspeed_config": self.deepspeed_config}, "hardware")
 
     # --- processes ---------------------------------------------------------------------------------------
     def start(self, *args, **kwargs):
@@ -160,7 +173,6 @@ class ZeRO(Sharded):
             "zero_allow_untested_optimizer": True,  # optimizers come from conf/optimizer, not DeepSpeed's list
             "zero_optimization": zero,
             "bf16": {"enabled": self.mixed_precision == "bf16"},
-            "fp16": {"enabled": self.mixed_precision == "fp16"},
             "steps_per_print": 1 << 62,  # the loop logs; DeepSpeed's own progress lines never print
             "wall_clock_breakdown": False,
         }
@@ -177,6 +189,7 @@ class ZeRO(Sharded):
         optimizer = make_optimizer(model)  # DeepSpeed moves the model to the device and partitions it
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.deepspeed_settings(train_loader.batch_size))
+        self._use_own_checkpoint_engine(engine)
         train_loader = acc.prepare(train_loader)
         trainable = sum(global_numel(p) for p in engine.module.parameters() if p.requires_grad)
         whole = sum(1 for p in engine.module.parameters() if getattr(p, "ds_persist", False))
@@ -229,9 +242,26 @@ class ZeRO(Sharded):
             return state if self.accelerator.is_main_process else None
         return None
 
+    @staticmethod
+    def _use_own_checkpoint_engine(engine) -> None:
+        """DeepSpeed's files are written and read by :class:`~rlhf.hardware.zero_files.WeightsOnlyEngine`
+        (weights-only loads; a failed write raised after the save's closing barrier)."""
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        from rlhf.hardware.zero_files import install
+
+        if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+            raise UserError(f"hardware.deepspeed_config selects DeepSpeed's {type(engine.checkpoint_engine).__name__} "
+                            "for checkpoints; rlhf writes and reads ZeRO checkpoints with its own engine (weights-only "
+                            "loads, failed writes reported on every rank). Fix: leave the checkpoint writer and "
+                            "datastates settings out of hardware.deepspeed_config.")
+        install(engine)
+
     def save_state(self, model, optimizer, folder) -> None:
-        """Each rank's partitions of the model and optimizer, with DeepSpeed's ``save_checkpoint``."""
+        """Each rank's partitions of the model and optimizer, with DeepSpeed's ``save_checkpoint``. A rank whose
+        write failed raises it (OSError) only once every rank has passed the save's closing barrier."""
         model.save_checkpoint(str(folder / "zero"), tag="state", save_latest=False)
+        model.checkpoint_engine.raise_failure()
 
     def load_state(self, model, optimizer, folder) -> None:
         path, _ = model.load_checkpoint(str(folder / "zero"), tag="state", load_optimizer_states=True,

@@ -12,10 +12,17 @@ for no clipping; 2 micro-batches per step exercise ``accumulate(sync)``; the cos
 every step, so a scheduler that DeepSpeed's optimizer ignored would show; the resumed runs go on for 4 steps and
 over an epoch boundary, with dropout on; bf16 runs are compared by their updates, which are far smaller than the
 weights.
+
+The same pair also resumes a DDP run, watching every ``torch.load`` of each resume (all weights-only), and runs
+DDP, FSDP2 and ZeRO-2 with one rank unable to write from step 2 on (``*_full_disk``, tests/full_disk.py): each
+ends on both ranks with the checkpoint-failure message (a UserError, which the pair catches and goes on), so a
+hang or a traceback there fails every test of the file. Their cost: about 3.5 s of the pair's time (6 runs of
+about 0.6 s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -29,6 +36,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
+from rlhf import checkpoint
 from rlhf.config import build
 from rlhf.errors import UserError
 from rlhf.hardware import FSDP2, ZeRO, free_port
@@ -46,6 +54,19 @@ RESUMED = "_resumed"  # a run named <run>_resumed continues <run> from its step-
 # steps an epoch), with attention dropout on, so that the data position and the random state must come back too.
 RESUME = ["train.max_steps=6", "train.keep_last=null", "model.tiny.attention_dropout=0.1"]
 ZERO3 = ["hardware=zero3", "hardware.param_persistence_threshold=0"]  # 0: else every parameter stays whole
+FULL_DISK = "_full_disk"  # a run <strategy>[_rank<r>]_full_disk: rank r (1 unless named) cannot write from step 2 on
+
+
+def full_disk(rank: int = 1) -> list[str]:
+    """The run's step-1 checkpoint is written; from step 2's last micro-batch (call 3: 2 micro-batches a step) rank
+    `rank` cannot write (tests/full_disk.py), so its step-2 checkpoint fails there, in the strategy's real save.
+    Rank 0 keeps room to append its metrics and log lines (under 4 kB by then); its first checkpoint file is
+    larger (DeepSpeed's model states: the 18,656 parameters alone are 75 kB)."""
+    room = 16_384 if rank == 0 else 0
+    return ["algo._target_=tests.full_disk.FullDiskFrom", "+algo.call=3", f"+algo.rank={rank}",
+            f"+algo.limit_bytes={room}", "train.save_every_steps=1", "train.keep_last=null", "hardware.timeout_s=60"]
+
+
 RUNS: dict[str, list[str]] = {  # name -> overrides, in the order they run
     "ddp": ["hardware=cpu_ddp", f"train.max_grad_norm={CLIP}"],
     "ddp_noclip": ["hardware=cpu_ddp", "train.max_grad_norm=null"],
@@ -54,12 +75,18 @@ RUNS: dict[str, list[str]] = {  # name -> overrides, in the order they run
     "fsdp_long_resumed": ["hardware=fsdp", f"train.max_grad_norm={CLIP}", *RESUME],
     "ddp_bf16": ["hardware=cpu_ddp", "hardware.mixed_precision=bf16", f"train.max_grad_norm={CLIP}"],
     "fsdp_bf16": ["hardware=fsdp", "hardware.mixed_precision=bf16", f"train.max_grad_norm={CLIP}"],
+    "ddp_long": ["hardware=cpu_ddp", f"train.max_grad_norm={CLIP}", *RESUME],
+    "ddp_long_resumed": ["hardware=cpu_ddp", f"train.max_grad_norm={CLIP}", *RESUME],
+    f"ddp{FULL_DISK}": ["hardware=cpu_ddp", *full_disk()],
+    f"fsdp{FULL_DISK}": ["hardware=fsdp", *full_disk()],
 }
 if HAS_DEEPSPEED:
     RUNS |= {
         "zero1": ["hardware=zero1", f"train.max_grad_norm={CLIP}"],
         "zero2": ["hardware=zero2", f"train.max_grad_norm={CLIP}"],
         "zero2_noclip": ["hardware=zero2", "train.max_grad_norm=null"],
+        f"zero2{FULL_DISK}": ["hardware=zero2", *full_disk()],
+        f"zero2_rank0{FULL_DISK}": ["hardware=zero2", *full_disk(rank=0)],
         **{f"{stage}_long{end}": [f"hardware={stage}", f"train.max_grad_norm={CLIP}", *RESUME]
            for stage in ("zero1", "zero2") for end in ("", RESUMED)},
         "zero3": [*ZERO3, f"train.max_grad_norm={CLIP}"],
@@ -69,9 +96,11 @@ if HAS_DEEPSPEED:
         # a checkpoint at the last step: its fp32 master weights show the update that the bf16 final/ rounds away
         "zero3_bf16": [*ZERO3, "hardware.mixed_precision=bf16", f"train.max_grad_norm={CLIP}", "train.save_every_steps=3"],
     }
-SHARDED = [name for name in RUNS if not name.startswith("ddp") and not name.endswith(("_bf16", "_long", RESUMED))]
+SHARDED = [name for name in RUNS
+           if not name.startswith("ddp") and not name.endswith(("_bf16", "_long", RESUMED, FULL_DISK))]
 BF16 = [name for name in RUNS if not name.startswith("ddp") and name.endswith("_bf16")]
-RESUMES = [name.removesuffix(RESUMED) for name in RUNS if name.endswith(RESUMED)]
+RESUMES = [name.removesuffix(RESUMED) for name in RUNS if name.endswith(RESUMED) and not name.startswith("ddp")]
+FULL_DISKS = [name for name in RUNS if name.endswith(FULL_DISK)]
 HOLDS = re.compile(r"this process holds ([\d,]+) of ([\d,]+) parameter elements")
 STEPS = re.compile(r"its optimizer steps ([\d,]+) of ([\d,]+) trainable elements")
 
@@ -90,12 +119,30 @@ class _Lines(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+@contextlib.contextmanager
+def _watching_loads(calls: list[tuple[str, object]]):
+    """Every ``torch.load`` in the block, as (the file's name, the ``weights_only`` it was given)."""
+    original = torch.load
+
+    def load(f, *args, **kwargs):  # a file by its name, a stream (FSDP2's reads) by its type
+        calls.append((Path(f).name if isinstance(f, (str, os.PathLike)) else type(f).__name__,
+                      kwargs.get("weights_only")))
+        return original(f, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "load", load)
+        patch.setattr(torch.serialization, "load", load)
+        yield
+
+
 def _run_all(runs: dict[str, dict], env: dict[str, str]) -> dict[str, str]:
-    """One rank: train every run in turn; return each run's ``hardware:`` line as this rank logged it (and, under
-    ``seconds:<run>``, how long the run took)."""
+    """One rank: train every run in turn; return each run's ``hardware:`` line as this rank logged it, and under
+    ``seconds:<run>`` how long the run took, ``error:<run>`` the message that stopped it (a UserError), and
+    ``loads:<run>`` its every ``torch.load``."""
     os.environ.update(env)
     from rlhf import loop, run_folder
     from rlhf.config import build
+    from tests import full_disk
 
     logging.basicConfig(level=logging.WARNING)
     lines = _Lines()
@@ -106,7 +153,15 @@ def _run_all(runs: dict[str, dict], env: dict[str, str]) -> dict[str, str]:
     for name, container in runs.items():
         start = time.perf_counter()
         cfg = OmegaConf.create(container)
-        loop.train(cfg, build(cfg.hardware), run_folder.prepare(Path(cfg.output_dir), cfg.get("resume")))
+        loads: list[tuple[str, object]] = []
+        try:
+            with _watching_loads(loads):
+                loop.train(cfg, build(cfg.hardware), run_folder.prepare(Path(cfg.output_dir), cfg.get("resume")))
+        except UserError as error:
+            described[f"error:{name}"] = str(error)
+        finally:
+            full_disk.restore()
+        described[f"loads:{name}"] = loads
         described[f"seconds:{name}"] = f"{time.perf_counter() - start:.1f}"
         described[name] = next(m for m in reversed(lines.messages) if m.startswith("hardware:"))
     return described
@@ -210,8 +265,9 @@ def _optimizer_state(folder: Path, tmp_path: Path) -> dict:
         whole = tmp_path / f"{folder.parent.parent.name}.pt"
         dcp_to_torch_save(folder / "sharded", whole)
         return torch.load(whole, weights_only=True)["optimizer"]
-    # DeepSpeed's files, written by this test's own runs, hold some of its classes: not a weights-only load.
-    return {f.name: torch.load(f, weights_only=False)["optimizer_state_dict"]
+    from rlhf.hardware.zero_files import WeightsOnlyEngine  # DeepSpeed's files, read as a resume reads them
+
+    return {f.name: WeightsOnlyEngine().load(str(f))["optimizer_state_dict"]
             for f in sorted((folder / "zero" / "state").glob("*optim_states.pt"))}
 
 
@@ -243,6 +299,47 @@ def test_resume_from_the_shards_equals_the_uninterrupted_run(name, runs, tmp_pat
     ours = [_without_timings(r) for r in _metrics(resumed)]
     assert [r["step"] for r in ours] == [3, 4, 5, 6, 6]  # train lines, the final evaluation; nothing before 3
     assert ours == [_without_timings(r) for r in _metrics(whole) if r["step"] >= 3]
+
+
+# A strategy's own files: DDP's optimizer, FSDP2's non-tensor entries (the optimizer's hyperparameters, pickled;
+# torch's planner reads them with weights_only=False), DeepSpeed's optimizer partitions (DeepSpeed's engine too).
+OWN_FILES = {"ddp": "optimizer.pt", "fsdp": "BytesIO", "zero": "optim_states.pt"}
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("name", [name for name in RUNS if name.endswith(RESUMED)])
+def test_a_resume_reads_every_file_weights_only(name, runs):
+    """Every torch.load of a resumed run, on each rank, DeepSpeed's own included (rlhf's checkpoint engine), passes
+    weights_only=True: loading a checkpoint runs no code. The strategy's own files are among those watched."""
+    _, described = runs
+    own = next(file for prefix, file in OWN_FILES.items() if name.startswith(prefix))
+    for rank in (0, 1):
+        loads = described[rank][f"loads:{name}"]
+        assert {f"rank_{rank}.pt", "scheduler.pt"} <= {file for file, _ in loads}, loads
+        assert any(own in file for file, _ in loads), loads
+        assert [(file, flag) for file, flag in loads if flag is not True] == [], loads
+
+
+# --- (e) a write that fails on one rank --------------------------------------------------------------------------
+@pytest.mark.serial
+@pytest.mark.parametrize("name", FULL_DISKS)
+def test_a_write_that_fails_on_one_rank_stops_every_rank_with_the_message_and_keeps_the_checkpoints(name, runs):
+    """Rank r cannot write during the step-2 checkpoint (inside DDP's, FSDP2's or DeepSpeed's real save): every
+    rank ends with the one-process message (no hang, no traceback), the failing rank naming its error; step 1's
+    checkpoint and the metrics up to step 2 are kept, the partial one is removed, no final/ is written."""
+    root, described = runs
+    run, failing = root / name, 0 if "_rank0" in name else 1
+    for rank in (0, 1):
+        message = described[rank].get(f"error:{name}")
+        assert message is not None, f"rank {rank} did not stop"
+        assert re.fullmatch(rf"could not write the checkpoint of step 2 in {re.escape(str(run / 'checkpoints'))} "
+                            r"\(.+\); the previous checkpoints and the metrics are kept\. Fix: free disk space \(or "
+                            r"lower train\.keep_last\), then resume=auto\.", message, re.S), message
+    assert "on another rank" not in described[failing][f"error:{name}"]
+    assert [p.name for p in checkpoint.complete(run)] == ["step_00000001"]
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # the partial one is gone
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()][-1] == 2
+    assert not (run / "final").exists()
 
 
 # --- (c) one whole model that loads anywhere -------------------------------------------------------------------
@@ -329,6 +426,23 @@ def test_deepspeed_config_follows_the_loop():
         strategy.clip_gradients(model=None, max_grad_norm=1.0)
 
 
+@needs_deepspeed
+def test_zero_refuses_a_deepspeed_checkpoint_engine_other_than_its_own():
+    """A checkpoint writer chosen in deepspeed_config would load with weights_only=False and could strand the ranks
+    on a failed write: refused with the fix (the engine DeepSpeed builds by default is replaced)."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from rlhf.hardware.zero_files import WeightsOnlyEngine
+
+    with pytest.raises(UserError, match=r"selects DeepSpeed's object for checkpoints.* Fix: leave the checkpoint"):
+        ZeRO._use_own_checkpoint_engine(SimpleNamespace(checkpoint_engine=object(), _config=None))
+    engine = SimpleNamespace(checkpoint_engine=TorchCheckpointEngine(), _config=None)
+    ZeRO._use_own_checkpoint_engine(engine)
+    assert isinstance(engine.checkpoint_engine, WeightsOnlyEngine)
+
+
 def test_zero_without_deepspeed_says_how_to_install_it(monkeypatch):
     import sys
 
@@ -344,11 +458,14 @@ def test_zero_without_deepspeed_says_how_to_install_it(monkeypatch):
 
 
 def test_impossible_sharded_settings_are_clear_errors():
-    with pytest.raises(UserError, match="fp16"):
+    with pytest.raises(UserError, match="mixed_precision=fp16 is not supported"):
         FSDP2(device="cpu", mixed_precision="fp16")
     if HAS_DEEPSPEED:
         with pytest.raises(UserError, match="hardware.stage=4"):
             ZeRO(stage=4)
+        for fp16 in ({"mixed_precision": "fp16"}, {"deepspeed_config": {"fp16": {"enabled": True}}}):
+            with pytest.raises(UserError, match="fp16.* is not supported"):
+                ZeRO(stage=2, **fp16)
     strategy = FSDP2(device="cpu", num_processes=1)
     strategy.start()
     with pytest.raises(UserError, match="needs several processes"):
