@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rlhf import train
+from rlhf.command_line import check_overrides
 from rlhf.config import checked_by_callback
 from rlhf.errors import UserError
 from rlhf.launch import hydra_overrides_for_this_rank, run
@@ -55,5 +56,6 @@ def resume_command(run_dir) -> str:
 
 
 if __name__ == "__main__":
+    check_overrides(sys.argv[1:])  # a mistyped group, key or option: the project's message, before Hydra's
     sys.argv += hydra_overrides_for_this_rank()  # under torchrun, only rank 0 writes .hydra/ and train.log
     main()

@@ -10,10 +10,11 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from rlhf.config import check_config, check_fields
 from rlhf.errors import UserError
-from rlhf.validate import Range, check_limits, check_run_dir, known_top_level, limits
+from rlhf.validate import Range, check_limits, check_run_dir, known_top_level, limits, show
 from tests.conftest import CONF, ROOT, compose_config
 
 OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))
@@ -69,7 +70,15 @@ def test_other_loss_weights_and_lengths_are_checked():
 def test_every_optimizer_refuses_a_learning_rate_that_is_not_positive_and_finite(option, value):
     message = refused(f"optimizer={option}", f"optimizer.lr={value}")
     assert message.startswith(f"optimizer.lr={value} ") and "> 0 (peak learning rate" in message
-    assert "Fix: optimizer.lr=1e-4" in message
+    default = OmegaConf.load(CONF / "optimizer" / f"{option}.yaml").lr  # the fix is the option's own default
+    assert message.endswith(f"Fix: optimizer.lr={show(default)}")
+
+
+def test_the_fix_for_a_learning_rate_is_the_chosen_optimizers_default():
+    """SGD needs a learning rate far above Adam's: its fix is conf/optimizer/sgd.yaml's 0.03, not 1e-4."""
+    assert refused("optimizer=sgd", "optimizer.lr=0") == "optimizer.lr=0 must be > 0 (peak learning rate). Fix: optimizer.lr=0.03"
+    assert refused("optimizer=adamw", "optimizer.lr=0").endswith("Fix: optimizer.lr=0.0001")
+    assert refused("optimizer=sgd", "optimizer.momentum=1").endswith("Fix: optimizer.momentum=0.9")
 
 
 @pytest.mark.parametrize("option", OPTIMIZERS)
@@ -80,8 +89,9 @@ def test_every_optimizer_refuses_negative_weight_decay(option):
 @pytest.mark.parametrize("option", [o for o in OPTIMIZERS if "betas" in (CONF / "optimizer" / f"{o}.yaml").read_text()])
 def test_betas_each_in_zero_one(option):
     message = refused(f"optimizer={option}", "optimizer.betas=[0.9,1.0]")
+    default = show(list(OmegaConf.load(CONF / "optimizer" / f"{option}.yaml").betas))
     assert message == ("optimizer.betas[1]=1.0 must be in [0, 1) (decay rates of the moment estimates). "
-                       "Fix: optimizer.betas=[0.9,0.999]")
+                       f"Fix: optimizer.betas={default}")
 
 
 def test_eps_and_momentum():
