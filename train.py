@@ -13,6 +13,7 @@ from rlhf.command_line import check_overrides
 from rlhf.config import checked_by_callback
 from rlhf.errors import UserError
 from rlhf.launch import hydra_overrides_for_this_rank, run
+from rlhf.run_folder import remove_if_never_started
 from rlhf.signals import Stopped, hand_over
 from rlhf.slurm import for_the_sweep, in_submitit_job
 
@@ -33,6 +34,7 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(130)
     except UserError as error:  # a problem with the input: one message, no traceback
         logging.getLogger("rlhf").error("error: %s", error)
+        remove_if_never_started(cfg.output_dir)  # a folder made for a run that stopped before training
         if in_submitit_job():  # launcher=slurm or submitit_local: Hydra hands the error to the sweep
             raise
         sys.exit(1)

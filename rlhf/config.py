@@ -225,10 +225,16 @@ class CheckBeforeRun(Callback):
     its own process, by :func:`rlhf.launch.train`."""
 
     checked_run = False  # this process's single run was checked by on_run_start
+    made: tuple[str, str] | None = None  # (run folder, its first folder Hydra makes) when it did not exist yet
 
     def on_run_start(self, config, **kwargs: Any) -> None:
         self._check(config, "hydra.run.dir")
         CheckBeforeRun.checked_run = True
+        folder = os.path.abspath(os.path.expanduser(str(OmegaConf.select(config, "hydra.run.dir"))))
+        first = folder
+        while not os.path.lexists(os.path.dirname(first)) and os.path.dirname(first) != first:
+            first = os.path.dirname(first)
+        CheckBeforeRun.made = None if os.path.lexists(folder) else (folder, first)
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
         self._check(config, "hydra.sweep.dir")
@@ -250,6 +256,12 @@ class CheckBeforeRun(Callback):
         except UserError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(1)
+
+
+def made_by_this_run() -> tuple[str, str] | None:
+    """(run folder, the outermost folder made with it) when Hydra made this process's single run folder, which
+    did not exist before; else None (a sweep, a Python caller, an existing folder)."""
+    return CheckBeforeRun.made
 
 
 def checked_by_callback() -> bool:
