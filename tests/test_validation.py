@@ -245,11 +245,23 @@ def _train(*args: str, cwd) -> subprocess.CompletedProcess:
     (["+optimiser=lion", "hydra.run.dir=run"], "error: optimiser is not a config group or key: +optimiser=lion would "
                                                "be ignored and the run would train with the defaults. Did you mean "
                                                "optimizer=lion?"),
+    # Before Hydra composes: not Hydra's "To append to your config use +optimiser=lion", which trains the defaults
+    (["optimiser=lion", "hydra.run.dir=run"], "error: optimiser is not a config group or key (optimiser=lion). Did "
+                                              "you mean optimizer=lion?"),
+    (["optimizer=lino", "hydra.run.dir=run"], "error: optimizer=lino: conf/optimizer/ has no option 'lino' (options: "
+                                              "adafactor, adam8bit, adamw, lion, paged_adamw8bit, sgd). Did you mean "
+                                              "optimizer=lion?"),
+    (["data.path=pairs.jsonl", "hydra.run.dir=run"], "error: data.path=pairs.jsonl has columns ['prompt', 'chosen'], "
+                                                     "but this algorithm needs prompt/chosen/rejected"),
 ])
 def test_train_py_refuses_before_hydra_makes_the_run_folder(args, message, tmp_path):
-    out = _train(*args, cwd=tmp_path)
+    """About 4 s each (the imports): nothing heavy loads, no folder is made."""
+    pairs = tmp_path.parent / f"{tmp_path.name}-pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "p", "chosen": "a"}) + "\n")
+    out = _train(*[a.replace("pairs.jsonl", str(pairs)) for a in args], cwd=tmp_path)
     assert out.returncode == 1, out.stderr[-2000:]
-    assert message in out.stderr and "Traceback" not in out.stderr
+    assert message.replace("pairs.jsonl", str(pairs)) in out.stderr and "Traceback" not in out.stderr
+    assert "To append to your config" not in out.stderr and "Could not find" not in out.stderr
     assert list(tmp_path.iterdir()) == []  # no .hydra/, train.log or run folder
 
 
