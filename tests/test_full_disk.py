@@ -34,13 +34,17 @@ class Disk:
         self.folder, self.mounted = folder, mounted
 
     @contextlib.contextmanager
-    def full(self):
+    def full(self, room: int = 32 * 1024):
+        """Writes fail beyond `room` bytes: the small files a save writes first (config.json) fit, the weights
+        do not, so the error comes from safetensors' own write."""
         if self.mounted:
             filler = self.folder / "filler"
+            stats = os.statvfs(self.folder)
+            left = stats.f_bavail * stats.f_frsize - room
             with open(filler, "wb") as handle:
                 with contextlib.suppress(OSError):
-                    while True:  # up to the last byte the file system has
-                        handle.write(b"\0" * 4096)
+                    while left > 0:
+                        left -= handle.write(b"\0" * min(left, 1 << 20))
                         handle.flush()
                 with contextlib.suppress(OSError):
                     handle.close()
@@ -51,7 +55,7 @@ class Disk:
             return
         limits = resource.getrlimit(resource.RLIMIT_FSIZE)
         previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (room, limits[1]))
         try:
             yield "File too large"
         finally:
@@ -112,7 +116,8 @@ def test_a_full_disk_at_the_final_save_keeps_the_previous_runs_model(disk, monke
     reason = _fails_when_full(monkeypatch, disk, "save_pretrained_atomically")
     with pytest.raises(UserError) as error:
         train(compose_config(*FAST, "train.max_steps=2", output_dir=run))
-    assert str(error.value).startswith(f"could not save the model to {run / 'final'} (") and reason[0] in str(error.value)
+    assert str(error.value).startswith(f"could not save the model to {run / 'final'} (Error while serializing: ")
+    assert reason[0] in str(error.value)  # safetensors' own error, not an OSError
     names = sorted(p.name for p in run.iterdir())
     assert "final" not in names and "final.tmp" not in names and "summary.json" not in names, names
     kept = load_file(run / run_folder.PREVIOUS / "final" / "model.safetensors")
