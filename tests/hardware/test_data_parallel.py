@@ -146,7 +146,7 @@ def test_torchrun_with_default_hardware_is_real_ddp_in_one_run_folder(tmp_path):
     steps = [r["step"] for r in _lines(runs[0]) if "train/loss" in r]
     assert steps == [1, 2, 3]  # one line per step: not two copies training side by side
     log = (runs[0] / "train.log").read_text()
-    assert "2 process(es) (DataParallel, MULTI_CPU)" in log and "global batch 8 = 4 per device x 2" in log
+    assert "2 process(es) (DataParallel, DDP over CPUs)" in log and "global batch 8 = 4 per device x 2" in log
     assert log.count("run dir:") == 1
 
 
