@@ -14,10 +14,11 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from rlhf import train  # noqa: E402
+from rlhf.command_line import check_overrides  # noqa: E402
 from rlhf.config import checked_by_callback  # noqa: E402
 from rlhf.errors import UserError  # noqa: E402
 from rlhf.launch import hydra_overrides_for_this_rank, run  # noqa: E402
-from rlhf.run_folder import resume_overrides  # noqa: E402
+from rlhf.run_folder import remove_if_never_started, resume_overrides  # noqa: E402
 from rlhf.signals import Stopped, hand_over, install  # noqa: E402
 from rlhf.slurm import for_the_sweep, in_submitit_job, log_to_the_run_folder_from_the_first_node_only  # noqa: E402
 
@@ -40,6 +41,7 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(130)
     except UserError as error:  # a problem with the input: one message, no traceback
         logging.getLogger("rlhf").error("error: %s", error)
+        remove_if_never_started(cfg.output_dir)  # a folder made for a run that stopped before training
         if in_submitit_job():  # launcher=slurm or submitit_local: Hydra hands the error to the sweep
             raise
         sys.exit(1)
@@ -67,6 +69,7 @@ def resume_command(run_dir) -> str:
 
 if __name__ == "__main__":
     install()  # stop signals are recorded from here on (and those that came during the imports are delivered now)
+    check_overrides(sys.argv[1:])  # a mistyped group, key or option: the project's message, before Hydra's
     sys.argv += hydra_overrides_for_this_rank()  # under torchrun, only rank 0 writes .hydra/ and train.log
     sys.argv[1:] = resume_overrides(sys.argv[1:])  # hydra.run.dir=<run> resume=auto: the run's own overrides
     main()

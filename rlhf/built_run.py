@@ -75,6 +75,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
         policy = build(cfg.model)
     model, tokenizer = policy.model, policy.tokenizer
     algo: Algorithm = build(cfg.algo)
+    _check_context(getattr(algo, "max_length", None), model.config)
     data = build(cfg.data)
     with accelerator.local_main_process_first():
         splits = data.load(algo.columns, tokenizer)
@@ -94,6 +95,16 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
                     training, evaluation, accumulation, max_steps,
                     rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows,
                     resume_record=record(cfg, strategy, data_fingerprint(tokenized["train"])))
+
+
+def _check_context(max_length: int | None, config) -> None:
+    """Refuse sequences longer than the model's context (``max_position_embeddings``): positions it was never
+    built for train silently on garbage (a learned table raises an index error, rotary ones extrapolate)."""
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(max_length, int) and isinstance(context, int) and max_length > context:
+        raise UserError(f"algo.max_length={max_length} is longer than the model's context: it has "
+                        f"max_position_embeddings={context} positions. Fix: algo.max_length={context} (and "
+                        f"algo.max_prompt_length below it, e.g. {context // 2}), or a model with a longer context.")
 
 
 def _check_split_sizes(tokenized, settings: TrainSettings, processes: int) -> None:

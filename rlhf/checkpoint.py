@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from rlhf.errors import UserError
-from rlhf.files import save_torch, use_umask
+from rlhf.files import is_write_failure, save_torch, use_umask
 from rlhf.metrics import any_process
 from rlhf.state import TrainState
 
@@ -196,10 +196,12 @@ def save_pretrained_atomically(model, tokenizer, folder: Path, state_dict: dict 
     try:
         model.save_pretrained(staging, state_dict=state_dict)
         tokenizer.save_pretrained(staging)
-    except OSError as error:  # e.g. the disk is full
+    except Exception as error:  # e.g. the disk is full: an OSError, or safetensors' own SafetensorError
+        if not is_write_failure(error):
+            raise
         shutil.rmtree(staging, ignore_errors=True)
         raise UserError(f"could not save the model to {folder} ({error}); the checkpoints, the metrics and any "
-                        "previous model there are kept. Fix: free disk space, then resume=auto.") from error
+                        "model saved there before are kept. Fix: free disk space, then resume=auto.") from error
     replace_folder(staging, folder)
 
 
@@ -222,7 +224,9 @@ def save(run_dir: Path, state: TrainState, *, model, optimizer, scheduler, algo,
         if accelerator.is_main_process:
             save_torch(scheduler.state_dict(), staging / "scheduler.pt")
         error = None
-    except OSError as failure:  # e.g. the disk is full: keep the previous checkpoints, say so, stop
+    except Exception as failure:  # e.g. the disk is full: keep the previous checkpoints, say so, stop
+        if not is_write_failure(failure):
+            raise
         error = failure
     if any_process({"failed": error is not None}, accelerator)["failed"]:
         if accelerator.is_main_process:

@@ -16,6 +16,8 @@ types it and the fix for:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import inspect
 import os
@@ -31,7 +33,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf import optim, validate
 from rlhf.errors import UserError
-from rlhf.settings import TrainSettings
+from rlhf.settings import TOP_LEVEL_LIMITS, TrainSettings
 
 # Limits shared by every target of a config group, by argument name (the targets are third-party classes).
 GROUP_LIMITS = {"optimizer": optim.OPTIMIZER_LIMITS, "scheduler": optim.SCHEDULER_LIMITS}
@@ -135,6 +137,7 @@ def check_config(cfg: DictConfig) -> None:
     except Exception as error:  # an interpolation that cannot resolve
         raise UserError(f"config: {error}") from error
     validate.check_top_level(container)
+    validate.check_limits(container, None, "", TOP_LEVEL_LIMITS)
     if "output_dir" in container:
         validate.check_run_dir(container["output_dir"], "output_dir")
     if isinstance(container.get("train"), dict):  # first: the schedule's length and others derive from train.*
@@ -143,6 +146,46 @@ def check_config(cfg: DictConfig) -> None:
     _walk(container, "")
     validate.check_float16_on_cpu(container)
     validate.check_resume_changes(container)
+    _check_data_columns(container)
+
+
+def _check_data_columns(container: dict) -> None:
+    """The data's columns against the algorithm's, before anything loads: a data source that can tell them
+    cheaply (``check_columns``, e.g. from a local file's first row) refuses a file without them."""
+    algo, data = container.get("algo"), container.get("data")
+    if not (isinstance(algo, dict) and isinstance(data, dict)):
+        return
+    columns = getattr(get_object(algo["_target_"]), "columns", ()) if "_target_" in algo else ()
+    check = getattr(get_object(data["_target_"]), "check_columns", None) if "_target_" in data else None
+    if columns and check is not None:
+        check(data, columns)
+
+
+def _with_option_defaults(shared: dict[str, validate.Range] | None, group: str,
+                          target: str) -> dict[str, validate.Range] | None:
+    """A group's shared limits with each fix taken from the defaults of the group's option that builds `target`
+    (``conf/optimizer/sgd.yaml``'s ``lr: 3.0e-2`` for ``torch.optim.SGD``), where there is exactly one such value:
+    a learning rate that suits Adam is no fix for SGD."""
+    if not shared:
+        return shared
+    defaults = _option_defaults(group, target)
+    return {name: dataclasses.replace(allowed, fix=defaults[name]) if name in defaults else allowed
+            for name, allowed in shared.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def _option_defaults(group: str, target: str) -> dict[str, Any]:
+    """The values that every option of `group` building `target` agrees on (usually one option)."""
+    folder = validate.conf_dir()
+    found: list[dict] = []
+    for path in sorted((folder / group).glob("*.yaml")) if folder is not None else ():
+        try:
+            node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        except Exception:  # not ours to judge here: Hydra reports a broken file
+            continue
+        if isinstance(node, dict) and node.get("_target_") == target:
+            found.append(node)
+    return {k: v for k, v in found[0].items() if all(other.get(k) == v for other in found)} if found else {}
 
 
 def _walk(node: Any, where: str) -> None:
@@ -154,9 +197,10 @@ def _walk(node: Any, where: str) -> None:
             except Exception as error:
                 raise UserError(f"{where}._target_={target}: cannot import it ({error}). Fix: check the name, or "
                                 "install the package that provides it.") from error
-            ranges = {**GROUP_LIMITS.get(where, {}), **getattr(obj, "__limits__", {})}
+            shared = _with_option_defaults(GROUP_LIMITS.get(where), where, target)
+            ranges = {**(shared or {}), **getattr(obj, "__limits__", {})}
             check_fields(node, obj, where, nullable={k for k, r in ranges.items() if r.null})
-            validate.check_limits(node, obj, where, GROUP_LIMITS.get(where))
+            validate.check_limits(node, obj, where, shared)
         for key, value in node.items():
             _walk(value, f"{where}.{key}" if where else str(key))
     elif isinstance(node, (list, ListConfig)):
@@ -182,10 +226,16 @@ class CheckBeforeRun(Callback):
     its own process, by :func:`rlhf.launch.train`."""
 
     checked_run = False  # this process's single run was checked by on_run_start
+    made: tuple[str, str] | None = None  # (run folder, its first folder Hydra makes) when it did not exist yet
 
     def on_run_start(self, config, **kwargs: Any) -> None:
         self._check(config, "hydra.run.dir")
         CheckBeforeRun.checked_run = True
+        folder = os.path.abspath(os.path.expanduser(str(OmegaConf.select(config, "hydra.run.dir"))))
+        first = folder
+        while not os.path.lexists(os.path.dirname(first)) and os.path.dirname(first) != first:
+            first = os.path.dirname(first)
+        CheckBeforeRun.made = None if os.path.lexists(folder) else (folder, first)
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
         self._check(config, "hydra.sweep.dir")
@@ -207,6 +257,12 @@ class CheckBeforeRun(Callback):
         except UserError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(1)
+
+
+def made_by_this_run() -> tuple[str, str] | None:
+    """(run folder, the outermost folder made with it) when Hydra made this process's single run folder, which
+    did not exist before; else None (a sweep, a Python caller, an existing folder)."""
+    return CheckBeforeRun.made
 
 
 def checked_by_callback() -> bool:

@@ -83,3 +83,21 @@ def save_safetensors(model: torch.nn.Module, path: str | os.PathLike) -> None:
         save_model(model, str(path))
     except SafetensorError as error:
         raise OSError(f"writing {path} failed ({error})") from error
+
+
+def is_write_failure(error: BaseException) -> bool:
+    """Whether `error` is a file that could not be written (a full disk, no permission), as the libraries that
+    write checkpoints and models report it: ``OSError``; safetensors' own ``SafetensorError`` (not an OSError:
+    ``Error while serializing: I/O error: No space left on device``); and the ``RuntimeError`` of torch.save's zip
+    writer (``PytorchStreamWriter failed writing file``, ``[enforce fail at inline_container.cc] ... unexpected
+    pos``). Any other error is a bug and keeps its traceback."""
+    if isinstance(error, OSError):
+        return True
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors is a dependency
+        SafetensorError = ()  # noqa: N806
+    if isinstance(error, SafetensorError):
+        return True
+    return isinstance(error, RuntimeError) and any(
+        mark in str(error) for mark in ("PytorchStreamWriter", "inline_container", "file write failed"))

@@ -41,7 +41,7 @@ def schedule(make: functools.partial, optimizer: torch.optim.Optimizer, total_st
 # rlhf.validate.limits. These limits apply, by argument name, to whichever class the `optimizer` / `scheduler`
 # group builds (rlhf.config.GROUP_LIMITS); an argument a class does not take is simply not there to check.
 OPTIMIZER_LIMITS: dict[str, Range] = {
-    "lr": Range(gt=0, meaning="peak learning rate; about 1e-5 to 1e-3 for Adam-style optimizers", fix="1e-4"),
+    "lr": Range(gt=0, meaning="peak learning rate", fix="1e-4"),
     "weight_decay": Range(ge=0, meaning="weight decay of the matrices; 0 turns it off", fix=0.01),
     "betas": Range(ge=0, lt=1, each=True, meaning="decay rates of the moment estimates", fix=[0.9, 0.999]),
     "eps": Range(gt=0, each=True, meaning="term added to the denominator for numerical stability", fix="1e-8"),

@@ -4,8 +4,10 @@
   run into the same folder stops with a message naming the first one's PID. The kernel drops the lock when its
   process dies, so a lock left by a killed run never blocks.
 - :func:`prepare` turns ``resume`` into a checkpoint (or none) and refuses a new run into a folder that holds
-  checkpoints; :func:`clear_previous_results` removes a previous run's ``final/`` and ``summary.json`` before a new
-  or resumed run writes its first metrics, so that they never sit beside metrics they do not belong to.
+  checkpoints; :func:`clear_previous_results` sets a previous run's ``final/`` and ``summary.json`` aside in
+  ``previous/`` before a new or resumed run writes its first metrics, so that they never sit beside metrics they do
+  not belong to, and :func:`drop_previous_results` removes them once the run's own are written: a kill at any
+  moment leaves the folder a loadable model if it had one.
 - :func:`set_aside_newer`: a resume from an older checkpoint of the folder moves the abandoned branch (the newer
   checkpoints and the metrics lines after the resumed step) into ``checkpoints/abandoned-<time>/``, where neither
   ``resume=auto`` nor ``train.keep_last`` sees them.
@@ -81,15 +83,70 @@ def prepare(run_dir: Path, resume: str | None) -> Path | None:
     return found
 
 
+# What a run leaves in its folder before it trains: Hydra's record and log, the lock, the tokenized data.
+_BEFORE_TRAINING = {".hydra", "train.log", LOCK, ".cache"}
+
+
+def remove_if_never_started(run_dir: Path) -> None:
+    """Remove the run folder (and the folders made with it) that Hydra made for this run, when the run stopped
+    before it wrote anything of its own (a bad row, a model that cannot load): no folder for a run that never
+    started. A folder that existed before this run, or holds anything else (metrics, checkpoints), is kept."""
+    from rlhf.config import made_by_this_run
+
+    made = made_by_this_run()
+    folder = Path(run_dir).absolute()
+    if made is None or str(folder) != made[0] or not folder.is_dir():
+        return
+    if not {p.name for p in folder.iterdir()} <= _BEFORE_TRAINING:
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    while folder != Path(made[1]) and folder.parent != folder:
+        folder = folder.parent
+        try:
+            folder.rmdir()  # only when empty: e.g. outputs/<date>/ made for this run alone
+        except OSError:
+            return
+
+
+PREVIOUS = "previous"  # a previous run's final/ and summary.json, set aside until this run's are complete
+
+
 def clear_previous_results(run_dir: Path) -> None:
-    """Remove a previous run's ``final/`` and ``summary.json`` (called by the loop once the model is loaded, which
-    may be that very ``final/``, and before the first metrics of this run are written)."""
+    """Set a previous run's ``final/`` and ``summary.json`` aside in ``previous/`` (called by the loop once the
+    model is loaded, which may be that very ``final/``, and before the first metrics of this run are written), so
+    that they never sit beside metrics they do not belong to, while a folder that had a loadable model keeps one
+    until this run's own is complete (:func:`drop_previous_results`). A ``final/`` newer than the one already in
+    ``previous/`` replaces it there; a half-written ``final.tmp/`` is removed."""
     run_dir = Path(run_dir)
-    stale = [run_dir / name for name in ("final", "final.tmp", "final.old", "summary.json") if (run_dir / name).exists()]
-    for path in stale:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    if stale:
-        log.info("removed the previous run's %s from %s", ", ".join(p.name for p in stale), run_dir)
+    shutil.rmtree(run_dir / "final.tmp", ignore_errors=True)
+    final = run_dir / "final"
+    if not final.exists() and (run_dir / "final.old").is_dir():  # a save killed between its two renames
+        os.replace(run_dir / "final.old", final)
+    shutil.rmtree(run_dir / "final.old", ignore_errors=True)
+    moved = []
+    for name in ("summary.json", "final"):
+        path = run_dir / name
+        if not path.exists():
+            continue
+        aside = run_dir / PREVIOUS / name
+        aside.parent.mkdir(exist_ok=True)
+        if aside.is_dir():
+            shutil.rmtree(aside)  # older than the one set aside now, which stays in place until the rename
+        os.replace(path, aside)
+        moved.append(name)
+    if moved:
+        fd = os.open(run_dir, os.O_RDONLY)  # the renames are on disk before this run writes anything
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        log.info("set the previous run's %s aside in %s until this run's are complete",
+                 " and ".join(moved), run_dir / PREVIOUS)
+
+
+def drop_previous_results(run_dir: Path) -> None:
+    """Remove the results :func:`clear_previous_results` set aside: this run's own are complete."""
+    shutil.rmtree(Path(run_dir) / PREVIOUS, ignore_errors=True)
 
 
 ABANDONED = "abandoned-"  # checkpoints/abandoned-<time>/: a branch given up by a resume from an older checkpoint

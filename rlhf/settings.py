@@ -16,6 +16,11 @@ from rlhf.validate import Range, limits
 
 NONFINITE_POLICIES = ("skip", "stop")  # train.on_nonfinite: drop a step whose loss or gradient is NaN/Inf, or stop
 
+# The top-level values of conf/config.yaml that no _target_ takes, checked by rlhf.config.check_config.
+TOP_LEVEL_LIMITS = {
+    "seed": Range(ge=0, lt=2**32, integer=True, meaning="seeds Python, NumPy and torch", fix=0),
+}
+
 
 def _steps_or_epochs(values: Mapping[str, Any], where: str) -> None:
     """Exactly one of ``max_steps`` and ``num_epochs`` sets the run's length."""

@@ -20,6 +20,7 @@ import difflib
 import inspect
 import math
 import os
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,15 +213,19 @@ def check_top_level(config: Mapping[str, Any], folder: Path | None = None) -> No
         if key in known or key == "hydra":
             continue
         typed = _as_override(str(key), value)
-        close = difflib.get_close_matches(str(key), list(known), n=1)
-        if close:
-            hint = f"Did you mean {_as_override(close[0], value)}?"
-        else:
-            groups = ", ".join(sorted(k for k, kind in known.items() if kind == "group"))
-            keys = ", ".join(sorted(k for k, kind in known.items() if kind == "key"))
-            hint = f"Config groups: {groups}; keys: {keys}. Fix: drop +{typed}."
         raise UserError(f"{key} is not a config group or key: +{typed} would be ignored and the run would train with "
-                        f"the defaults. {hint}")
+                        f"the defaults. {unknown_name_hint(str(key), typed, known, f'drop +{typed}')}")
+
+
+def unknown_name_hint(name: str, typed: str, known: Mapping[str, str], fix: str) -> str:
+    """``Did you mean optimizer=lion?`` for a top-level `name` typed as `typed` (``optimiser=lion``), or the
+    known groups and keys and `fix`."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    if close:
+        return f"Did you mean {close[0]}{typed[len(name):]}?"
+    groups = ", ".join(sorted(k for k, kind in known.items() if kind == "group"))
+    keys = ", ".join(sorted(k for k, kind in known.items() if kind == "key"))
+    return f"Config groups: {groups}; keys: {keys}. Fix: {fix}."
 
 
 def _as_override(key: str, value: Any) -> str:
@@ -244,6 +249,25 @@ def check_run_dir(folder: Any, key: str) -> None:
                         (conf.parent.resolve() if conf else None, "the checkout, where train.py is")):
         if place is not None and path == place:
             raise UserError(f"{key}={folder} is {what} ({path}): the run would write among its files.{fix}")
+    check_writable(folder, key)
+
+
+def check_writable(folder: Any, key: str) -> None:
+    """Refuse a run folder that cannot be made or written: below a file, or where this user may not write (a
+    read-only file system, ``/proc``). Tried for real (a folder made and removed where the run folder would go),
+    since permission bits do not tell, e.g. for root."""
+    path = Path(os.path.expanduser(str(folder))).absolute()
+    fix = f" Fix: a folder you may write to, e.g. {key}=outputs/my-run"
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"is below {existing}, which is a file"
+        raise UserError(f"{key}={folder} {where}, not a folder.{fix}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rlhf-write-test-", dir=existing))
+    except OSError as error:
+        raise UserError(f"{key}={folder}: cannot write in {existing} ({error.strerror or error}).{fix}") from None
 
 
 def uses_cpu(hardware: Mapping[str, Any]) -> bool:

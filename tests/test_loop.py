@@ -99,6 +99,16 @@ def test_impossible_training_settings_are_clear_errors(fast_config):
         train(fast_config("train.on_nonfinite=ignore"))
 
 
+def test_sequences_longer_than_the_models_context_are_refused_naming_both(fast_config, tmp_path):
+    """Checked on the loaded model's config (any model: tiny, a folder, a Hub id), before the data is read."""
+    with pytest.raises(UserError) as error:
+        train(fast_config("model.tiny.max_positions=48", "algo.max_length=64", "algo.max_prompt_length=32"))
+    assert str(error.value) == ("algo.max_length=64 is longer than the model's context: it has "
+                                "max_position_embeddings=48 positions. Fix: algo.max_length=48 (and "
+                                "algo.max_prompt_length below it, e.g. 24), or a model with a longer context.")
+    assert not (tmp_path / "run" / ".cache").exists()  # refused before tokenizing
+
+
 def test_max_steps_zero_evaluates_the_starting_model_and_stops(fast_config, tmp_path):
     metrics = train(fast_config("train.max_steps=0", "train.eval_at_start=false"))
     run = tmp_path / "run"

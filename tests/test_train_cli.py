@@ -65,16 +65,34 @@ def test_multirun_gives_one_run_folder_per_job(tmp_path):
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("optimizer=nonexistent", "Could not find 'optimizer/nonexistent'"),
+    ("optimizer=nonexistent", "optimizer=nonexistent: conf/optimizer/ has no option 'nonexistent' (options: "),
     ("algo.beta=abc", "algo.beta='abc' is a str, but DPO expects float"),
     ("model.name_or_path=/no/such/run/final", "model.name_or_path=/no/such/run/final: no such folder"),
     ("data.path=no_such_file.jsonl", "data.path=no_such_file.jsonl: no such file"),
 ])
 def test_bad_input_stops_with_one_clear_message(override, message, tmp_path):
-    out = run(*FAST, override, f"hydra.run.dir={tmp_path}")
+    """Each is found by the config check, before anything heavy loads and before the run folder is made."""
+    out = run(*FAST, override, f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == 1
     assert message in out.stderr + out.stdout
-    assert "Traceback" not in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_run_that_stops_before_training_leaves_no_folder_but_never_removes_an_old_one(tmp_path):
+    """A bad row is found once the data is read, after Hydra made the run folder: that folder (and the dated one
+    made with it) goes; a folder that existed before the run stays as it was. Two runs, about 15 s."""
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"p{i}", "chosen": "a", "rejected": "b"} for i in range(8)]
+    rows[5]["chosen"] = ""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = run(*FAST, "algo=dpo", f"data.path={path}", f"hydra.run.dir={tmp_path / 'outputs' / 'day' / 'run'}")
+    assert out.returncode == 1 and "row 6 (counting from 1), column 'chosen' is empty" in out.stderr, out.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs.jsonl"]
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "notes.txt").write_text("mine")
+    out = run(*FAST, "algo=dpo", f"data.path={path}", f"hydra.run.dir={old}")
+    assert out.returncode == 1 and (old / "notes.txt").read_text() == "mine" and (old / "train.log").exists()
 
 
 def test_dataset_without_the_needed_columns_names_them(tmp_path):

@@ -3,6 +3,7 @@ before anything is built (``check_config``) — and, from the command line, befo
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -10,10 +11,12 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from rlhf import command_line
 from rlhf.config import check_config, check_fields
 from rlhf.errors import UserError
-from rlhf.validate import Range, check_limits, check_run_dir, known_top_level, limits
+from rlhf.validate import Range, check_limits, check_run_dir, known_top_level, limits, show
 from tests.conftest import CONF, ROOT, compose_config
 
 OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))
@@ -69,7 +72,15 @@ def test_other_loss_weights_and_lengths_are_checked():
 def test_every_optimizer_refuses_a_learning_rate_that_is_not_positive_and_finite(option, value):
     message = refused(f"optimizer={option}", f"optimizer.lr={value}")
     assert message.startswith(f"optimizer.lr={value} ") and "> 0 (peak learning rate" in message
-    assert "Fix: optimizer.lr=1e-4" in message
+    default = OmegaConf.load(CONF / "optimizer" / f"{option}.yaml").lr  # the fix is the option's own default
+    assert message.endswith(f"Fix: optimizer.lr={show(default)}")
+
+
+def test_the_fix_for_a_learning_rate_is_the_chosen_optimizers_default():
+    """SGD needs a learning rate far above Adam's: its fix is conf/optimizer/sgd.yaml's 0.03, not 1e-4."""
+    assert refused("optimizer=sgd", "optimizer.lr=0") == "optimizer.lr=0 must be > 0 (peak learning rate). Fix: optimizer.lr=0.03"
+    assert refused("optimizer=adamw", "optimizer.lr=0").endswith("Fix: optimizer.lr=0.0001")
+    assert refused("optimizer=sgd", "optimizer.momentum=1").endswith("Fix: optimizer.momentum=0.9")
 
 
 @pytest.mark.parametrize("option", OPTIMIZERS)
@@ -80,8 +91,9 @@ def test_every_optimizer_refuses_negative_weight_decay(option):
 @pytest.mark.parametrize("option", [o for o in OPTIMIZERS if "betas" in (CONF / "optimizer" / f"{o}.yaml").read_text()])
 def test_betas_each_in_zero_one(option):
     message = refused(f"optimizer={option}", "optimizer.betas=[0.9,1.0]")
+    default = show(list(OmegaConf.load(CONF / "optimizer" / f"{option}.yaml").betas))
     assert message == ("optimizer.betas[1]=1.0 must be in [0, 1) (decay rates of the moment estimates). "
-                       "Fix: optimizer.betas=[0.9,0.999]")
+                       f"Fix: optimizer.betas={default}")
 
 
 def test_eps_and_momentum():
@@ -254,9 +266,127 @@ def _train(*args: str, cwd) -> subprocess.CompletedProcess:
     (["+optimiser=lion", "hydra.run.dir=run"], "error: optimiser is not a config group or key: +optimiser=lion would "
                                                "be ignored and the run would train with the defaults. Did you mean "
                                                "optimizer=lion?"),
+    # Before Hydra composes: not Hydra's "To append to your config use +optimiser=lion", which trains the defaults
+    (["optimiser=lion", "hydra.run.dir=run"], "error: optimiser is not a config group or key (optimiser=lion). Did "
+                                              "you mean optimizer=lion?"),
+    (["optimizer=lino", "hydra.run.dir=run"], "error: optimizer=lino: conf/optimizer/ has no option 'lino' (options: "
+                                              "adafactor, adam8bit, adamw, lion, paged_adamw8bit, sgd). Did you mean "
+                                              "optimizer=lion?"),
+    (["data.path=pairs.jsonl", "hydra.run.dir=run"], "error: data.path=pairs.jsonl has columns ['prompt', 'chosen'], "
+                                                     "but this algorithm needs prompt/chosen/rejected"),
 ])
 def test_train_py_refuses_before_hydra_makes_the_run_folder(args, message, tmp_path):
-    out = _train(*args, cwd=tmp_path)
+    """About 4 s each (the imports): nothing heavy loads, no folder is made."""
+    pairs = tmp_path.parent / f"{tmp_path.name}-pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "p", "chosen": "a"}) + "\n")
+    out = _train(*[a.replace("pairs.jsonl", str(pairs)) for a in args], cwd=tmp_path)
     assert out.returncode == 1, out.stderr[-2000:]
-    assert message in out.stderr and "Traceback" not in out.stderr
+    assert message.replace("pairs.jsonl", str(pairs)) in out.stderr and "Traceback" not in out.stderr
+    assert "To append to your config" not in out.stderr and "Could not find" not in out.stderr
     assert list(tmp_path.iterdir()) == []  # no .hydra/, train.log or run folder
+
+
+# --- issue 19: values without a declared range, and inputs checked before anything loads -----------------------
+@pytest.mark.parametrize(("override", "message"), [
+    ("seed=abc", "seed='abc' is not a number; it must be a whole number in [0, 4294967296)"),
+    ("seed=-1", "seed=-1 must be a whole number in [0, 4294967296) (seeds Python, NumPy and torch). Fix: seed=0"),
+    ("seed=1.5", "seed=1.5 must be a whole number"),
+    ("data.eval_size=0", "data.eval_size=0 must be > 0 (rows held out when data.eval_split is null: a fraction (< 1) "
+                         "or a count). Fix: data.eval_size=0.05"),
+    ("data.eval_size=-1", "data.eval_size=-1 must be > 0"),
+    ("data.eval_size=1.5", "data.eval_size=1.5 is neither a fraction of the rows (< 1) nor a whole count of rows "
+                           "(>= 1). Fix: data.eval_size=0.05 (5% of the rows) or data.eval_size=2 (rows)"),
+    ("data.max_train_rows=0", "data.max_train_rows=0 must be a whole number >= 1"),
+    ("data.seed=-3", "data.seed=-3 must be a whole number in [0, 4294967296)"),
+])
+def test_seed_and_the_held_out_size_have_ranges(override, message):
+    assert refused(override).startswith(message)
+
+
+def test_held_out_sizes_that_are_a_fraction_or_a_count_are_accepted():
+    accepted("data.eval_size=0.5", "data.eval_size=3", "seed=4294967295")
+
+
+def test_a_run_folder_below_a_file_or_where_nothing_can_be_written_is_refused(tmp_path):
+    """Tried for real, so it holds for root too (CI): below a regular file, a file itself, and /proc, where not
+    even root can make a folder. Nothing is left behind by the try."""
+    (tmp_path / "notes.txt").write_text("x")
+    assert refused(output_dir=tmp_path / "notes.txt" / "run") == (
+        f"output_dir={tmp_path}/notes.txt/run is below {tmp_path}/notes.txt, which is a file, not a folder. "
+        "Fix: a folder you may write to, e.g. output_dir=outputs/my-run")
+    assert refused(output_dir=tmp_path / "notes.txt").endswith("is a file, not a folder. Fix: a folder you may "
+                                                               "write to, e.g. output_dir=outputs/my-run")
+    with pytest.raises(UserError, match=r"^hydra.run.dir=/proc/rlhf-run/a: cannot write in /proc \("):
+        check_run_dir("/proc/rlhf-run/a", "hydra.run.dir")
+    check_run_dir(tmp_path / "new" / "run", "hydra.run.dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_data_path_is_checked_before_anything_loads(tmp_path):
+    """A missing file, and a folder named like a data file that holds none, are refused by the config check (before
+    the run folder and the model); a folder of data files named so is a dataset folder, and loads."""
+    (tmp_path / "rows.jsonl").mkdir()
+    (tmp_path / "rows.jsonl" / "notes.txt").write_text("x")
+    assert refused(f"data.path={tmp_path}/rows.jsonl") == (
+        f"data.path={tmp_path}/rows.jsonl is a folder, not a .jsonl file, and holds no .csv, .json, .jsonl or "
+        ".parquet file. Fix: point data.path at the data file itself.")
+    assert refused(f"data.path={tmp_path}/none.jsonl").startswith(f"data.path={tmp_path}/none.jsonl: no such file")
+    (tmp_path / "rows.jsonl" / "part-0.jsonl").write_text(json.dumps(_PAIR) + "\n")
+    accepted(f"data.path={tmp_path}/rows.jsonl")
+
+
+_PAIR = {"prompt": "p", "chosen": "a", "rejected": "b"}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
+def test_a_data_file_without_a_needed_column_is_refused_before_anything_loads(tmp_path, suffix):
+    """Read from the file's first row (a header), so in about a millisecond; the fix names the missing column."""
+    import pandas as pd
+
+    path = tmp_path / f"pairs{suffix}"
+    rows = [{"prompt": f"p{i}", "chosen": "a"} for i in range(3)]
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        getattr(pd.DataFrame(rows), "to_csv" if suffix == ".csv" else "to_parquet")(path, index=False)
+    assert refused("algo=dpo", f"data.path={path}") == (
+        f"data.path={path} has columns ['prompt', 'chosen'], but this algorithm needs prompt/chosen/rejected or "
+        "chosen/rejected. Fix: add a 'rejected' column (the worse answer of each pair); or, if the data has them under "
+        "other names, rename those columns (e.g. dataset.rename_column).")
+    accepted("algo=sft", "data.path=" + str(_write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "p", "completion": "c"}])))
+
+
+def test_a_json_file_whose_first_row_lacks_a_column_is_read_whole_before_it_is_refused(tmp_path):
+    rows = [{"prompt": "p", "chosen": "a"}, {"prompt": "p", "chosen": "a", "rejected": "b"}]
+    accepted("algo=dpo", f"data.path={_write_jsonl(tmp_path / 'late.jsonl', rows)}")  # row 1 is a bad row, later
+    assert "Fix: algo=dpo for such data" in refused("algo=sft", f"data.path={_write_jsonl(tmp_path / 'p.jsonl', [_PAIR])}")
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_missing_local_model_is_refused_before_anything_loads(tmp_path):
+    assert refused(f"model.name_or_path={tmp_path}/no/final").startswith(
+        f"model.name_or_path={tmp_path}/no/final: no such folder")
+    (tmp_path / "run" / ".hydra").mkdir(parents=True)
+    assert refused(f"model.name_or_path={tmp_path}/run").endswith(f"Fix: model.name_or_path={tmp_path}/run/final")
+
+
+# --- the command line, before Hydra composes: the project's message, not Hydra's ----------------------------------
+@pytest.mark.parametrize(("args", "message"), [
+    (["optimiser=lion"], "optimiser is not a config group or key (optimiser=lion). Did you mean optimizer=lion?"),
+    (["trian.max_steps=3"], "trian is not a config group or key (trian.max_steps=3). Did you mean train.max_steps=3?"),
+    (["optimizer=lino"], "optimizer=lino: conf/optimizer/ has no option 'lino' (options: adafactor, adam8bit, adamw, "
+                         "lion, paged_adamw8bit, sgd). Did you mean optimizer=lion?"),
+    (["-m", "optimizer=sgd,lino"], "optimizer=lino: conf/optimizer/ has no option 'lino'"),
+    (["hardware=zzz"], "hardware=zzz: conf/hardware/ has no option 'zzz' (options: auto, "),
+    (["algo=dpo", "optimizer=lion", "hydra.run.dir=x", "+foo=1", "experiment=null", "--cfg", "job", "seed=1"], None),
+    (["--config-name=other", "optimiser=lion"], None),  # another primary config: Hydra's business
+])
+def test_the_command_line_is_checked_before_hydra(args, message):
+    found = command_line.problem(args, CONF)
+    assert found == message if message is None else found.startswith(message), found

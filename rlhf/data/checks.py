@@ -3,8 +3,9 @@
 Every input path (CSV, JSON/JSONL, Parquet, ``save_to_disk`` folders, Hub datasets) goes through
 :func:`check_rows`. A row is bad when a field the format needs is missing, null, empty (or only whitespace) or
 of the wrong type; when a conversation (a list of ``{role, content}`` messages) is empty, has a message with an
-unknown role or without content; or when a preference pair's ``chosen`` is identical to its ``rejected``. A column
-that holds conversations in some rows and plain text in others is refused as a whole.
+unknown role or without content, or an answer (``completion``, ``chosen``, ``rejected``, and SFT's ``messages``)
+that does not end with the assistant's message; or when a preference pair's ``chosen`` is identical to its
+``rejected``. A column that holds conversations in some rows and plain text in others is refused as a whole.
 
 Row numbers count data rows from 1, in file order: the first object of a JSON/JSONL file (blank lines are not
 rows), the first row after the header of a CSV file, index 0 of a Parquet file, saved dataset or Hub split.
@@ -137,10 +138,33 @@ def _same_answer(chosen: Any, rejected: Any) -> bool:
     return chosen == rejected
 
 
-def row_problem(number: int, row: Mapping[str, Any], fields: Sequence[str]) -> RowProblem | None:
-    """The first problem of one row (its ``fields``, as the chosen format names them), else None."""
+# Columns whose conversations are the answer trained on: they must end with the assistant's message.
+_ANSWERS = ("completion", "chosen", "rejected")
+
+
+def answer_problem(messages: list, column: str) -> tuple[str, str] | None:
+    """(problem, fix) for a conversation that should end with the assistant's answer but does not, else None."""
+    role = messages[-1].get("role")
+    if role == "assistant":
+        return None
+    if column == "messages":
+        fix = ("end each conversation with the assistant's message (what is learned), or remove the row; rows "
+               "without one teach nothing")
+    else:
+        fix = (f"write {column!r} as the assistant's answer (its last message has the role 'assistant'); the "
+               "conversation before it belongs in 'prompt'")
+    return f"ends with a {role!r} message, not the assistant's answer", fix
+
+
+def row_problem(number: int, row: Mapping[str, Any], fields: Sequence[str],
+                answers: bool = True) -> RowProblem | None:
+    """The first problem of one row (its ``fields``, as the chosen format names them), else None. ``answers``:
+    the algorithm learns answers (a ``messages`` conversation must then end with one); False for prompts only."""
     for column in fields:
-        found = value_problem(row.get(column, MISSING), column)
+        value = row.get(column, MISSING)
+        found = value_problem(value, column)
+        if not found and isinstance(value, list) and (column in _ANSWERS or (column == "messages" and answers)):
+            found = answer_problem(value, column)
         if found:
             return RowProblem(number, column, *found)
     if "chosen" in fields and "rejected" in fields and _same_answer(row["chosen"], row["rejected"]):
@@ -149,13 +173,15 @@ def row_problem(number: int, row: Mapping[str, Any], fields: Sequence[str]) -> R
     return None
 
 
-def check_rows(rows: Iterable[tuple[int, Mapping[str, Any]]], fields: Sequence[str], origin: Origin) -> Checked:
+def check_rows(rows: Iterable[tuple[int, Mapping[str, Any]]], fields: Sequence[str], origin: Origin,
+               answers: bool = True) -> Checked:
     """Check numbered rows; raise :class:`UserError` for a column mixing conversations and plain text.
 
     Args:
         rows: ``(row number, row)`` pairs in file order.
         fields: the columns of the chosen format (e.g. ``prompt``, ``chosen``, ``rejected``).
         origin: where the rows come from, for messages.
+        answers: the algorithm learns answers (False: it takes prompts only); see :func:`row_problem`.
     """
     checked = Checked()
     first_text: dict[str, int] = {}
@@ -167,7 +193,7 @@ def check_rows(rows: Iterable[tuple[int, Mapping[str, Any]]], fields: Sequence[s
                 first_text.setdefault(column, number)
             elif column in _EITHER and is_conversation(value):
                 first_conversation.setdefault(column, number)
-        problem = row_problem(number, row, fields)
+        problem = row_problem(number, row, fields, answers)
         if problem is None:
             checked.kept.append(position)
         else:

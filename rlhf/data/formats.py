@@ -112,11 +112,29 @@ def pick_format(names: Sequence[str], columns: Sequence[str], where: str = "the 
             return option
     wanted = " or ".join("/".join(option) for option in options)
     shown = [name for name in names if name != ROW_COLUMN]
-    raise UserError(
-        f"{where} has columns {shown}, but this algorithm needs {wanted}. "
-        "Fix: rename the columns (e.g. dataset.rename_column) or pick an algorithm that fits the data "
-        "(preference pairs -> algo=dpo, demonstrations -> algo=sft)."
-    )
+    other = [fit for fit, algo in _OTHER_ALGORITHMS if set(fit) <= set(names) and not set(fit) <= set(columns)]
+    if other:  # the data has the columns of another kind of training
+        fix = f"Fix: {dict(_OTHER_ALGORITHMS)[other[0]]} for such data, or give it {wanted} columns."
+    else:
+        # The format the data comes closest to: the most of its columns present (at least one), the fewest missing.
+        near = max(options, key=lambda option: (len(set(option) & set(names)), -len(option)))
+        missing = [column for column in near if column not in names]
+        if set(near) & set(names) and len(missing) < len(near):
+            adds = ", ".join(f"a {column!r} column ({_MEANING.get(column, 'text')})" for column in missing)
+            fix = (f"Fix: add {adds}; or, if the data has them under other names, rename those columns "
+                   "(e.g. dataset.rename_column).")
+        else:
+            fix = ("Fix: rename the columns (e.g. dataset.rename_column) or pick an algorithm that fits the data "
+                   "(preference pairs -> algo=dpo, demonstrations -> algo=sft).")
+    raise UserError(f"{where} has columns {shown}, but this algorithm needs {wanted}. {fix}")
+
+
+# What each column holds, for the message that asks for a missing one.
+_MEANING = {"prompt": "the input of each row", "completion": "the answer to learn",
+            "chosen": "the preferred answer of each pair", "rejected": "the worse answer of each pair"}
+# Columns that mean another kind of training, and the option that trains on them.
+_OTHER_ALGORITHMS = ((("chosen", "rejected"), "algo=dpo"), (("prompt", "completion"), "algo=sft"),
+                     (("messages",), "algo=sft"))
 
 
 def _row_to_text(row: dict[str, Any], columns: Sequence[str], tokenizer, where: str) -> dict[str, str]:

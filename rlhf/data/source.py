@@ -10,15 +10,16 @@ name a row too.
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
-from rlhf.data import readers
+from rlhf.data import paths, readers
 from rlhf.data.checks import (
     ROW_COLUMN,
     Origin,
@@ -32,14 +33,10 @@ from rlhf.data.formats import pick_format, standardize
 from rlhf.data.tasks import ReverseTask
 from rlhf.errors import UserError
 from rlhf.hub import check_dataset_reachable
+from rlhf.validate import Range, limits, show
 
 log = logging.getLogger(__name__)
 
-# Files that mark a folder written by `save_to_disk`.
-_SAVED_MARKERS = ("dataset_dict.json", "state.json")
-# Extensions of data files no reader handles: such a path is a local file (never a Hub id), reported as unsupported.
-_OTHER_FILES = (".txt", ".tsv", ".xlsx", ".xls", ".gz", ".zip", ".tar", ".arrow", ".pkl", ".pickle", ".yaml", ".yml",
-                ".xml", ".html", ".md")
 
 
 def _numbered(dataset: Dataset) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -52,6 +49,12 @@ def _numbered(dataset: Dataset) -> Iterator[tuple[int, dict[str, Any]]]:
             yield number, dict(zip(names, values))
 
 
+def _learns_answers(columns: Sequence[str]) -> bool:
+    """Whether an algorithm asking for `columns` learns answers (a conversation must end with one), or takes
+    prompts only."""
+    return any(column != "prompt" for column in columns)
+
+
 def _plain(value: Any) -> Any:
     """A checked value as stored: text as it is, a conversation as ``{role, content}`` messages only."""
     if isinstance(value, list):
@@ -59,6 +62,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _fraction_or_count(values: dict, where: str) -> None:
+    """``eval_size`` is a fraction (< 1) or a whole count of rows (>= 1): 1.5 rows means nothing."""
+    size = values.get("eval_size")
+    if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 1 and not float(size).is_integer():
+        raise UserError(f"{where}.eval_size={show(size)} is neither a fraction of the rows (< 1) nor a whole count "
+                        f"of rows (>= 1). Fix: {where}.eval_size=0.05 (5% of the rows) or {where}.eval_size="
+                        f"{max(1, round(size))} (rows)")
+
+
+@limits(
+    _fraction_or_count,
+    paths.check_path,
+    eval_size=Range(gt=0, meaning="rows held out when data.eval_split is null: a fraction (< 1) or a count", fix=0.05),
+    max_train_rows=Range(ge=1, integer=True, meaning="training rows used at most; null for all", fix="null"),
+    seed=Range(ge=0, lt=2**32, integer=True, meaning="which rows are held out", fix=0),
+)
 class DataSource:
     """Train and held-out splits for one run.
 
@@ -102,6 +121,24 @@ class DataSource:
         self.on_bad_row = check_on_bad_row(on_bad_row)
         self.skipped_rows = 0
 
+    @staticmethod
+    def check_columns(values: Mapping[str, Any], columns: Sequence[str]) -> None:
+        """Refuse, before anything loads, a local data file that lacks the columns an algorithm needs (`columns`):
+        its first row (a CSV or Parquet header) is read, and the whole file only when that row lacks them. Called
+        by :func:`rlhf.config.check_config` with the ``data`` node's values; the load would say the same later."""
+        path = values.get("path")
+        if not isinstance(path, str) or not path or not columns:
+            return
+        names = paths.first_columns(path)
+        if names is None:
+            return
+        try:
+            pick_format(names, columns, f"data.path={path}")
+        except UserError:
+            names = paths.all_columns(path)
+            if names is not None:
+                pick_format(names, columns, f"data.path={path}")
+
     # ---- reading and checking one split -------------------------------------------------------------------
     def _settle(self, problems: Sequence[RowProblem], total: int, origin: Origin) -> None:
         warning = settle(problems, total, self.on_bad_row, origin)
@@ -117,7 +154,7 @@ class DataSource:
         fields = pick_format(records.columns, columns, origin.where)
         if origin.header:  # CSV: conversations are written as JSON
             records = readers.decode_conversations(records, list(fields))
-        checked = check_rows(records.rows, fields, origin)
+        checked = check_rows(records.rows, fields, origin, answers=_learns_answers(columns))
         self._settle(records.problems + checked.problems, records.total, origin)
         rows = [records.rows[i] for i in checked.kept]
         return Dataset.from_list([{**{f: _plain(row[f]) for f in fields}, ROW_COLUMN: origin.label(number)}
@@ -128,7 +165,7 @@ class DataSource:
         require_rows(len(dataset), origin)
         fields = pick_format(dataset.column_names, columns, origin.where)
         dataset = dataset.select_columns(list(fields))
-        checked = check_rows(_numbered(dataset), fields, origin)
+        checked = check_rows(_numbered(dataset), fields, origin, answers=_learns_answers(columns))
         self._settle(checked.problems, len(dataset), origin)
         if checked.problems:
             dataset = dataset.select(checked.kept)
@@ -150,7 +187,7 @@ class DataSource:
                 return self._check_dataset(dataset, columns, Origin(where))
             records, origin = readers.read_file(path, where)
             return self._check_records(records, columns, origin)
-        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in _SAVED_MARKERS):
+        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in paths.SAVED_MARKERS):
             saved = _read_local(where, lambda: load_from_disk(path))  # a folder written by Dataset(Dict).save_to_disk
             if isinstance(saved, DatasetDict):
                 if split not in saved:
@@ -158,14 +195,9 @@ class DataSource:
                                     "data.split / data.eval_split to one of them.")
                 return self._check_dataset(saved[split], columns, Origin(f"{where} (split {split!r})"))
             return self._check_dataset(saved, columns, Origin(where))
-        suffix = Path(path).suffix.lower()
-        looks_local = suffix in readers.SUPPORTED + _OTHER_FILES or path.startswith((".", "/", "~"))
-        if looks_local and not os.path.exists(path):
-            also = ""
-            if suffix in _OTHER_FILES:
-                also = f" Note: {readers.not_supported(path)} either: {readers.FIX_SUPPORTED}."
-            raise UserError(f"{where}: no such file or folder. Fix: check the path (it is relative to "
-                            f"{os.getcwd()}, the directory train.py was started from).{also}")
+        problem = paths.path_problem(str(self.path))
+        if problem:
+            raise UserError(problem)
         return self._check_dataset(self._load_hub(path, split), columns, Origin(f"{where} (split {split!r})"))
 
     def _load_hub(self, path: str, split: str) -> Dataset:
@@ -200,6 +232,14 @@ class DataSource:
                 skipped = f" left after skipping {self.skipped_rows} bad row(s)" if self.skipped_rows else ""
                 raise UserError(f"data.path={self.path} has {len(train)} row(s){skipped}; need at least 2 to hold "
                                 "some out. Fix: add rows, or set data.eval_split to a held-out split.")
+            held_out = math.ceil(size * len(train)) if size < 1 else size
+            kept = math.floor((1 - size) * len(train)) if size < 1 else len(train) - size
+            if kept < 1:
+                skipped = f" (after skipping {self.skipped_rows} bad row(s))" if self.skipped_rows else ""
+                raise UserError(
+                    f"data.eval_size={show(self.eval_size)} holds out {min(held_out, len(train))} of the "
+                    f"{len(train)} rows of data.path={self.path}{skipped}, leaving none to train on. Fix: a smaller "
+                    f"data.eval_size: a fraction such as 0.05, or a count below {len(train)}.")
             parts = train.train_test_split(test_size=size, seed=self.seed)
             train, evaluation = parts["train"], parts["test"]
         return DatasetDict({"train": train, "eval": evaluation})

@@ -72,6 +72,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Accelerate's DistributedType names, in words, for the start-up line.
+_IN_WORDS = {"MULTI_CPU": "DDP over CPUs", "MULTI_GPU": "DDP over GPUs", "FSDP": "fully sharded",
+             "DEEPSPEED": "DeepSpeed", "NO": "not distributed"}
+
+
 @limits(_known_precision)  # checked with the config, before any process starts; subclasses inherit it
 class DataParallel:
     """One process, or several that each hold the whole model and average gradients (DDP via Accelerate).
@@ -168,10 +173,11 @@ class DataParallel:
     def describe(self) -> str:
         acc = self.accelerator
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        kind = type(self).__name__ if acc.num_processes > 1 else "one process"
-        return (f"{acc.num_processes} process(es) ({kind}, {acc.distributed_type.value}) on {acc.device}, "
-                f"{torch.get_num_threads()} thread(s) each, {local} process(es) on {cpus_available()} CPU(s) here, "
-                f"mixed precision {self.mixed_precision}")
+        kind = f"{type(self).__name__}, {_IN_WORDS.get(acc.distributed_type.value, acc.distributed_type.value)}" \
+            if acc.num_processes > 1 else "one process"
+        precision = "no mixed precision" if self.mixed_precision == "no" else f"{self.mixed_precision} mixed precision"
+        return (f"{acc.num_processes} process(es) ({kind}) on {acc.device}, {torch.get_num_threads()} thread(s) "
+                f"each, {local} process(es) on {cpus_available()} CPU(s) here, {precision}")
 
     # --- training -------------------------------------------------------------------------------------------
     def prepare_frozen(self, module: torch.nn.Module) -> torch.nn.Module:

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from rlhf import hub
 from rlhf.errors import UserError
+from rlhf.validate import limits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,6 +43,22 @@ def _check_not_a_run_folder(name_or_path: str, path: str) -> None:
                         f"Fix: model.name_or_path={final}")
 
 
+def check_model_path(name_or_path: str) -> None:
+    """Refuse a local ``model.name_or_path`` that is no folder, or is a run folder rather than its model."""
+    path = os.path.expanduser(str(name_or_path))
+    if _looks_local(path) and not os.path.isdir(path):
+        raise UserError(f"model.name_or_path={name_or_path}: no such folder (looked in {os.path.abspath(path)}). "
+                        "Fix: point it at a folder with config.json, e.g. <run dir>/final, or a Hub id.")
+    _check_not_a_run_folder(name_or_path, path)
+
+
+def _local_model(values: dict[str, Any], where: str) -> None:
+    """A check across arguments (:func:`rlhf.validate.limits`): a local model folder exists, before anything loads."""
+    if isinstance(values.get("name_or_path"), str):
+        check_model_path(values["name_or_path"])
+
+
+@limits(_local_model)
 def load_policy(
     name_or_path: str | None = None,
     dtype: str = "float32",
@@ -75,10 +92,7 @@ def load_policy(
         policy = tiny.build()
     else:
         path = os.path.expanduser(str(name_or_path))
-        if _looks_local(path) and not os.path.isdir(path):
-            raise UserError(f"model.name_or_path={name_or_path}: no such folder (looked in {os.path.abspath(path)})."
-                            " Fix: point it at a folder with config.json, e.g. <run dir>/final, or a Hub id.")
-        _check_not_a_run_folder(name_or_path, path)
+        check_model_path(name_or_path)
         kwargs: dict[str, Any] = {"revision": revision, "trust_remote_code": trust_remote_code}
         model_kwargs: dict[str, Any] = {}
         if not os.path.isdir(path) and hub.cache_only(path, revision, "model.name_or_path"):

@@ -58,7 +58,7 @@ class TinySpec:
         num_layers: int = 3,
         num_heads: int = 4,
         intermediate_size: int = 512,
-        max_positions: int = 64,
+        max_positions: int = 1024,
         attention_dropout: float = 0.0,
         init_seed: int = 0,
         warm_start_steps: int = 150,

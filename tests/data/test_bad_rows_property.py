@@ -1,7 +1,8 @@
 """Property: every generated row, in every supported file format, is either trained on as written or refused.
 
 Files of generated rows (good ones and malformed ones: missing, null, empty or mistyped fields, conversations with
-unknown roles or no content, chosen identical to rejected, a column mixing conversations and text) go through the
+unknown roles or no content, answers that do not end with the assistant's message, chosen identical to rejected, a
+column mixing conversations and text) go through the
 data pipeline as a run sees it: ``DataSource.load`` and the algorithm's ``tokenize`` with the embedded byte
 tokenizer. With ``on_bad_row=error`` a file with a bad row must raise a :class:`UserError` naming the file and its
 first bad row; with ``skip`` exactly the good rows must come out, each tokenized to the bytes of what was written
@@ -43,6 +44,9 @@ TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=
     str.strip)
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": TEXT}),
                     min_size=1, max_size=3)
+# An answer (completion, chosen, rejected, SFT's messages) must end with the assistant's message.
+ANSWERS = ("completion", "chosen", "rejected", "messages")
+ANSWER_MESSAGES = MESSAGES.map(lambda m: [*m[:-1], {"role": "assistant", "content": m[-1]["content"]}])
 
 BAD_CONVERSATIONS = [[], [{"role": "bot", "content": "x"}], [{"role": "user"}], [{"content": "x"}],
                      [{"role": "user", "content": None}], [{"role": "user", "content": ""}],
@@ -61,10 +65,13 @@ GROUP = {"csv": "csv", "jsonl": "json", "json": "json", "parquet": "arrow", "sav
 
 
 @st.composite
-def cell(draw, fmt: str, style: str, good: bool = False):
-    """(value as written, what it must become): ("text", str), ("conversation", messages) or BAD."""
+def cell(draw, fmt: str, style: str, good: bool = False, answer: bool = False):
+    """(value as written, what it must become): ("text", str), ("conversation", messages) or BAD. An `answer`
+    conversation that does not end with the assistant's message is BAD."""
     if good or draw(st.integers(0, 4)) > 0:
-        value = draw(TEXT if style == "text" else MESSAGES)
+        value = draw(TEXT if style == "text" else ANSWER_MESSAGES if answer and good else MESSAGES)
+        if style == "conversation" and answer and value[-1]["role"] != "assistant":
+            return value, BAD
         return value, (style, value)
     return draw(st.sampled_from(BAD_VALUES[GROUP[fmt], style])), BAD
 
@@ -83,15 +90,15 @@ def data_files(draw, fmt: str, algo: str):
     good_rows = set(draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True)))
     rows, expected = [], []
     for i in range(n):
-        cells = {c: draw(cell(fmt, styles[c], good=i in good_rows)) for c in layout}
+        cells = {c: draw(cell(fmt, styles[c], good=i in good_rows, answer=c in ANSWERS)) for c in layout}
         same_style = "rejected" in layout and styles["chosen"] == styles["rejected"]
         if same_style and i not in good_rows and draw(st.integers(0, 9)) == 0:
             cells["rejected"] = cells["chosen"]  # the same answer twice
         elif i in good_rows and "rejected" in layout and cells["rejected"][1] == cells["chosen"][1]:
             cells["rejected"] = (cells["chosen"][0] + "!", ("text", cells["chosen"][0] + "!")) \
-                if styles["rejected"] == "text" else ([*cells["chosen"][0], {"role": "user", "content": "!"}],
+                if styles["rejected"] == "text" else ([*cells["chosen"][0], {"role": "assistant", "content": "!"}],
                                                       ("conversation", [*cells["chosen"][0],
-                                                                        {"role": "user", "content": "!"}]))
+                                                                        {"role": "assistant", "content": "!"}]))
         rows.append({c: v for c, (v, _) in cells.items()})
         expect = {c: e for c, (_, e) in cells.items()}
         same = "rejected" in expect and expect["chosen"] == expect["rejected"]

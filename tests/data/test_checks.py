@@ -116,3 +116,16 @@ def test_on_bad_row_accepts_error_and_skip_only():
     assert check_on_bad_row("skip") == "skip"
     with pytest.raises(UserError, match=r"data.on_bad_row='ignore' is not one of error, skip. Fix"):
         check_on_bad_row("ignore")
+
+
+def test_an_answer_must_end_with_the_assistants_message():
+    """chosen/rejected/completion written as conversations, and SFT's messages, are what is learned."""
+    user_answer = {"prompt": "q", "chosen": chat(("user", "a")), "rejected": chat(("assistant", "b"))}
+    assert row_problem(3, user_answer, PREF).describe() == (
+        "row 3, column 'chosen' ends with a 'user' message, not the assistant's answer")
+    turns = {"messages": chat(("user", "q"), ("assistant", "a"), ("user", "and?"))}
+    assert row_problem(1, turns, ("messages",)).column == "messages"
+    assert row_problem(1, turns, ("messages",), answers=False) is None  # prompts only (an online algorithm)
+    assert row_problem(1, {"messages": chat(("user", "q"), ("assistant", "a"))}, ("messages",)) is None
+    assert row_problem(1, {"prompt": chat(("system", "s"), ("user", "q")), "completion": chat(("tool", "x"))},
+                       ("prompt", "completion")).problem == "ends with a 'tool' message, not the assistant's answer"

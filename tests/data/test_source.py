@@ -233,3 +233,49 @@ def test_a_folder_of_data_files_is_checked_like_a_file(tmp_path):
     with pytest.raises(UserError, match=r"data.path=.*data \(split 'train'\): row 4 \(counting from 1\), column "
                                         r"'rejected' is null"):
         load(tmp_path / "data")
+
+
+# ---- issue 19: answers that are not the assistant's, a held-out size that takes every row ------------------------
+def _chat(*turns):
+    return [{"role": role, "content": content} for role, content in turns]
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.parquet"])
+def test_a_dpo_answer_from_the_user_is_refused_or_skipped_naming_the_row(tmp_path, name):
+    rows = [{"prompt": _chat(("user", f"q{i}")), "chosen": _chat(("assistant", "good")),
+             "rejected": _chat(("assistant", "bad"))} for i in range(6)]
+    rows[3]["chosen"] = _chat(("user", "good"))
+    path = write(tmp_path / name, rows)
+    with pytest.raises(UserError) as error:
+        load(path)
+    assert str(error.value).startswith(f"data.path={path}: row 4 (counting from 1), column 'chosen' ends with a "
+                                       "'user' message, not the assistant's answer. Fix: write 'chosen' as the "
+                                       "assistant's answer")
+    source, splits = load(path, on_bad_row="skip")
+    assert source.skipped_rows == 1 and len(splits["train"]) + len(splits["eval"]) == 5
+
+
+def test_an_sft_conversation_that_does_not_end_with_the_assistant_is_refused_or_skipped(tmp_path):
+    rows = [{"messages": _chat(("user", f"q{i}"), ("assistant", "a"))} for i in range(5)]
+    rows[1]["messages"] = _chat(("user", "q"), ("assistant", "a"), ("user", "and?"))
+    path = write(tmp_path / "chat.jsonl", rows, columns=("messages",))
+    with pytest.raises(UserError, match=r": row 2 \(counting from 1\), column 'messages' ends with a 'user' message, "
+                                        r"not the assistant's answer. Fix: end each conversation with the assistant's"):
+        load(path, columns=("prompt", "completion"))
+    source, splits = load(path, columns=("prompt", "completion"), on_bad_row="skip")
+    assert source.skipped_rows == 1 and len(splits["train"]) + len(splits["eval"]) == 4
+    source = DataSource(path=path, eval_size=1)  # an algorithm that takes prompts only: no answer to end with
+    source.load_raw(("prompt",))
+    assert source.skipped_rows == 0
+
+
+@pytest.mark.parametrize(("size", "held_out"), [(20, 20), (25, 20), (0.99, 20)])
+def test_a_held_out_size_that_takes_every_row_is_refused_once_the_rows_are_known(tmp_path, size, held_out):
+    path = write(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(UserError) as error:
+        DataSource(path=path, eval_size=size).load(PREF, byte_tokenizer())
+    assert str(error.value) == (f"data.eval_size={size} holds out {held_out} of the 20 rows of data.path={path}, "
+                                "leaving none to train on. Fix: a smaller data.eval_size: a fraction such as 0.05, "
+                                "or a count below 20.")
+    splits = DataSource(path=path, eval_size=19).load(PREF, byte_tokenizer())
+    assert (len(splits["train"]), len(splits["eval"])) == (1, 19)

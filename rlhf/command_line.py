@@ -1,0 +1,77 @@
+"""The command line's overrides, checked before Hydra composes the config: a mistyped group or key, and an option
+a group does not have, get the project's message ("Did you mean optimizer=lion?") instead of Hydra's ("To append
+to your config use +optimiser=lion", which leads the user to add a ``+`` and train with the defaults).
+
+``train.py`` calls :func:`check_overrides` with ``sys.argv``; everything else is left to Hydra and to
+:func:`rlhf.config.check_config` once the config is composed (``+key=value``, ``~key``, ``hydra.*``, sweeps
+written with functions such as ``choice(...)``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlhf import validate
+
+# Options that choose another primary config: the names in conf/config.yaml no longer say what is known.
+_OTHER_PRIMARY = ("--config-dir", "--config-path", "--config-name", "-cd", "-cp", "-cn")
+
+
+def group_options(group: str, folder: Path | None = None) -> list[str]:
+    """The options of a config group: the YAML files of ``conf/<group>/`` (``a/b`` for ``conf/<group>/a/b.yaml``)."""
+    folder = folder or validate.conf_dir()
+    root = folder / group if folder is not None else None
+    if root is None or not root.is_dir():
+        return []
+    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+
+
+def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
+    """The message for the first override in `argv` that names no known group or key, or an option its group
+    lacks; None when there is none."""
+    if any(arg.split("=")[0] in _OTHER_PRIMARY for arg in argv):
+        return None
+    known = validate.known_top_level(folder)
+    if not known:
+        return None
+    for arg in argv:
+        if arg.startswith(("-", "+", "~")) or "=" not in arg:
+            continue  # a flag, a value of a flag, or an addition/removal (checked once composed)
+        key, value = arg.split("=", 1)
+        top = re.split(r"[./@]", key, maxsplit=1)[0]
+        if top == "hydra":
+            continue
+        if top not in known:
+            return (f"{top} is not a config group or key ({arg}). "
+                    + validate.unknown_name_hint(top, arg, known, "check the name (python train.py --help lists them)"))
+        if known[top] == "group" and key == top:
+            found = _option_problem(top, value, folder)
+            if found:
+                return found
+    return None
+
+
+def _option_problem(group: str, value: str, folder: Path | None) -> str | None:
+    options = group_options(group, folder)
+    if not options or re.search(r"[${}()\[\]*]", value):
+        return None  # no such folder here (another search path), or an interpolation or sweep function
+    for option in value.split(","):
+        option = option.strip()
+        if option in options or option in ("null", ""):
+            continue
+        close = difflib.get_close_matches(option, options, n=1)
+        hint = f"Did you mean {group}={close[0]}?" if close else f"Fix: {group}=<one of them>."
+        return f"{group}={option}: conf/{group}/ has no option {option!r} (options: {', '.join(options)}). {hint}"
+    return None
+
+
+def check_overrides(argv: Sequence[str]) -> None:
+    """Print the message for a bad override in `argv` (``sys.argv[1:]``) and exit 1, before Hydra composes."""
+    message = problem(argv)
+    if message:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(1)
