@@ -228,22 +228,36 @@ def save(run_dir: Path, state: TrainState, *, model, optimizer, scheduler, algo,
         if not is_write_failure(failure):
             raise
         error = failure
-    if any_process({"failed": error is not None}, accelerator)["failed"]:
-        if accelerator.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise UserError(f"could not write the checkpoint of step {state.step} in {root} ({error or 'on another rank'}); "
-                        "the previous checkpoints and the metrics are kept. Fix: free disk space (or lower "
-                        "train.keep_last), then resume=auto.")
+    _agree_or_stop(error, accelerator, staging, state.step, root)
     accelerator.wait_for_everyone()
+    error = None
+    if accelerator.is_main_process:  # the small files, then the rename: a full disk can still refuse them
+        try:
+            if config is not None:
+                (staging / CONFIG).write_text(json.dumps(config, indent=2))
+            (staging / META).write_text(json.dumps({"format": FORMAT, "step": state.step, **meta}, indent=2))
+            _fsync_tree(staging)
+            replace_folder(staging, final)
+        except Exception as failure:
+            if not is_write_failure(failure):
+                raise
+            error = failure
+    _agree_or_stop(error, accelerator, staging, state.step, root)
     if accelerator.is_main_process:
-        if config is not None:
-            (staging / CONFIG).write_text(json.dumps(config, indent=2))
-        (staging / META).write_text(json.dumps({"format": FORMAT, "step": state.step, **meta}, indent=2))
-        _fsync_tree(staging)
-        replace_folder(staging, final)
         prune(run_dir, keep_last, written=final)
     accelerator.wait_for_everyone()
     return final
+
+
+def _agree_or_stop(error: BaseException | None, accelerator, staging: Path, step: int, root: Path) -> None:
+    """Every rank learns whether any rank failed to write its part; if one did, the partial checkpoint goes and every
+    rank stops with the same message (none is left waiting for the others)."""
+    if any_process({"failed": error is not None}, accelerator)["failed"]:
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(f"could not write the checkpoint of step {step} in {root} ({error or 'on another rank'}); "
+                        "the previous checkpoints and the metrics are kept. Fix: free disk space (or lower "
+                        "train.keep_last), then resume=auto.")
 
 
 REMOVING = ".removing-"  # a checkpoint being deleted: renamed first, so it never looks complete while half gone

@@ -236,6 +236,27 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_the_metrics(fast_config
     assert not (run / "final").exists()
 
 
+def test_a_save_refused_at_its_last_small_files_ends_the_same_way(fast_config, tmp_path, monkeypatch):
+    """The disk fills up after the large files, while meta.json is written and synced: the same one message, the
+    partial checkpoint removed, the previous one kept (on every rank alike: the outcome is agreed on)."""
+    import errno
+
+    original, calls = checkpoint._fsync_tree, []
+
+    def full_disk(folder):
+        calls.append(folder)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(folder)
+
+    monkeypatch.setattr(checkpoint, "_fsync_tree", full_disk)
+    with pytest.raises(UserError, match=r"could not write the checkpoint of step 2 .*No space left.*kept"):
+        train(fast_config("train.save_every_steps=1"))
+    run = tmp_path / "run"
+    assert [p.name for p in checkpoint.complete(run)] == ["step_00000001"]
+    assert not list((run / checkpoint.FOLDER).glob(".tmp-*")) and not (run / "final").exists()
+
+
 def test_a_resume_reads_every_file_weights_only(fast_config, tmp_path, monkeypatch):
     """Every torch.load of a one-process resume passes weights_only=True: loading a checkpoint runs no code. (The
     same for DDP, FSDP2 and ZeRO, DeepSpeed's own loads included: tests/hardware/test_sharded.py.)"""
