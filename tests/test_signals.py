@@ -182,3 +182,28 @@ def test_a_signal_in_each_phase_of_a_two_process_run_ends_cleanly(tmp_path, two_
     process, err = _signalled(tmp_path / "e", "final_save:SIGUSR2:parent", *TWO_PROCESSES)
     _assert_finished_despite(tmp_path / "e", process, err)
     assert_same_run(two_process_reference, tmp_path / "e", 40, processes=2)
+
+
+@pytest.mark.serial
+def test_two_process_ranks_get_as_long_as_their_step_takes_and_a_second_ctrl_c_aborts_them(tmp_path):
+    """The first Ctrl-C reaches the parent alone; it passes it on and waits for the ranks however long their step
+    takes (torch's elastic agent, left to itself, would SIGKILL them after 30 s). The second Ctrl-C kills the ranks
+    and ends the run at once: exit 130, one line, no checkpoint."""
+    run = tmp_path / "run"
+    process = start(run, *TWO_PROCESSES, "algo._target_=tests.slow_loss.SlowDPOFrom", "+algo.call=1",
+                    "+algo.seconds=45", wait=False, env={signals.TEST_SIGNAL: "step_1:SIGINT:parent"})
+    deadline = time.time() + 120
+    while "received SIGINT" not in ((run / "train.log").read_text() if (run / "train.log").exists() else ""):
+        assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.2)
+    time.sleep(32)
+    assert process.poll() is None, "the ranks were not given the time their step takes"
+    os.kill(process.pid, signal.SIGINT)
+    aborted = time.perf_counter()
+    try:
+        _, err = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert time.perf_counter() - aborted < 15  # the step had 10 s more to sleep at least
+    assert process.returncode == 130 and "aborted by Ctrl-C" in err and "Traceback" not in err, err[-3000:]
+    assert not checkpoint.complete(run)
