@@ -18,7 +18,7 @@ from torch import Tensor
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, completion_stats, prompt_leaves_room
 from rlhf.algos.sft import nll_loss
 from rlhf.data.collate import collate_sequences, encode, require_completion
-from rlhf.models.reference import FrozenCopy
+from rlhf.models.reference import FrozenCopy, disable_dropout
 from rlhf.validate import Range, limits
 
 LossFn = Callable[[Tensor, Tensor, float], Tensor]
@@ -47,10 +47,12 @@ class DPO(Algorithm):
     Args:
         beta: strength of the implicit KL penalty (> 0); rewards are ``beta * log(pi/ref)``.
         loss: the per-pair loss (a partial function of chosen/rejected log-ratios and beta).
-        reference: builds the frozen reference model from the initial policy (``self.frozen["reference"]``).
+        reference: builds the frozen reference model from the initial policy and its tokenizer
+            (``self.frozen["reference"]``; the config group ``algo/reference``, :mod:`rlhf.models.reference`).
         nll_weight: weight (>= 0) of an added NLL term on the chosen completion (RPO, Pang et al. 2024,
             arXiv:2404.19733); 0 is plain DPO.
-        disable_dropout: turn dropout off in policy and reference (as TRL does), so log-ratios start at 0.
+        disable_dropout: turn every dropout off in policy and reference (as TRL does), attention dropout read from
+            the model config included, so log-ratios start at 0.
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
 
@@ -86,14 +88,16 @@ class DPO(Algorithm):
     def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id
         if self.disable_dropout:
-            for module in policy.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
-        self.frozen = {"reference": self.reference(policy)}  # the loop puts it where it runs (prepare_frozen)
+            disable_dropout(policy)  # before the reference is made: a copy inherits it
+        reference = self.reference(policy, tokenizer)
+        if reference is not None and self.disable_dropout:
+            disable_dropout(reference)
+        # The loop puts it where it runs (prepare_frozen); none for a reference-free objective.
+        self.frozen = {"reference": reference} if reference is not None else {}
 
     @property
-    def ref_model(self) -> torch.nn.Module:
-        return self.frozen["reference"]
+    def ref_model(self) -> torch.nn.Module | None:
+        return self.frozen.get("reference")
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass."""
@@ -103,8 +107,9 @@ class DPO(Algorithm):
 
     def loss(self, model, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         policy = completion_stats(model, batch)
-        with torch.no_grad():
-            ref_logps = completion_stats(self.ref_model, batch).logps
+        with torch.no_grad():  # no reference (algo/reference=none): the log-ratios are the log-probabilities
+            ref_logps = (completion_stats(self.ref_model, batch).logps if self.ref_model is not None
+                         else torch.zeros_like(policy.logps))
         n = batch["input_ids"].shape[0] // 2
         chosen_logratios = policy.logps[:n] - ref_logps[:n]
         rejected_logratios = policy.logps[n:] - ref_logps[n:]

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from rlhf.errors import UserError
 from rlhf.hardware.base import DataParallel
 
 CPU_PROCESSES = 2  # processes on a machine without GPU when hardware.num_processes is null: the fewest that shard
@@ -52,3 +53,9 @@ class Sharded(DataParallel):
 
     def describe(self) -> str:
         return super().describe() + self._sharding
+
+    def prepare_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        if getattr(module, "rlhf_shared_layers", 0):  # rlhf.models.reference.SharedLayers
+            raise UserError("algo/reference=shared_layers makes the reference use the policy's own layers, which this "
+                            "hardware option shards: not supported. Fix: algo/reference=copy (or hardware=cpu_ddp/ddp).")
+        return super().prepare_frozen(module)

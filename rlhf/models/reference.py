@@ -1,16 +1,124 @@
-"""Reference-model strategies for KL-regularized algorithms. Each is a callable ``(policy) -> frozen model``,
-chosen in the algorithm's YAML by ``reference._target_``. Where the model then lives (device, precision, shards)
-is the hardware strategy's business: the loop hands it to ``strategy.prepare_frozen``."""
+"""Reference-model strategies for KL-regularized algorithms: the config group ``algo/reference``
+(``python train.py algo=dpo algo/reference=shared_layers``). Each is a callable ``(policy, tokenizer) -> frozen
+model or None``, built from ``conf/algo/reference/<name>.yaml``. Where the model then lives (device, precision,
+shards) is the hardware strategy's business: the loop hands it to ``strategy.prepare_frozen``.
+
+- :class:`FrozenCopy` (``copy``): a frozen copy of the initial policy.
+- :class:`Pretrained` (``model``): a separately given model (e.g. the SFT model when the policy starts elsewhere);
+  a tokenizer with another vocabulary is refused.
+- :class:`SharedLayers` (``shared_layers``): the first N decoder layers are the policy's own, frozen in both, so only
+  the layers above them are duplicated (the idea of TRL's ``create_reference_model(num_shared_layers=N)``).
+- :class:`NoReference` (``none``): no reference model; the log-ratios are the policy's log-probabilities (for
+  reference-free objectives).
+"""
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
+
+from rlhf.errors import UserError
+from rlhf.validate import Range, limits
 
 
 class FrozenCopy:
     """A frozen deep copy of the initial policy, in eval mode."""
 
-    def __call__(self, policy: torch.nn.Module) -> torch.nn.Module:
+    def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module:
         return copy.deepcopy(policy).eval().requires_grad_(False)
+
+
+class Pretrained:
+    """A reference loaded from ``name_or_path`` (a Hub id or a folder such as ``<run dir>/final``), frozen.
+
+    Args:
+        name_or_path: the reference model; its tokenizer must have the policy's vocabulary (log-probabilities of
+            the same token ids are compared).
+        dtype: its parameter dtype (``float32``, ``bfloat16``, ``float16``, ``auto``).
+        revision: Hub branch, tag or commit.
+        trust_remote_code: run code the Hub repository ships (only repositories you trust).
+    """
+
+    def __init__(self, name_or_path: str, dtype: str = "float32", revision: str | None = None,
+                 trust_remote_code: bool = False) -> None:
+        self.name_or_path, self.dtype, self.revision = name_or_path, dtype, revision
+        self.trust_remote_code = trust_remote_code
+
+    def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module:
+        from rlhf.models.loading import load_policy
+
+        loaded = load_policy(name_or_path=self.name_or_path, dtype=self.dtype, revision=self.revision,
+                             trust_remote_code=self.trust_remote_code)
+        if tokenizer is not None and loaded.tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise UserError(
+                f"algo.reference.name_or_path={self.name_or_path} has another tokenizer than the policy "
+                f"({len(loaded.tokenizer)} tokens against {len(tokenizer)}, or the same ids for other tokens): their "
+                "log-probabilities of one sequence cannot be compared. Fix: a reference of the policy's family "
+                "(e.g. the SFT model the policy came from), or algo/reference=copy.")
+        if loaded.model.get_output_embeddings().weight.shape[0] != policy.get_output_embeddings().weight.shape[0]:
+            raise UserError(f"algo.reference.name_or_path={self.name_or_path} scores "
+                            f"{loaded.model.get_output_embeddings().weight.shape[0]} token ids, the policy "
+                            f"{policy.get_output_embeddings().weight.shape[0]}. Fix: a reference with the policy's "
+                            "vocabulary, or algo/reference=copy.")
+        return loaded.model.eval().requires_grad_(False)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers: the ``ModuleList`` with ``config.num_hidden_layers`` entries."""
+    count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return module
+    raise UserError(f"algo/reference=shared_layers: no list of {count} decoder layers found in "
+                    f"{type(model).__name__}. Fix: algo/reference=copy.")
+
+
+@limits(num_shared_layers=Range(ge=1, meaning="decoder layers, counted from the input, that policy and reference "
+                                "share (frozen in both)", fix=1))
+class SharedLayers:
+    """A reference whose first ``num_shared_layers`` decoder layers are the policy's own modules, frozen (in the
+    policy too: they no longer train); the layers above them, the final norm and the output head are a frozen copy.
+    The embeddings are copied, not shared (they are often tied to the output head, which keeps training).
+    """
+
+    def __init__(self, num_shared_layers: int = 1) -> None:
+        self.num_shared_layers = num_shared_layers
+
+    def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module:
+        layers = decoder_layers(policy)
+        if self.num_shared_layers >= len(layers):
+            raise UserError(f"algo.reference.num_shared_layers={self.num_shared_layers} but the model has "
+                            f"{len(layers)} decoder layers: nothing would train. Fix: at most {len(layers) - 1}.")
+        shared = list(layers)[: self.num_shared_layers]
+        for layer in shared:
+            layer.requires_grad_(False)
+        # deepcopy's memo maps each shared layer to itself: the copy holds the policy's own modules there.
+        reference = copy.deepcopy(policy, memo={id(layer): layer for layer in shared})
+        reference.rlhf_shared_layers = self.num_shared_layers  # read by sharding strategies, which refuse it
+        return reference.eval().requires_grad_(False)
+
+
+class NoReference:
+    """No reference model: reference-free objectives (the log-ratios are the policy's log-probabilities)."""
+
+    def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> None:
+        return None
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Turn off every dropout of ``model``: ``nn.Dropout`` modules and the probabilities that attention layers read
+    from their config at build time (``attention_dropout``, ``attn_pdrop``, ...), so that a policy and its reference
+    agree exactly at the start."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in name or "pdrop" in name):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    if config is not None:
+        for name, value in list(vars(config).items()):
+            if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+                setattr(config, name, 0.0)

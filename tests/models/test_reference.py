@@ -1,0 +1,121 @@
+"""Reference-model strategies (rlhf/models/reference.py, the config group algo/reference): each gives the first-step
+loss that its definition says, on the tiny model and a small batch of preference pairs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlhf.algos.dpo import DPO
+from rlhf.errors import UserError
+from rlhf.models.reference import FrozenCopy, NoReference, Pretrained, SharedLayers, disable_dropout
+from rlhf.models.tiny import TinySpec
+from rlhf.optim import param_groups
+from tests.conftest import compose_config
+
+ROWS = [{"prompt": "abc=", "chosen": "cba", "rejected": "cab"}, {"prompt": "hello=", "chosen": "olleh", "rejected": "hello"},
+        {"prompt": "xyz=", "chosen": "zyx", "rejected": "zxy"}]
+
+
+def _tiny(**extra):
+    torch.manual_seed(0)
+    return TinySpec(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32, warm_start_steps=0, **extra).build()
+
+
+def _first_loss(policy, reference, beta: float = 0.1):
+    algo = DPO(beta=beta, reference=reference)
+    algo.setup(policy.model, policy.tokenizer)
+    batch = algo.collate([algo.tokenize(r, policy.tokenizer) for r in ROWS])
+    loss, _ = algo.loss(policy.model.train(), batch)
+    return algo, batch, loss
+
+
+def _perturbed(policy) -> None:
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+
+def test_shared_layers_share_and_freeze_the_lower_layers_and_give_copys_first_loss_exactly():
+    policy = _tiny()
+    _, _, with_copy = _first_loss(policy, FrozenCopy())
+    policy = _tiny()
+    algo, _, with_shared = _first_loss(policy, SharedLayers(num_shared_layers=2))
+    assert with_shared.item() == with_copy.item() == pytest.approx(math.log(2), abs=1e-6)
+    ours, theirs = policy.model.model.layers, algo.ref_model.model.layers
+    assert ours[0] is theirs[0] and ours[1] is theirs[1] and ours[2] is not theirs[2]  # shared, then a copy
+    assert not any(p.requires_grad for p in ours[0].parameters()) and all(p.requires_grad for p in ours[2].parameters())
+    trained = {id(p) for group in param_groups(policy.model) for p in group["params"]}
+    assert not trained & {id(p) for p in ours[:2].parameters()}  # the optimizer never sees the shared layers
+    with pytest.raises(UserError, match="at most 2"):
+        SharedLayers(num_shared_layers=3)(_tiny().model)
+
+
+def test_a_separately_given_reference_gives_the_published_formula_on_both_models_logps(tmp_path):
+    """DPO's loss (Rafailov et al. 2023, eq. 7) computed independently from the two models' token log-probabilities."""
+    reference = _tiny()
+    _perturbed(reference)
+    reference.model.save_pretrained(tmp_path / "ref")
+    reference.tokenizer.save_pretrained(tmp_path / "ref")
+    policy = _tiny()
+    algo, batch, loss = _first_loss(policy, Pretrained(str(tmp_path / "ref")), beta=0.5)
+
+    def summed_logps(model) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        tokens = batch["input_ids"][:, 1:]
+        mask = batch["completion_mask"][:, 1:].float()
+        return (torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None])[..., 0] * mask).sum(-1)
+
+    pol, ref = summed_logps(policy.model.eval()), summed_logps(reference.model.eval())
+    n = len(ROWS)
+    expected = -F.logsigmoid(0.5 * ((pol[:n] - ref[:n]) - (pol[n:] - ref[n:]))).mean()
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-5) and abs(loss.item() - math.log(2)) > 1e-3
+
+
+def test_a_reference_with_another_vocabulary_is_refused(tmp_path):
+    from transformers import AutoTokenizer
+
+    other = _tiny()
+    other.model.save_pretrained(tmp_path / "ref")
+    other.tokenizer.save_pretrained(tmp_path / "ref")
+    policy = _tiny()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "ref")
+    tokenizer.add_tokens(["<extra>"])
+    with pytest.raises(UserError, match="another tokenizer than the policy"):
+        Pretrained(str(tmp_path / "ref"))(policy.model, tokenizer)
+
+
+def test_no_reference_uses_the_policys_own_logps():
+    policy = _tiny()
+    algo, batch, loss = _first_loss(policy, NoReference())
+    assert algo.frozen == {}
+    _, metrics = algo.loss(policy.model, batch)
+    assert metrics["rewards/chosen"].item() == pytest.approx(0.1 * metrics["logps/chosen"].item(), rel=1e-6)
+
+
+def test_disable_dropout_also_turns_off_attention_dropout_read_from_the_config():
+    """With attention dropout 0.5 in the model's config (no nn.Dropout module carries it), the policy in train mode
+    and its reference agree exactly at the start only once it is off too."""
+    policy = _tiny(attention_dropout=0.5)
+    _, _, loss = _first_loss(policy, FrozenCopy())
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
+    policy = _tiny(attention_dropout=0.5)
+    algo = DPO(beta=0.1, reference=FrozenCopy(), disable_dropout=False)
+    algo.setup(policy.model, policy.tokenizer)
+    batch = algo.collate([algo.tokenize(r, policy.tokenizer) for r in ROWS])
+    assert abs(algo.loss(policy.model.train(), batch)[0].item() - math.log(2)) > 1e-4  # dropout is really there
+    disable_dropout(policy.model)
+    assert policy.model.config.attention_dropout == 0.0
+
+
+@pytest.mark.parametrize("option", ["copy", "model", "shared_layers", "none"])
+def test_each_reference_option_composes_and_builds(option, tmp_path):
+    from hydra.utils import instantiate
+
+    extra = [f"algo.reference.name_or_path={tmp_path}"] if option == "model" else []
+    cfg = compose_config("algo=dpo", f"algo/reference={option}", *extra)
+    assert callable(instantiate(cfg.algo).reference)
