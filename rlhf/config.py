@@ -132,6 +132,10 @@ def build(node: DictConfig, *args: Any, **kwargs: Any) -> Any:
 
 def check_config(cfg: DictConfig) -> None:
     """Check `cfg` as a whole, then every ``_target_`` node (recursively); see the module docstring."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:  # ``???`` in a YAML: a value the option cannot guess
+        raise UserError(f"{', '.join(missing)}: no value (the option's YAML leaves it to you: ???). Fix: add "
+                        + " ".join(f"{key}=<value>" for key in missing) + " to the command.")
     try:
         container = OmegaConf.to_container(cfg, resolve=True)
     except Exception as error:  # an interpolation that cannot resolve

@@ -41,7 +41,8 @@ from rlhf.settings import TrainSettings
 from tests.conftest import CONF, FAST, compose_config
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
-OPTIONS = [(g, str(f.relative_to(CONF / g).with_suffix(""))) for g in GROUPS for f in sorted((CONF / g).rglob("*.yaml"))]
+# A folder inside a group is a group of its own (algo/reference): chosen as `algo/reference=copy`.
+OPTIONS = [(str(f.parent.relative_to(CONF)), f.stem) for g in GROUPS for f in sorted((CONF / g).rglob("*.yaml"))]
 
 
 def _sets(group: str, option: str, key: str) -> bool:
@@ -80,10 +81,20 @@ def _tok():
     return byte_tokenizer()
 
 
+def _tiny_policy():
+    from rlhf.models.tiny import TinySpec
+
+    return TinySpec(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+
+
 def _build(group: str, cfg: DictConfig, tmp_path) -> None:
     """Build the component `cfg` selects for `group` and use it once (Hub presets: what is checked offline)."""
-    node = cfg.get(group)
-    if group == "optimizer":
+    node = OmegaConf.select(cfg, group.replace("/", "."))
+    if group == "algo/reference":  # builds the reference of a 2-layer policy, frozen (or none)
+        policy = _tiny_policy()
+        reference = instantiate(node)(policy.model, policy.tokenizer)
+        assert reference is None or not any(p.requires_grad for p in reference.parameters())
+    elif group == "optimizer":
         model = _small_model()
         optimizer = instantiate(node)([{"params": list(model.parameters())}])
         model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
@@ -141,7 +152,13 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
 
 @pytest.mark.parametrize(("group", "option"), COMPONENTS, ids=[f"{g}={o}" for g, o in COMPONENTS])
 def test_option_composes_checks_and_builds(group, option, tmp_path):
-    cfg = compose_config(f"{group}={option}", output_dir=tmp_path)
+    extra = []
+    if group == "algo/reference" and option == "model":  # a reference saved like a run's final/
+        policy = _tiny_policy()
+        policy.model.save_pretrained(tmp_path / "ref")
+        policy.tokenizer.save_pretrained(tmp_path / "ref")
+        extra = [f"algo.reference.name_or_path={tmp_path / 'ref'}"]
+    cfg = compose_config(f"{group}={option}", *extra, output_dir=tmp_path)
     check_config(cfg)
     check_fields(OmegaConf.to_container(cfg.train), TrainSettings, "train")
     _build(group, cfg, tmp_path)

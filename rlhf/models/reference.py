@@ -89,8 +89,10 @@ class SharedLayers:
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module:
         layers = decoder_layers(policy)
         if self.num_shared_layers >= len(layers):
+            fix = (f"at most {len(layers) - 1}" if len(layers) > 1
+                   else "algo/reference=copy (a one-layer model has no layer to share)")
             raise UserError(f"algo.reference.num_shared_layers={self.num_shared_layers} but the model has "
-                            f"{len(layers)} decoder layers: nothing would train. Fix: at most {len(layers) - 1}.")
+                            f"{len(layers)} decoder layer(s): nothing would train. Fix: {fix}.")
         shared = list(layers)[: self.num_shared_layers]
         for layer in shared:
             layer.requires_grad_(False)

@@ -119,3 +119,35 @@ def test_each_reference_option_composes_and_builds(option, tmp_path):
     extra = [f"algo.reference.name_or_path={tmp_path}"] if option == "model" else []
     cfg = compose_config("algo=dpo", f"algo/reference={option}", *extra)
     assert callable(instantiate(cfg.algo).reference)
+
+
+def test_a_reference_model_without_its_path_is_refused_before_anything_loads():
+    from rlhf.config import check_config
+
+    with pytest.raises(UserError, match=r"algo.reference.name_or_path: no value .*Fix: add algo.reference.name_or_path="):
+        check_config(compose_config("algo=dpo", "algo/reference=model"))
+
+
+@pytest.mark.parametrize("option", ["copy", "model", "shared_layers", "none"])
+def test_dpo_runs_with_each_reference_option_on_the_embedded_default(option, tmp_path):
+    from rlhf import train
+    from rlhf.config import build
+    from tests.conftest import FAST
+
+    overrides = [*FAST, "model.tiny.num_layers=2", "algo=dpo", f"algo/reference={option}"]
+    if option == "model":  # the run's own initial model, saved as a run's final/ would be
+        policy = build(compose_config(*overrides[:-1]).model)
+        policy.model.save_pretrained(tmp_path / "ref")
+        policy.tokenizer.save_pretrained(tmp_path / "ref")
+        overrides.append(f"algo.reference.name_or_path={tmp_path / 'ref'}")
+    final = train(compose_config(*overrides, output_dir=tmp_path / "run"))
+    assert math.isfinite(final["train/loss"]) and (tmp_path / "run" / "final" / "model.safetensors").exists()
+
+
+def test_sharding_strategies_refuse_a_reference_that_shares_the_policys_layers():
+    from rlhf.config import build
+
+    reference = SharedLayers(num_shared_layers=1)(_tiny().model)
+    for option in ("fsdp", "zero3"):
+        with pytest.raises(UserError, match="algo/reference=shared_layers .* not supported"):
+            build(compose_config(f"hardware={option}").hardware).prepare_frozen(reference)
