@@ -111,6 +111,8 @@ def _train(run: BuiltRun, state: TrainState, record, stop, resume: Path | None) 
                 if step == run.max_steps:
                     signals.reached("final_eval")
                 _evaluate(run, record, step)
+            if settings.empty_cache_every_steps and step % settings.empty_cache_every_steps == 0:
+                run.strategy.empty_cache()
             saved = None
             if settings.save_every_steps and step % settings.save_every_steps == 0:
                 saved = _save_checkpoint(run, state)

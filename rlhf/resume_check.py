@@ -42,7 +42,7 @@ DATA = "tokenized_data"  # the fingerprint's name in the record, in messages and
 NOT_OPTIMIZING = (
     "output_dir", "resume", "resume_changes", "logger", "hydra", "launcher",
     "train.log_every_steps", "train.eval_every_steps", "train.eval_at_start", "train.eval_batch_size",
-    "train.save_every_steps", "train.keep_last", "train.save_final",
+    "train.save_every_steps", "train.keep_last", "train.save_final", "train.empty_cache_every_steps",
     "hardware.timeout_s", "hardware.threads_per_process", "hardware.rdzv_endpoint", "hardware.node_rank",
 )
 # Leaf names that say where files are kept, wherever they appear (the tiny model's warm-start cache, $RLHF_CACHE).

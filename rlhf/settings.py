@@ -56,6 +56,7 @@ def _count(meaning: str, fix: Any, low: int = 1) -> Range:
     save_every_steps=_count("optimizer steps between checkpoints; 0 saves only on a stop signal", 100, low=0),
     keep_last=_count("checkpoints kept; null keeps all", 2),
     max_nonfinite_in_row=_count("non-finite steps in a row before the run stops", 5),
+    empty_cache_every_steps=_count("optimizer steps between freeing the device's cached memory; 0 never", 50, low=0),
 )
 @dataclass(frozen=True)
 class TrainSettings:
@@ -77,6 +78,7 @@ class TrainSettings:
     keep_last: int | None
     on_nonfinite: str
     max_nonfinite_in_row: int
+    empty_cache_every_steps: int
 
     def accumulation_steps(self, processes: int) -> int:
         """Micro-batches per optimizer step: set, or derived from ``global_batch_size`` for this many processes,

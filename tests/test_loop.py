@@ -132,3 +132,14 @@ def test_rerun_in_the_same_folder_starts_a_fresh_metrics_file(fast_config, tmp_p
     train(fast_config())
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps.count(0) == 1
+
+
+def test_the_device_cache_is_emptied_every_n_steps(fast_config, monkeypatch):
+    from rlhf.hardware.base import DataParallel
+
+    steps = []
+    monkeypatch.setattr(DataParallel, "empty_cache", lambda self: steps.append(len(steps)))
+    train(fast_config("train.max_steps=5", "train.empty_cache_every_steps=2"))
+    assert len(steps) == 2  # after steps 2 and 4
+    train(fast_config("train.max_steps=5"))
+    assert len(steps) == 2  # 0: never

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -190,6 +191,12 @@ class DataParallel:
             autocast = torch.autocast(device_type=self.accelerator.device.type, dtype=torch.bfloat16)
             module.forward = autocast(module.forward)
         return module
+
+    def empty_cache(self) -> None:
+        """Collect garbage and give the device's cached memory back (``train.empty_cache_every_steps``)."""
+        gc.collect()
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def prepare(self, model, make_optimizer, train_loader):
         """Wrap the model for this hardware, build its optimizer with ``make_optimizer(model)`` and shard the
