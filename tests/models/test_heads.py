@@ -53,3 +53,12 @@ def test_a_saved_causal_lm_loads_with_a_new_sequence_classification_head(tmp_pat
     assert isinstance(loaded.model, LlamaForSequenceClassification)
     assert loaded.model.config.pad_token_id == loaded.tokenizer.pad_token_id
     assert torch.equal(loaded.model.base_model.embed_tokens.weight, policy.model.base_model.embed_tokens.weight)
+
+
+def test_a_log_likelihood_algorithm_refuses_a_model_without_next_token_logits():
+    cfg = compose_config("algo=sft", "model.head=sequence_classification", *FAST)
+    policy, algo = build(cfg.model), build(cfg.algo)
+    algo.setup(policy.model, policy.tokenizer)
+    batch = algo.collate([algo.tokenize({"prompt": "ab=", "completion": "ba"}, policy.tokenizer)])
+    with pytest.raises(UserError, match="model.head=causal_lm"):
+        algo.loss(policy.model, batch)
