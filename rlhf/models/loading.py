@@ -7,13 +7,55 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from rlhf import hub
 from rlhf.errors import UserError
 from rlhf.validate import limits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Head:
+    """What sits on top of the transformer (``model.head``): the transformers Auto class that builds the model, the
+    config fields it needs, and whether it reads its output at the last non-pad token (which needs the model
+    config's ``pad_token_id``)."""
+
+    auto_class: Any
+    config: dict[str, Any]
+    pools_last_token: bool = False
+
+
+# model.head -> how to build it. A Hub checkpoint saved with another head keeps its backbone weights; a new head is
+# freshly initialized (transformers says which weights are new).
+HEADS = {
+    "causal_lm": Head(AutoModelForCausalLM, {}),
+    # One scalar per sequence, read at its last token: a reward model (rlhf.algos.reward).
+    "sequence_classification": Head(AutoModelForSequenceClassification, {"num_labels": 1}, pools_last_token=True),
+}
+# Declared heads that are not built yet, with what to do instead.
+PLANNED_HEADS = {
+    "value": "a causal LM backbone with a scalar value per token (for PPO) is not implemented yet. Fix: "
+             "model.head=causal_lm, or model.head=sequence_classification for one scalar per sequence",
+}
+
+
+def _known_head(values: dict[str, Any], where: str) -> None:
+    """A check across arguments (:func:`rlhf.validate.limits`): ``head`` is one that can be built."""
+    head = values.get("head", "causal_lm")
+    if head in PLANNED_HEADS:
+        raise UserError(f"{where}.head={head}: {PLANNED_HEADS[head]}")
+    if head not in HEADS:
+        raise UserError(f"{where}.head={head!r} is not one of {[*HEADS, *PLANNED_HEADS]}. Fix: e.g. "
+                        f"{where}.head=causal_lm (a language model) or {where}.head=sequence_classification "
+                        "(a reward model)")
 
 
 @dataclass
@@ -58,7 +100,7 @@ def _local_model(values: dict[str, Any], where: str) -> None:
         check_model_path(values["name_or_path"])
 
 
-@limits(_local_model)
+@limits(_local_model, _known_head)
 def load_policy(
     name_or_path: str | None = None,
     dtype: str = "float32",
@@ -68,8 +110,9 @@ def load_policy(
     attn_implementation: str | None = None,
     gradient_checkpointing: bool = False,
     tiny: Any = None,
+    head: str = "causal_lm",
 ) -> Policy:
-    """Load a causal LM and its tokenizer.
+    """Load a model (a causal LM unless ``head`` says otherwise) and its tokenizer.
 
     Args:
         name_or_path: a Hub model id or a folder saved with ``save_pretrained`` (e.g. ``<run dir>/final``);
@@ -85,14 +128,19 @@ def load_policy(
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
             them (non-reentrant ``torch.utils.checkpoint``): activation memory for about a third more compute.
         tiny: a :class:`rlhf.models.tiny.TinySpec`, used when ``name_or_path`` is ``None``.
+        head: what the model outputs, a key of :data:`HEADS`: ``causal_lm`` (next-token logits) or
+            ``sequence_classification`` (one scalar per sequence, a reward model; a causal LM checkpoint keeps its
+            backbone and gets a new score head). ``value`` is declared, not built yet (:data:`PLANNED_HEADS`).
     """
+    _known_head({"head": head}, "model")
+    spec = HEADS[head]
     if dtype != "auto" and dtype not in DTYPES:
         raise UserError(f"model.dtype={dtype!r} is not one of {[*DTYPES, 'auto']}. Fix: e.g. model.dtype=bfloat16")
     if name_or_path is None:
         if tiny is None:
             raise UserError("model.name_or_path is null and no tiny spec is given. Fix: model=tiny or "
                             "model.name_or_path=<hub id or folder>")
-        policy = tiny.build()
+        policy = tiny.build(head)
     else:
         path = os.path.expanduser(str(name_or_path))
         check_model_path(name_or_path)
@@ -105,9 +153,9 @@ def load_policy(
             model_kwargs["adapter_kwargs"] = {"local_files_only": True}
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(
+            model = spec.auto_class.from_pretrained(
                 path, dtype="auto" if dtype == "auto" else DTYPES[dtype],
-                attn_implementation=attn_implementation, **kwargs, **model_kwargs,
+                attn_implementation=attn_implementation, **spec.config, **kwargs, **model_kwargs,
             )
         except OSError as error:
             raise UserError(f"model.name_or_path={name_or_path}: could not load it ({error}). Fix: check the id or "
@@ -125,4 +173,7 @@ def load_policy(
         # Padding is masked explicitly everywhere, so reusing EOS as PAD cannot hide real EOS tokens.
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
+    if spec.pools_last_token and policy.model.config.pad_token_id is None:
+        # The head reads each sequence at its last token before the first pad: it must know the pad id.
+        policy.model.config.pad_token_id = tokenizer.pad_token_id
     return policy

@@ -30,7 +30,7 @@ from rlhf.algos.base import completion_stats
 from rlhf.algos.sft import SFT, nll_loss
 from rlhf.data.tasks import ReverseTask
 from rlhf.files import use_umask
-from rlhf.models.loading import Policy
+from rlhf.models.loading import HEADS, Policy
 from rlhf.models.tokenizer import VOCAB_SIZE, byte_tokenizer
 
 
@@ -100,14 +100,28 @@ class TinySpec:
         }, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def build(self) -> Policy:
-        """The warm-started model from the cache, training and caching it first if needed."""
+    def build(self, head: str = "causal_lm") -> Policy:
+        """The warm-started model from the cache, training and caching it first if needed, with ``head`` (a key of
+        :data:`rlhf.models.loading.HEADS`) on top."""
         if self.warm_start["steps"] == 0:
-            return self.random_init()
-        folder = self.cache_dir / f"tiny-{self.cache_key()}"
-        if not (folder / "config.json").exists():
-            self._train_and_save(folder)
-        return Policy(AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
+            causal = self.random_init()
+        else:
+            folder = self.cache_dir / f"tiny-{self.cache_key()}"
+            if not (folder / "config.json").exists():
+                self._train_and_save(folder)
+            causal = Policy(AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
+        return causal if HEADS[head].auto_class is AutoModelForCausalLM else self._with_head(causal, head)
+
+    def _with_head(self, causal: Policy, head: str) -> Policy:
+        """The warm-started (or random) causal LM's backbone under a freshly initialized ``head`` (seeded by
+        ``init_seed``), as ``from_pretrained`` does for a Hub checkpoint saved with another head."""
+        config = {k: v for k, v in causal.model.config.to_dict().items() if k not in ("id2label", "label2id")}
+        config.update(HEADS[head].config)
+        config = type(causal.model.config).from_dict(config)
+        torch.manual_seed(self.init_seed)
+        model = HEADS[head].auto_class.from_config(config)
+        model.base_model.load_state_dict(causal.model.base_model.state_dict())
+        return Policy(model, causal.tokenizer)
 
     def _train_and_save(self, folder: Path) -> None:
         policy = self.random_init()
