@@ -218,13 +218,18 @@ def sigmoid_norm_loss(pairs: PairLogps, beta: float, state: LossState, label_smo
     return _smoothed_sigmoid(beta * pairs.margins(per_token=True), label_smoothing)
 
 
-@limits(weights=Range(ge=0, each=True, meaning="one weight per loss in algo.loss.losses", fix=[1.0]))
+def _one_weight_per_loss(values, where: str) -> None:
+    losses, weights = values.get("losses") or (), values.get("weights") or ()
+    if not losses or len(losses) != len(weights):
+        raise UserError(f"{where}.losses has {len(losses)} losses and {where}.weights {len(weights)} weights: give "
+                        f"one weight per loss. Fix: {where}.weights=[{','.join(['1.0'] * max(len(losses), 1))}]")
+
+
+@limits(_one_weight_per_loss, weights=Range(ge=0, each=True, meaning="one weight per loss in algo.loss.losses", fix=[1.0]))
 def weighted_sum(pairs: PairLogps, beta: float, state: LossState, losses: Sequence[Loss] = (),
                  weights: Sequence[float] = ()) -> Tensor:
     """Several losses at once, ``sum_i weights[i] x losses[i]`` (MPO, Wang et al. 2024, arXiv:2411.10442; TRL's
     list ``loss_type`` with ``loss_weights``). All share one ``state``. TRL's ``"sft"`` term is
     ``algo.nll_weight`` here."""
-    if not losses or len(losses) != len(weights):
-        raise UserError(f"algo.loss.losses has {len(losses)} losses and algo.loss.weights {len(weights)} weights: "
-                        f"give one weight per loss. Fix: algo.loss.weights=[{','.join(['1.0'] * max(len(losses), 1))}]")
+    _one_weight_per_loss({"losses": losses, "weights": weights}, "algo.loss")
     return sum(weight * loss(pairs, beta, state) for loss, weight in zip(losses, weights))
