@@ -8,12 +8,13 @@ import math
 import pytest
 import torch
 from hydra.utils import instantiate
+from safetensors.torch import load_file
 
-from rlhf import train
+from rlhf import checkpoint, train
 from rlhf.algos import dpo_losses as L
 from rlhf.algos.dpo import DPO
 from rlhf.errors import UserError
-from tests.conftest import CONF, compose_config
+from tests.conftest import CONF, FAST, compose_config
 
 # Two pairs. Policy/reference log-probabilities (summed) and completion lengths.
 PC, PR, RC, RR = [-2.0, -5.0], [-6.0, -3.0], [-3.0, -4.0], [-4.0, -4.5]
@@ -158,9 +159,36 @@ def test_dpo_saves_and_restores_the_loss_state_and_evaluation_leaves_it_alone():
     assert DPO().state_dict() == {"loss": {}}
 
 
+def test_evaluation_reads_the_loss_state_but_only_training_updates_it():
+    from rlhf.models.tiny import TinySpec
+
+    policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+    algo = DPO(loss=L.bco_pair_loss)
+    algo.setup(policy.model, policy.tokenizer)
+    rows = [{"prompt": "abc=", "chosen": "cba", "rejected": "cab"}]
+    batch = algo.collate([algo.tokenize(r, policy.tokenizer) for r in rows])
+    algo.evaluate(policy.model, batch)
+    assert algo.loss_state == {}
+    algo.loss(policy.model, batch)
+    assert algo.loss_state["bco_reward_count"].item() == 2
+
+
 def test_every_dpo_variant_trains_two_steps(fast_config):
     """`python train.py algo=<each>` on FAST settings, in one process: the loss is finite and evaluation runs."""
     for algo in DPO_VARIANTS:
         metrics = train(fast_config(f"algo={algo}", "train.max_steps=2", "data.task.num_train=8",
                                     "data.task.num_eval=8", "train.eval_at_start=false"))
         assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["eval/loss"]), algo
+
+
+def test_bco_resumed_from_a_checkpoint_equals_the_uninterrupted_run(fast_config, tmp_path):
+    """The running reward mean is in each rank's checkpoint; without it the resumed steps would differ."""
+    common = ["algo=bco_pair", "train.max_steps=4", "train.save_every_steps=2", "train.eval_at_start=false",
+              "data.task.num_train=16", "data.task.num_eval=8"]
+    train(fast_config(*common))
+    folder = tmp_path / "run" / checkpoint.FOLDER / f"{checkpoint.PREFIX}{2:08d}"
+    saved = torch.load(folder / "rank_0.pt", weights_only=True)["algo"]["loss"]
+    assert saved["bco_reward_count"].item() == 2 * 4 * 2  # 2 steps x 4 pairs x (chosen, rejected)
+    train(compose_config(*FAST, *common, f"resume={folder}", output_dir=tmp_path / "resumed"))
+    whole, resumed = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("run", "resumed"))
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
