@@ -67,7 +67,8 @@ def _smoothed_sigmoid(logits: Tensor, label_smoothing: float) -> Tensor:
     return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
 
 
-# ---- f-divergences (Wang et al. 2023, "Beyond Reverse KL", arXiv:2309.16240): the margin f'(u_w) - f'(u_l) ----
+# ---- f-divergences (Wang et al. 2023, "Beyond Reverse KL", arXiv:2309.16240): the margin f'(u_w) - f'(u_l) of
+# u = pi/ref, in place of DPO's h (which is reverse KL, f'(u) = log u + 1) ----
 
 def _capped_exp(value: Tensor) -> Tensor:
     """``exp`` that saturates at the dtype's largest finite value instead of overflowing."""
@@ -79,21 +80,22 @@ def reverse_kl(pairs: PairLogps) -> Tensor:
     return pairs.margins()
 
 
-def js_divergence(pairs: PairLogps) -> Tensor:
-    """Jensen-Shannon: ``h - (softplus(r_w) - softplus(r_l))`` (TRL's ``"js_divergence"``)."""
-    return pairs.margins() - (F.softplus(pairs.chosen_logratios) - F.softplus(pairs.rejected_logratios))
-
-
-@limits(alpha=Range(gt=0, meaning="the alpha of the alpha-divergence; 1 is forward KL, towards 0 reverse KL", fix=0.5))
-def alpha_divergence(pairs: PairLogps, alpha: float = 1.0) -> Tensor:
-    """alpha-divergence: ``(exp(-alpha r_l) - exp(-alpha r_w)) / alpha`` (TRL's ``"alpha_divergence"``, default
-    coefficient 1.0)."""
-    return (_capped_exp(-alpha * pairs.rejected_logratios) - _capped_exp(-alpha * pairs.chosen_logratios)) / alpha
-
-
 def forward_kl(pairs: PairLogps) -> Tensor:
-    """Forward KL: ``exp(-r_l) - exp(-r_w)``, the alpha-divergence at alpha = 1 (TRL has no separate name)."""
-    return alpha_divergence(pairs, 1.0)
+    """Forward KL, ``f'(u) = 1 - 1/u``: ``exp(-r_l) - exp(-r_w)`` (TRL's ``"forward_kl"``)."""
+    return _capped_exp(-pairs.rejected_logratios) - _capped_exp(-pairs.chosen_logratios)
+
+
+def js_divergence(pairs: PairLogps) -> Tensor:
+    """Jensen-Shannon, ``f'(u) = log(2u / (1 + u))``: ``log s(r_w) - log s(r_l)`` (TRL's ``"js_divergence"``)."""
+    return F.logsigmoid(pairs.chosen_logratios) - F.logsigmoid(pairs.rejected_logratios)
+
+
+@limits(alpha=Range(gt=0, lt=1, meaning="TRL's f_alpha_divergence_coef: 0 is forward KL, 1 reverse KL", fix=0.5))
+def alpha_divergence(pairs: PairLogps, alpha: float = 0.5) -> Tensor:
+    """alpha-divergence, ``f'(u) = (u^(alpha-1) - 1) / (alpha - 1)`` (TRL's ``"alpha_divergence"`` with
+    ``f_alpha_divergence_coef=alpha``, default 0.5). The paper's alpha is ``1 - alpha``; at 0.5 they agree."""
+    return (_capped_exp((alpha - 1) * pairs.chosen_logratios)
+            - _capped_exp((alpha - 1) * pairs.rejected_logratios)) / (alpha - 1)
 
 
 # ---- the losses ----
@@ -102,9 +104,9 @@ def forward_kl(pairs: PairLogps) -> Tensor:
 def sigmoid_loss(pairs: PairLogps, beta: float, state: LossState, label_smoothing: float = 0.0,
                  divergence: Callable[[PairLogps], Tensor] | None = None) -> Tensor:
     """DPO (Rafailov et al. 2023, arXiv:2305.18290): ``-log sigmoid(beta h)``. ``label_smoothing`` > 0 gives
-    conservative DPO (cDPO, Mitchell 2023): the label is flipped with that probability. ``divergence``: an
-    f-divergence margin in place of ``h`` (:func:`js_divergence`, :func:`alpha_divergence`, :func:`forward_kl`;
-    f-DPO, Wang et al. 2023). TRL: ``loss_type="sigmoid"``."""
+    conservative DPO (cDPO, Mitchell 2023): the label is flipped with that probability (TRL 1.16's ``"sigmoid"``
+    has no label smoothing). ``divergence``: an f-divergence margin in place of ``h`` (:func:`js_divergence`,
+    :func:`alpha_divergence`, :func:`forward_kl`; f-DPO, Wang et al. 2023). TRL: ``loss_type="sigmoid"``."""
     margins = pairs.margins() if divergence is None else divergence(pairs)
     return _smoothed_sigmoid(beta * margins, label_smoothing)
 
@@ -132,7 +134,7 @@ def ipo_loss(pairs: PairLogps, beta: float, state: LossState, per_token: bool = 
     return (pairs.margins(per_token) - 1 / (2 * beta)) ** 2
 
 
-@limits(label_smoothing=Range(gt=0, lt=0.5, meaning="EXO's epsilon; TRL uses 1e-3 when label_smoothing is 0",
+@limits(label_smoothing=Range(gt=0, lt=0.5, meaning="EXO's epsilon, TRL's label_smoothing (which must be > 0 there)",
                               fix=1e-3))
 def exo_pair_loss(pairs: PairLogps, beta: float, state: LossState, label_smoothing: float = 1e-3) -> Tensor:
     """EXO, pairwise (Ji et al. 2024, arXiv:2402.00856, eq. 16): the reverse KL between the model's preference
@@ -150,12 +152,15 @@ def nca_pair_loss(pairs: PairLogps, beta: float, state: LossState) -> Tensor:
     return -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
 
 
-def bco_pair_loss(pairs: PairLogps, beta: float, state: LossState) -> Tensor:
-    """BCO, pairwise (Jung et al. 2024, arXiv:2404.04656): each completion classified against a running mean
-    ``delta`` of all rewards ``beta x log-ratio`` seen in training: ``-log s(r_w - delta) - log s(-(r_l -
-    delta))``. ``delta`` (``state["bco_reward_mean"]``, with ``"bco_reward_count"``) is updated with this
-    batch before use, as TRL's ``"bco_pair"`` does; each process keeps its own (TRL averages across processes)."""
+def bco_pair_loss(pairs: PairLogps, beta: float, state: LossState, running_mean: bool = False) -> Tensor:
+    """BCO, pairwise (Jung et al. 2024, arXiv:2404.04656): each completion classified on its own reward
+    ``beta x log-ratio``: ``-log s(r_w - delta) - log s(-(r_l - delta))``. ``running_mean=false`` (TRL 1.16's
+    ``"bco_pair"``): ``delta = 0``. ``true`` (the paper; older TRL): ``delta`` is the running mean of all training
+    rewards (``state["bco_reward_mean"]``, with ``"bco_reward_count"``; saved in checkpoints), updated with this
+    batch before use; each process keeps its own (older TRL averaged across processes)."""
     chosen, rejected = beta * pairs.chosen_logratios, beta * pairs.rejected_logratios
+    if not running_mean:
+        return -F.logsigmoid(chosen) - F.logsigmoid(-rejected)
     rewards = torch.cat([chosen, rejected]).detach()
     count = state.get("bco_reward_count", torch.zeros((), dtype=torch.float64))
     mean = state.get("bco_reward_mean", torch.zeros((), dtype=torch.float64))
@@ -174,7 +179,7 @@ def sppo_hard_loss(pairs: PairLogps, beta: float, state: LossState) -> Tensor:
 
 @limits(label_smoothing=SMOOTHING)
 def aot_loss(pairs: PairLogps, beta: float, state: LossState, label_smoothing: float = 0.0) -> Tensor:
-    """AOT, unpaired (Melnyk et al. 2024, arXiv:2406.05882): the sorted policy log-odds ``log pi_w - log pi_l``
+    """AOT, paired (Melnyk et al. 2024, arXiv:2406.05882): the sorted policy log-odds ``log pi_w - log pi_l``
     against the sorted reference log-odds, across the batch, in DPO's sigmoid loss. TRL: ``"aot"``."""
     policy, _ = torch.sort(pairs.policy_chosen - pairs.policy_rejected)
     reference, _ = torch.sort(pairs.ref_chosen - pairs.ref_rejected)
@@ -182,9 +187,9 @@ def aot_loss(pairs: PairLogps, beta: float, state: LossState, label_smoothing: f
 
 
 @limits(label_smoothing=SMOOTHING)
-def aot_pair_loss(pairs: PairLogps, beta: float, state: LossState, label_smoothing: float = 0.0) -> Tensor:
-    """AOT, paired (Melnyk et al. 2024, arXiv:2406.05882): the sorted chosen log-ratios against the sorted
-    rejected ones, across the batch, in DPO's sigmoid loss. TRL: ``"aot_pair"``."""
+def aot_unpaired_loss(pairs: PairLogps, beta: float, state: LossState, label_smoothing: float = 0.0) -> Tensor:
+    """AOT, unpaired (Melnyk et al. 2024, arXiv:2406.05882): the sorted chosen log-ratios against the sorted
+    rejected ones, across the batch, in DPO's sigmoid loss. TRL 1.16: ``"aot_unpaired"`` (formerly ``"aot_pair"``)."""
     chosen, _ = torch.sort(pairs.chosen_logratios)
     rejected, _ = torch.sort(pairs.rejected_logratios)
     return _smoothed_sigmoid(beta * (chosen - rejected), label_smoothing)

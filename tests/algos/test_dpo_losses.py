@@ -65,8 +65,11 @@ def expected(name: str) -> list[float]:
             "discopop": -logsig(z) * (1 - sig(z / 0.05)) + math.exp(-z) * sig(z / 0.05),
             "sigmoid_norm": -logsig(BETA * hn),
             "js": -logsig(BETA * (h - (math.log1p(math.exp(r_w)) - math.log1p(math.exp(r_l))))),
+            "bco_pair": -logsig(BETA * r_w) - logsig(-BETA * r_l),
             "forward_kl": -logsig(BETA * (math.exp(-r_l) - math.exp(-r_w))),
             "alpha_0.5": -logsig(BETA * (math.exp(-0.5 * r_l) - math.exp(-0.5 * r_w)) / 0.5),
+            # TRL's coefficient a: f'(u) = (u^(a-1) - 1)/(a-1); the paper's (1 - u^-alpha)/alpha with alpha = 1 - a
+            "alpha_0.2": -logsig(BETA * (math.exp(-0.8 * r_l) - math.exp(-0.8 * r_w)) / 0.8),
         }[name])
     return out
 
@@ -81,6 +84,7 @@ CASES = {
     "exo_pair": lambda p, s: L.exo_pair_loss(p, BETA, s),
     "nca_pair": lambda p, s: L.nca_pair_loss(p, BETA, s),
     "sppo_hard": lambda p, s: L.sppo_hard_loss(p, BETA, s),
+    "bco_pair": lambda p, s: L.bco_pair_loss(p, BETA, s),
     "apo_zero": lambda p, s: L.apo_zero_loss(p, BETA, s),
     "apo_down": lambda p, s: L.apo_down_loss(p, BETA, s),
     "discopop": lambda p, s: L.discopop_loss(p, BETA, s),
@@ -88,6 +92,7 @@ CASES = {
     "js": lambda p, s: L.sigmoid_loss(p, BETA, s, divergence=L.js_divergence),
     "forward_kl": lambda p, s: L.sigmoid_loss(p, BETA, s, divergence=L.forward_kl),
     "alpha_0.5": lambda p, s: L.sigmoid_loss(p, BETA, s, divergence=lambda q: L.alpha_divergence(q, 0.5)),
+    "alpha_0.2": lambda p, s: L.sigmoid_loss(p, BETA, s, divergence=lambda q: L.alpha_divergence(q, 0.2)),
 }
 
 
@@ -97,21 +102,21 @@ def test_loss_matches_hand_computed_values(name):
 
 
 def test_aot_sorts_across_the_batch():
-    # aot_pair: sorted chosen log-ratios [-1, 1] against sorted rejected [-2, 1.5]: margins [1, -0.5].
-    assert L.aot_pair_loss(pairs(), BETA, {}).tolist() == pytest.approx([-logsig(0.5), -logsig(-0.25)], rel=1e-5)
+    # aot_unpaired: sorted chosen log-ratios [-1, 1] against sorted rejected [-2, 1.5]: margins [1, -0.5].
+    assert L.aot_unpaired_loss(pairs(), BETA, {}).tolist() == pytest.approx([-logsig(0.5), -logsig(-0.25)], rel=1e-5)
     # aot: policy log-odds [4, -2] sorted [-2, 4]; reference [1, 0.5] sorted [0.5, 1]: margins [-2.5, 3].
     assert L.aot_loss(pairs(), BETA, {}).tolist() == pytest.approx([-logsig(-1.25), -logsig(1.5)], rel=1e-5)
 
 
 def test_bco_pair_uses_and_keeps_the_running_reward_mean():
     state: dict = {}
-    first = L.bco_pair_loss(pairs(), BETA, state)
+    first = L.bco_pair_loss(pairs(), BETA, state, running_mean=True)
     rewards = [BETA * x for x in RW + RL]
     delta = sum(rewards) / 4  # the first batch's mean, taken before use (as TRL does)
     assert first.tolist() == pytest.approx([-logsig(BETA * r_w - delta) - logsig(-(BETA * r_l - delta))
                                             for r_w, r_l in zip(RW, RL)], rel=1e-5)
     assert state["bco_reward_count"].item() == 4 and state["bco_reward_mean"].item() == pytest.approx(delta)
-    L.bco_pair_loss(at_init(2), BETA, state)  # rewards all 0: the mean of all 8 is half the first
+    L.bco_pair_loss(at_init(2), BETA, state, running_mean=True)  # rewards all 0: the mean of all 8 is half the first
     assert state["bco_reward_mean"].item() == pytest.approx(delta / 2) and state["bco_reward_count"].item() == 8
 
 
@@ -126,7 +131,7 @@ def test_weighted_sum_is_the_weighted_sum_and_needs_one_weight_per_loss():
 
 LOG2 = math.log(2)
 AT_INIT = {  # policy = reference: every log-ratio is 0
-    "dpo": LOG2, "cdpo": LOG2, "robust": LOG2, "sigmoid_norm": LOG2, "aot": LOG2, "aot_pair": LOG2,
+    "dpo": LOG2, "cdpo": LOG2, "robust": LOG2, "sigmoid_norm": LOG2, "aot": LOG2, "aot_unpaired": LOG2,
     "dpo_js_divergence": LOG2, "dpo_forward_kl": LOG2, "dpo_alpha_divergence": LOG2,
     "hinge": 1.0, "apo_zero": 1.0, "apo_down": 1.0, "nca_pair": 2 * LOG2, "bco_pair": 2 * LOG2,
     "ipo": (1 / (2 * 0.3)) ** 2, "sppo_hard": 2 * (0.5 / 0.3) ** 2, "discopop": (LOG2 + 1) / 2,
@@ -146,12 +151,16 @@ def test_loss_at_initialization(algo):
     assert loss(at_init(), 0.3, {}).mean().item() == pytest.approx(AT_INIT[algo], rel=1e-6)
 
 
-def test_dpo_saves_and_restores_the_loss_state_and_evaluation_leaves_it_alone():
-    algo = DPO(loss=L.bco_pair_loss)
+def running_bco(pairs, beta, state):
+    return L.bco_pair_loss(pairs, beta, state, running_mean=True)
+
+
+def test_dpo_saves_and_restores_the_loss_state():
+    algo = DPO(loss=running_bco)
     algo.loss_state = {}
     algo.loss_fn(pairs(), algo.beta, algo.loss_state)
     saved = algo.state_dict()
-    other = DPO(loss=L.bco_pair_loss)
+    other = DPO(loss=running_bco)
     other.load_state_dict(saved)
     assert other.loss_state.keys() == {"bco_reward_mean", "bco_reward_count"}
     for key, value in algo.loss_state.items():
@@ -163,7 +172,7 @@ def test_evaluation_reads_the_loss_state_but_only_training_updates_it():
     from rlhf.models.tiny import TinySpec
 
     policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
-    algo = DPO(loss=L.bco_pair_loss)
+    algo = DPO(loss=running_bco)
     algo.setup(policy.model, policy.tokenizer)
     rows = [{"prompt": "abc=", "chosen": "cba", "rejected": "cab"}]
     batch = algo.collate([algo.tokenize(r, policy.tokenizer) for r in rows])
@@ -183,7 +192,7 @@ def test_every_dpo_variant_trains_two_steps(fast_config):
 
 def test_bco_resumed_from_a_checkpoint_equals_the_uninterrupted_run(fast_config, tmp_path):
     """The running reward mean is in each rank's checkpoint; without it the resumed steps would differ."""
-    common = ["algo=bco_pair", "train.max_steps=4", "train.save_every_steps=2", "train.eval_at_start=false",
+    common = ["algo=bco_pair", "algo.loss.running_mean=true", "train.max_steps=4", "train.save_every_steps=2", "train.eval_at_start=false",
               "data.task.num_train=16", "data.task.num_eval=8"]
     train(fast_config(*common))
     folder = tmp_path / "run" / checkpoint.FOLDER / f"{checkpoint.PREFIX}{2:08d}"
