@@ -10,10 +10,8 @@ log-probabilities summed over completion tokens). Exits 1 if they differ by more
 With ``--losses`` it checks every DPO loss variant that TRL also has (``conf/algo/<name>.yaml`` against the
 ``DPOConfig`` fields of :data:`TRL_LOSSES`): the first-step loss of both on the same held-out batch, with a
 reference model that differs from the policy (the policy's weights plus seeded noise); exits 1 if any differs by
-1e-4 or more. Measured with TRL 1.16.0 (16 pairs): the formulas agree (apo_zero 1.6e-6, mpo 2.5e-6) but most
-variants differ by 4e-5 to 6e-4 (sppo_hard, whose loss is ~290, by 0.45): TRL's reference log-probabilities
-differ slightly from ours (at initialization TRL reports a margin of -1e-3 where policy = reference gives exactly
-0); not yet explained.
+1e-4 or more. TRL runs in float32 here (``bf16=False``: its default bf16 autocast moves the reference's
+log-probabilities by ~1e-3 nats). Measured with TRL 1.16.0 on 16 pairs: all 18 variants agree to 1.2e-7 or better.
 With ``--steps N`` it also trains both for N DPO steps (AdamW, lr 1e-4, 32 pairs per step, no evaluation, no
 checkpoints) and prints seconds per step and the ratio.
 """
@@ -101,7 +99,7 @@ def trl_loss(policy, reference, rows, fields: dict) -> float:
 
     with tempfile.TemporaryDirectory() as out:
         args = DPOConfig(output_dir=out, per_device_eval_batch_size=len(rows), report_to=[], beta=0.1,
-                         use_cpu=True, max_length=None, **fields)
+                         use_cpu=True, max_length=None, bf16=False, **fields)
         trainer = DPOTrainer(model=copy.deepcopy(policy.model), ref_model=copy.deepcopy(reference), args=args,
                              processing_class=policy.tokenizer, train_dataset=Dataset.from_list(rows),
                              eval_dataset=Dataset.from_list(rows))
