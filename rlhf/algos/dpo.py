@@ -2,36 +2,24 @@
 
 With policy log-ratios against a frozen reference, ``h = (log pi(y_w|x) - log ref(y_w|x)) -
 (log pi(y_l|x) - log ref(y_l|x))``, the sigmoid loss is ``-log sigmoid(beta * h)``. Log-probabilities are
-summed over completion tokens (EOS included). Loss variants are separate functions chosen in
-``conf/algo/*.yaml`` by ``loss._target_``; they all take the two log-ratios and ``beta``.
+summed over completion tokens (EOS included). Loss variants are the functions of :mod:`rlhf.algos.dpo_losses`,
+chosen in ``conf/algo/*.yaml`` by ``loss._target_``; they all take the pair's log-probabilities
+(:class:`~rlhf.algos.dpo_losses.PairLogps`), ``beta`` and the loss's state, which this class saves in checkpoints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, completion_stats, prompt_leaves_room
+from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
 from rlhf.algos.sft import nll_loss
 from rlhf.data.collate import collate_sequences, encode, require_completion
 from rlhf.models.reference import FrozenCopy, disable_dropout
 from rlhf.validate import Range, limits
-
-LossFn = Callable[[Tensor, Tensor, float], Tensor]
-
-
-@limits(label_smoothing=Range(ge=0, lt=0.5, meaning="probability that a preference label is flipped; 0 is plain "
-                                "DPO, 0.1 is common for noisy labels", fix=0.1))
-def sigmoid_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, beta: float,
-                 label_smoothing: float = 0.0) -> Tensor:
-    """DPO's loss per pair, ``[B]``. ``label_smoothing`` > 0 gives conservative DPO (cDPO, Mitchell 2023):
-    the preference label is assumed flipped with that probability."""
-    logits = beta * (chosen_logratios - rejected_logratios)
-    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
 
 
 @limits(
@@ -46,7 +34,7 @@ class DPO(Algorithm):
 
     Args:
         beta: strength of the implicit KL penalty (> 0); rewards are ``beta * log(pi/ref)``.
-        loss: the per-pair loss (a partial function of chosen/rejected log-ratios and beta).
+        loss: the per-pair loss, a function of (:class:`PairLogps`, beta, state) from :mod:`rlhf.algos.dpo_losses`.
         reference: builds the frozen reference model from the initial policy and its tokenizer
             (``self.frozen["reference"]``; the config group ``algo/reference``, :mod:`rlhf.models.reference`).
         nll_weight: weight (>= 0) of an added NLL term on the chosen completion (RPO, Pang et al. 2024,
@@ -64,7 +52,7 @@ class DPO(Algorithm):
     def __init__(
         self,
         beta: float = 0.1,
-        loss: LossFn = sigmoid_loss,
+        loss: Loss = sigmoid_loss,
         reference: Any = None,
         nll_weight: float = 0.0,
         disable_dropout: bool = True,
@@ -76,6 +64,7 @@ class DPO(Algorithm):
         self.disable_dropout = disable_dropout
         self.max_prompt_length, self.max_length = max_prompt_length, max_length
         self.pad_id = 0
+        self.loss_state: LossState = {}  # what the loss keeps across steps (BCO's running mean); in checkpoints
 
     def tokenize(self, row: dict[str, str], tokenizer) -> dict[str, list[int]]:
         out = {}
@@ -105,15 +94,24 @@ class DPO(Algorithm):
         masks = [r["chosen_completion_mask"] for r in rows] + [r["rejected_completion_mask"] for r in rows]
         return collate_sequences(ids, masks, self.pad_id)
 
-    def loss(self, model, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss": {name: value.detach().cpu().clone() for name, value in self.loss_state.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_state = {name: value.clone() for name, value in state.get("loss", {}).items()}
+
+    def loss(self, model, batch: dict[str, Tensor], training: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
+        """``training=False`` (held-out batches): the loss state is read but not updated."""
         policy = completion_stats(model, batch)
         with torch.no_grad():  # no reference (algo/reference=none): the log-ratios are the log-probabilities
             ref_logps = (completion_stats(self.ref_model, batch).logps if self.ref_model is not None
                          else torch.zeros_like(policy.logps))
         n = batch["input_ids"].shape[0] // 2
-        chosen_logratios = policy.logps[:n] - ref_logps[:n]
-        rejected_logratios = policy.logps[n:] - ref_logps[n:]
-        losses = self.loss_fn(chosen_logratios, rejected_logratios, self.beta)
+        pairs = PairLogps(policy.logps[:n], policy.logps[n:], ref_logps[:n], ref_logps[n:],
+                          policy.num_tokens[:n], policy.num_tokens[n:])
+        chosen_logratios, rejected_logratios = pairs.chosen_logratios, pairs.rejected_logratios
+        state = self.loss_state if training else dict(self.loss_state)
+        losses = self.loss_fn(pairs, self.beta, state)
         loss = losses.mean()
         if self.nll_weight:
             loss = loss + self.nll_weight * nll_loss(policy.token_logps[:n], policy.mask[:n])
@@ -133,4 +131,4 @@ class DPO(Algorithm):
         return loss, metrics
 
     def evaluate(self, model, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        return self.loss(model, batch)[1]
+        return self.loss(model, batch, training=False)[1]

@@ -3,25 +3,32 @@ import math
 import pytest
 import torch
 
-from rlhf.algos.dpo import DPO, sigmoid_loss
+from rlhf.algos.dpo import DPO
+from rlhf.algos.dpo_losses import PairLogps, sigmoid_loss
 from rlhf.models.reference import FrozenCopy
 from rlhf.models.tiny import TinySpec
+
+
+def _pairs(chosen, rejected):
+    """Pairs whose reference log-probabilities are 0, so the log-ratios are the policy's; 1 token each."""
+    zeros, ones = torch.zeros_like(chosen), torch.ones_like(chosen)
+    return PairLogps(chosen, rejected, zeros, zeros, ones, ones)
 
 
 def test_sigmoid_loss_matches_hand_computed_values():
     # beta 0.1, h = (c - r) logratio difference: h=10 -> -log(sigmoid(1)) = log(1 + e^-1)
     chosen = torch.tensor([2.0, 0.0, -1.0])
     rejected = torch.tensor([-8.0, 0.0, 4.0])
-    losses = sigmoid_loss(chosen, rejected, beta=0.1)
+    losses = sigmoid_loss(_pairs(chosen, rejected), 0.1, {})
     expected = [math.log(1 + math.exp(-1.0)), math.log(2.0), math.log(1 + math.exp(0.5))]
     assert losses.tolist() == pytest.approx(expected, rel=1e-6)
 
 
 def test_label_smoothing_mixes_both_directions():
     chosen, rejected = torch.tensor([1.0]), torch.tensor([-1.0])
-    plain = sigmoid_loss(chosen, rejected, beta=1.0)
-    flipped = sigmoid_loss(rejected, chosen, beta=1.0)
-    smoothed = sigmoid_loss(chosen, rejected, beta=1.0, label_smoothing=0.25)
+    plain = sigmoid_loss(_pairs(chosen, rejected), 1.0, {})
+    flipped = sigmoid_loss(_pairs(rejected, chosen), 1.0, {})
+    smoothed = sigmoid_loss(_pairs(chosen, rejected), 1.0, {}, label_smoothing=0.25)
     assert smoothed.item() == pytest.approx(0.75 * plain.item() + 0.25 * flipped.item(), rel=1e-6)
 
 
@@ -58,7 +65,7 @@ def test_dpo_rewards_are_beta_times_logratios_and_nll_term_is_weight_times_chose
     assert metrics["rewards/chosen"].item() == pytest.approx(chosen_rewards.mean().item(), rel=1e-5)
     assert metrics["rewards/margins"].item() == pytest.approx((chosen_rewards - rejected_rewards).mean().item(), rel=1e-5)
     assert metrics["logps/rejected"].item() == pytest.approx(pol[2:].mean().item(), rel=1e-5)
-    expected = sigmoid_loss(pol[:2] - ref[:2], pol[2:] - ref[2:], 0.5).mean()
+    expected = sigmoid_loss(_pairs(pol[:2] - ref[:2], pol[2:] - ref[2:]), 0.5, {}).mean()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
 
     # RPO's term: nll_weight x the mean negative log-prob per completion token of the chosen rows only.

@@ -1,0 +1,203 @@
+"""The DPO loss family (rlhf.algos.dpo_losses): each formula against values computed by hand with `math`, the
+known values at initialization (policy = reference), BCO's state in checkpoints, and every variant's YAML trains."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from safetensors.torch import load_file
+
+from rlhf import checkpoint, train
+from rlhf.algos import dpo_losses as L
+from rlhf.algos.dpo import DPO
+from rlhf.errors import UserError
+from tests.conftest import CONF, FAST, compose_config
+
+# Two pairs. Policy/reference log-probabilities (summed) and completion lengths.
+PC, PR, RC, RR = [-2.0, -5.0], [-6.0, -3.0], [-3.0, -4.0], [-4.0, -4.5]
+NC, NR = [2.0, 4.0], [3.0, 1.0]
+RW = [p - r for p, r in zip(PC, RC)]  # chosen log-ratios: 1, -1
+RL = [p - r for p, r in zip(PR, RR)]  # rejected log-ratios: -2, 1.5
+H = [r_w - r_l for r_w, r_l in zip(RW, RL)]  # margins: 3, -2.5
+BETA = 0.5
+
+
+def pairs() -> L.PairLogps:
+    t = torch.tensor
+    return L.PairLogps(t(PC), t(PR), t(RC), t(RR), t(NC), t(NR))
+
+
+def at_init(n: int = 3) -> L.PairLogps:
+    logps = torch.tensor([-3.0, -7.0, -1.5][:n])
+    return L.PairLogps(logps, logps - 1, logps, logps - 1, torch.full((n,), 2.0), torch.full((n,), 3.0))
+
+
+def logsig(x: float) -> float:
+    return -math.log1p(math.exp(-x))
+
+
+def sig(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def expected(name: str) -> list[float]:
+    """Each loss written out per pair from its paper / TRL's definition, in plain floats."""
+    out = []
+    for i in range(2):
+        r_w, r_l, h = RW[i], RL[i], H[i]
+        z = BETA * h
+        hn = r_w / NC[i] - r_l / NR[i]
+        out.append({
+            "sigmoid": -logsig(z),
+            "cdpo": -0.9 * logsig(z) - 0.1 * logsig(-z),
+            "robust": (-0.9 * logsig(z) + 0.1 * logsig(-z)) / 0.8,
+            "hinge": max(0.0, 1 - z),
+            "ipo": (hn - 1 / (2 * BETA)) ** 2,
+            "ipo_summed": (h - 1 / (2 * BETA)) ** 2,
+            "exo_pair": sig(z) * (logsig(z) - math.log(1 - 1e-3)) + sig(-z) * (logsig(-z) - math.log(1e-3)),
+            "nca_pair": -logsig(BETA * r_w) - 0.5 * logsig(-BETA * r_w) - 0.5 * logsig(-BETA * r_l),
+            "sppo_hard": (r_w - 1 / (2 * BETA)) ** 2 + (r_l + 1 / (2 * BETA)) ** 2,
+            "apo_zero": 1 - sig(BETA * r_w) + sig(BETA * r_l),
+            "apo_down": sig(BETA * r_w) + 1 - sig(z),
+            "discopop": -logsig(z) * (1 - sig(z / 0.05)) + math.exp(-z) * sig(z / 0.05),
+            "sigmoid_norm": -logsig(BETA * hn),
+            "js": -logsig(BETA * (h - (math.log1p(math.exp(r_w)) - math.log1p(math.exp(r_l))))),
+            "bco_pair": -logsig(BETA * r_w) - logsig(-BETA * r_l),
+            "forward_kl": -logsig(BETA * (math.exp(-r_l) - math.exp(-r_w))),
+            "alpha_0.5": -logsig(BETA * (math.exp(-0.5 * r_l) - math.exp(-0.5 * r_w)) / 0.5),
+            # TRL's coefficient a: f'(u) = (u^(a-1) - 1)/(a-1); the paper's (1 - u^-alpha)/alpha with alpha = 1 - a
+            "alpha_0.2": -logsig(BETA * (math.exp(-0.8 * r_l) - math.exp(-0.8 * r_w)) / 0.8),
+        }[name])
+    return out
+
+
+CASES = {
+    "sigmoid": lambda p, s: L.sigmoid_loss(p, BETA, s),
+    "cdpo": lambda p, s: L.sigmoid_loss(p, BETA, s, label_smoothing=0.1),
+    "robust": lambda p, s: L.robust_loss(p, BETA, s, label_smoothing=0.1),
+    "hinge": lambda p, s: L.hinge_loss(p, BETA, s),
+    "ipo": lambda p, s: L.ipo_loss(p, BETA, s),
+    "ipo_summed": lambda p, s: L.ipo_loss(p, BETA, s, per_token=False),
+    "exo_pair": lambda p, s: L.exo_pair_loss(p, BETA, s),
+    "nca_pair": lambda p, s: L.nca_pair_loss(p, BETA, s),
+    "sppo_hard": lambda p, s: L.sppo_hard_loss(p, BETA, s),
+    "bco_pair": lambda p, s: L.bco_pair_loss(p, BETA, s),
+    "apo_zero": lambda p, s: L.apo_zero_loss(p, BETA, s),
+    "apo_down": lambda p, s: L.apo_down_loss(p, BETA, s),
+    "discopop": lambda p, s: L.discopop_loss(p, BETA, s),
+    "sigmoid_norm": lambda p, s: L.sigmoid_norm_loss(p, BETA, s),
+    "js": lambda p, s: L.sigmoid_loss(p, BETA, s, divergence=L.js_divergence),
+    "forward_kl": lambda p, s: L.sigmoid_loss(p, BETA, s, divergence=L.forward_kl),
+    "alpha_0.5": lambda p, s: L.sigmoid_loss(p, BETA, s, divergence=lambda q: L.alpha_divergence(q, 0.5)),
+    "alpha_0.2": lambda p, s: L.sigmoid_loss(p, BETA, s, divergence=lambda q: L.alpha_divergence(q, 0.2)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_matches_hand_computed_values(name):
+    assert CASES[name](pairs(), {}).tolist() == pytest.approx(expected(name), rel=1e-5)
+
+
+def test_aot_sorts_across_the_batch():
+    # aot_unpaired: sorted chosen log-ratios [-1, 1] against sorted rejected [-2, 1.5]: margins [1, -0.5].
+    assert L.aot_unpaired_loss(pairs(), BETA, {}).tolist() == pytest.approx([-logsig(0.5), -logsig(-0.25)], rel=1e-5)
+    # aot: policy log-odds [4, -2] sorted [-2, 4]; reference [1, 0.5] sorted [0.5, 1]: margins [-2.5, 3].
+    assert L.aot_loss(pairs(), BETA, {}).tolist() == pytest.approx([-logsig(-1.25), -logsig(1.5)], rel=1e-5)
+
+
+def test_bco_pair_uses_and_keeps_the_running_reward_mean():
+    state: dict = {}
+    first = L.bco_pair_loss(pairs(), BETA, state, running_mean=True)
+    rewards = [BETA * x for x in RW + RL]
+    delta = sum(rewards) / 4  # the first batch's mean, taken before use (as TRL does)
+    assert first.tolist() == pytest.approx([-logsig(BETA * r_w - delta) - logsig(-(BETA * r_l - delta))
+                                            for r_w, r_l in zip(RW, RL)], rel=1e-5)
+    assert state["bco_reward_count"].item() == 4 and state["bco_reward_mean"].item() == pytest.approx(delta)
+    L.bco_pair_loss(at_init(2), BETA, state, running_mean=True)  # rewards all 0: the mean of all 8 is half the first
+    assert state["bco_reward_mean"].item() == pytest.approx(delta / 2) and state["bco_reward_count"].item() == 8
+
+
+def test_weighted_sum_is_the_weighted_sum_and_needs_one_weight_per_loss():
+    parts = [lambda p, b, s: L.sigmoid_loss(p, b, s), lambda p, b, s: L.hinge_loss(p, b, s)]
+    total = L.weighted_sum(pairs(), BETA, {}, losses=parts, weights=[0.8, 0.2])
+    want = [0.8 * a + 0.2 * b for a, b in zip(expected("sigmoid"), expected("hinge"))]
+    assert total.tolist() == pytest.approx(want, rel=1e-5)
+    with pytest.raises(UserError, match="one weight per loss"):
+        L.weighted_sum(pairs(), BETA, {}, losses=parts, weights=[1.0])
+
+
+LOG2 = math.log(2)
+AT_INIT = {  # policy = reference: every log-ratio is 0
+    "dpo": LOG2, "cdpo": LOG2, "robust": LOG2, "sigmoid_norm": LOG2, "aot": LOG2, "aot_unpaired": LOG2,
+    "dpo_js_divergence": LOG2, "dpo_forward_kl": LOG2, "dpo_alpha_divergence": LOG2,
+    "hinge": 1.0, "apo_zero": 1.0, "apo_down": 1.0, "nca_pair": 2 * LOG2, "bco_pair": 2 * LOG2,
+    "ipo": (1 / (2 * 0.3)) ** 2, "sppo_hard": 2 * (0.5 / 0.3) ** 2, "discopop": (LOG2 + 1) / 2,
+    "exo_pair": -LOG2 - 0.5 * math.log((1 - 1e-3) * 1e-3), "mpo": 0.8 * LOG2 + 0.2 * 2 * LOG2,
+}
+DPO_VARIANTS = sorted(p.stem for p in (CONF / "algo").glob("*.yaml")
+                      if compose_config(f"algo={p.stem}").algo._target_ == "rlhf.algos.dpo.DPO")
+
+
+def test_every_dpo_variant_has_its_starting_value():
+    assert set(DPO_VARIANTS) == set(AT_INIT), "add the new variant's value at initialization to AT_INIT"
+
+
+@pytest.mark.parametrize("algo", DPO_VARIANTS)
+def test_loss_at_initialization(algo):
+    loss = instantiate(compose_config(f"algo={algo}").algo).loss_fn
+    assert loss(at_init(), 0.3, {}).mean().item() == pytest.approx(AT_INIT[algo], rel=1e-6)
+
+
+def running_bco(pairs, beta, state):
+    return L.bco_pair_loss(pairs, beta, state, running_mean=True)
+
+
+def test_dpo_saves_and_restores_the_loss_state():
+    algo = DPO(loss=running_bco)
+    algo.loss_state = {}
+    algo.loss_fn(pairs(), algo.beta, algo.loss_state)
+    saved = algo.state_dict()
+    other = DPO(loss=running_bco)
+    other.load_state_dict(saved)
+    assert other.loss_state.keys() == {"bco_reward_mean", "bco_reward_count"}
+    for key, value in algo.loss_state.items():
+        assert torch.equal(other.loss_state[key], value)
+    assert DPO().state_dict() == {"loss": {}}
+
+
+def test_evaluation_reads_the_loss_state_but_only_training_updates_it():
+    from rlhf.models.tiny import TinySpec
+
+    policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+    algo = DPO(loss=running_bco)
+    algo.setup(policy.model, policy.tokenizer)
+    rows = [{"prompt": "abc=", "chosen": "cba", "rejected": "cab"}]
+    batch = algo.collate([algo.tokenize(r, policy.tokenizer) for r in rows])
+    algo.evaluate(policy.model, batch)
+    assert algo.loss_state == {}
+    algo.loss(policy.model, batch)
+    assert algo.loss_state["bco_reward_count"].item() == 2
+
+
+def test_every_dpo_variant_trains_two_steps(fast_config):
+    """`python train.py algo=<each>` on FAST settings, in one process: the loss is finite and evaluation runs."""
+    for algo in DPO_VARIANTS:
+        metrics = train(fast_config(f"algo={algo}", "train.max_steps=2", "data.task.num_train=8",
+                                    "data.task.num_eval=8", "train.eval_at_start=false"))
+        assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["eval/loss"]), algo
+
+
+def test_bco_resumed_from_a_checkpoint_equals_the_uninterrupted_run(fast_config, tmp_path):
+    """The running reward mean is in each rank's checkpoint; without it the resumed steps would differ."""
+    common = ["algo=bco_pair", "algo.loss.running_mean=true", "train.max_steps=4", "train.save_every_steps=2", "train.eval_at_start=false",
+              "data.task.num_train=16", "data.task.num_eval=8"]
+    train(fast_config(*common))
+    folder = tmp_path / "run" / checkpoint.FOLDER / f"{checkpoint.PREFIX}{2:08d}"
+    saved = torch.load(folder / "rank_0.pt", weights_only=True)["algo"]["loss"]
+    assert saved["bco_reward_count"].item() == 2 * 4 * 2  # 2 steps x 4 pairs x (chosen, rejected)
+    train(compose_config(*FAST, *common, f"resume={folder}", output_dir=tmp_path / "resumed"))
+    whole, resumed = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("run", "resumed"))
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
