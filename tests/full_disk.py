@@ -49,9 +49,9 @@ class FullDiskFrom(DPO):
         super().__init__(**kwargs)
         self.call, self.rank, self.limit_bytes, self.count = call, rank, limit_bytes, 0
 
-    def loss(self, model, batch):
+    def loss(self, model, batch, **kwargs):  # kwargs: e.g. DPO's training=False on held-out batches
         if torch.is_grad_enabled():
             if self.count == self.call and (self.rank is None or int(os.environ.get("RANK", "0")) == self.rank):
                 fill_disk(self.limit_bytes)
             self.count += 1
-        return super().loss(model, batch)
+        return super().loss(model, batch, **kwargs)

@@ -27,8 +27,8 @@ class NaNAt(SFT):
         self.calls, self.rank, self.nan_gradients, self.count = list(calls or []), rank, nan_gradients, 0
         self.model = None
 
-    def loss(self, model, batch):
-        loss, metrics = super().loss(model, batch)
+    def loss(self, model, batch, **kwargs):  # kwargs: e.g. DPO's training=False on held-out batches
+        loss, metrics = super().loss(model, batch, **kwargs)
         if not model.training:  # evaluation (SFT evaluates with its loss) is not counted
             return loss, metrics
         self.model = model

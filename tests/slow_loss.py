@@ -20,12 +20,12 @@ class _Slow:
         super().__init__(**kwargs)
         self.call, self.seconds, self.count = call, seconds, 0
 
-    def loss(self, model, batch):
+    def loss(self, model, batch, **kwargs):  # kwargs: e.g. DPO's training=False on held-out batches
         if model.training:
             if self.count >= self.call:
                 time.sleep(self.seconds)
             self.count += 1
-        return super().loss(model, batch)
+        return super().loss(model, batch, **kwargs)
 
 
 class SlowFrom(_Slow, SFT):
