@@ -22,7 +22,9 @@ def _one_option_per_algorithm() -> list[str]:
     and tests/algos/test_dpo_losses.py trains each of them."""
     by_class: dict[str, str] = {}
     for path in sorted((CONF / "algo").glob("*.yaml")):
-        target = OmegaConf.load(path)._target_
+        target = OmegaConf.load(path).get("_target_")
+        if target is None:  # a DPO loss variant: algo=dpo with another algo/loss option
+            continue
         if target not in by_class or path.stem == target.split(".")[-2]:
             by_class[target] = path.stem
     return sorted(by_class.values())

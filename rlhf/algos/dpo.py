@@ -3,7 +3,7 @@
 With policy log-ratios against a frozen reference, ``h = (log pi(y_w|x) - log ref(y_w|x)) -
 (log pi(y_l|x) - log ref(y_l|x))``, the sigmoid loss is ``-log sigmoid(beta * h)``. Log-probabilities are
 summed over completion tokens (EOS included). Loss variants are the functions of :mod:`rlhf.algos.dpo_losses`,
-chosen in ``conf/algo/*.yaml`` by ``loss._target_``; they all take the pair's log-probabilities
+chosen by the config group ``algo/loss`` (``conf/algo/loss/*.yaml``); they all take the pair's log-probabilities
 (:class:`~rlhf.algos.dpo_losses.PairLogps`), ``beta`` and the loss's state, which this class saves in checkpoints.
 """
 

@@ -201,3 +201,10 @@ def test_bco_resumed_from_a_checkpoint_equals_the_uninterrupted_run(fast_config,
     train(compose_config(*FAST, *common, f"resume={folder}", output_dir=tmp_path / "resumed"))
     whole, resumed = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("run", "resumed"))
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+@pytest.mark.parametrize("variant", DPO_VARIANTS)
+def test_a_variant_is_dpo_with_its_own_loss_option(variant):
+    """algo=<variant> takes beta, lengths, dropout and the reference from algo=dpo and its loss from algo/loss."""
+    named, chosen = compose_config(f"algo={variant}").algo, compose_config("algo=dpo", f"algo/loss={variant if variant != 'dpo' else 'sigmoid'}").algo
+    assert named.loss == chosen.loss and named.reference == chosen.reference and named.beta == chosen.beta
