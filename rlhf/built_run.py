@@ -20,6 +20,7 @@ from rlhf.config import build
 from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
 from rlhf.errors import UserError
 from rlhf.hardware import global_numel
+from rlhf.models.adapters import NoAdapter
 from rlhf.optim import param_groups, schedule
 from rlhf.resume_check import data_fingerprint, record
 from rlhf.settings import TrainSettings
@@ -48,6 +49,7 @@ class BuiltRun:
     rows: dict[str, int]  # training and held-out rows after tokenization
     skipped_rows: int  # bad rows left out by data.on_bad_row=skip
     resume_record: dict[str, Any]  # what each checkpoint records for resumes (config.json, rlhf.resume_check)
+    adapter: Any  # the peft option (rlhf.models.adapters): writes final/merged/ after final/
 
     def describe(self) -> None:
         """Log what is about to happen: the folder, the hardware, the batch arithmetic, the model's size."""
@@ -71,9 +73,11 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     settings = TrainSettings(**cfg.train)  # checked with the rest of the config, before any process started
     accumulation = settings.accumulation_steps(accelerator.num_processes)
     set_seed(cfg.seed)
+    adapter = build(cfg.peft) if "peft" in cfg else NoAdapter()
     with accelerator.local_main_process_first():  # e.g. the tiny model's warm start is built once per machine
-        policy = build(cfg.model)
-    model, tokenizer = policy.model, policy.tokenizer
+        policy = build(cfg.model, **adapter.loader_arguments())  # qlora: the base in 4 bits
+    # Before the algorithm's setup: a reference made from the policy sees the adapter (or switches it off).
+    model, tokenizer = adapter.apply(policy.model, load_base=lambda: build(cfg.model).model), policy.tokenizer
     algo: Algorithm = build(cfg.algo)
     _check_context(getattr(algo, "max_length", None), model.config)
     data = build(cfg.data)
@@ -94,7 +98,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     return BuiltRun(settings, run_dir, strategy, accelerator, model, tokenizer, algo, optimizer, scheduler,
                     training, evaluation, accumulation, max_steps,
                     rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows,
-                    resume_record=record(cfg, strategy, data_fingerprint(tokenized["train"])))
+                    resume_record=record(cfg, strategy, data_fingerprint(tokenized["train"])), adapter=adapter)
 
 
 def _check_context(max_length: int | None, config) -> None:

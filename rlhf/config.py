@@ -151,6 +151,7 @@ def check_config(cfg: DictConfig) -> None:
     validate.check_float16_on_cpu(container)
     validate.check_resume_changes(container)
     _check_data_columns(container)
+    _check_peft(container)
 
 
 def _check_data_columns(container: dict) -> None:
@@ -163,6 +164,19 @@ def _check_data_columns(container: dict) -> None:
     check = getattr(get_object(data["_target_"]), "check_columns", None) if "_target_" in data else None
     if columns and check is not None:
         check(data, columns)
+
+
+def _check_peft(container: dict) -> None:
+    """The peft option against the reference strategy and the hardware, before anything loads
+    (:func:`rlhf.models.adapters.check_combination`)."""
+    from rlhf.models.adapters import check_combination
+
+    def target(node: Any) -> Any:
+        return get_object(node["_target_"]) if isinstance(node, dict) and "_target_" in node else None
+
+    algo = container.get("algo") if isinstance(container.get("algo"), dict) else {}
+    check_combination(target(container.get("peft")), target(algo.get("reference")), target(container.get("hardware")),
+                      container.get("hardware") or {}, container.get("peft") or {}, container.get("model") or {})
 
 
 def _with_option_defaults(shared: dict[str, validate.Range] | None, group: str,

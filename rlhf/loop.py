@@ -219,6 +219,9 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
                             + CAUSES)
         run.strategy.save_model(run.model, run.tokenizer, run.run_dir / "final", checkpoint.save_pretrained_atomically)
         log.info("saved the final model to %s", run.run_dir / "final")
+        if run.accelerator.is_main_process:  # peft.merge=true: final/merged/, the adapter merged into the base
+            run.adapter.save_merged(run.run_dir / "final", run.tokenizer, checkpoint.save_pretrained_atomically)
+        run.accelerator.wait_for_everyone()
     if run.accelerator.is_main_process:
         (run.run_dir / "summary.json").write_text(json.dumps(
             {"final": final, "train": {**asdict(run.settings), "max_steps": run.max_steps}, "seed": seed}, indent=2))

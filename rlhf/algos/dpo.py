@@ -79,8 +79,9 @@ class DPO(Algorithm):
         if self.disable_dropout:
             disable_dropout(policy)  # before the reference is made: a copy inherits it
         reference = self.reference(policy, tokenizer)
-        if reference is not None and self.disable_dropout:
-            disable_dropout(reference)
+        if self.disable_dropout:  # again: a strategy may add modules to the policy (a second adapter)
+            for model in (policy, reference) if reference is not None else (policy,):
+                disable_dropout(model)
         # The loop puts it where it runs (prepare_frozen); none for a reference-free objective.
         self.frozen = {"reference": reference} if reference is not None else {}
 
@@ -103,9 +104,8 @@ class DPO(Algorithm):
     def loss(self, model, batch: dict[str, Tensor], training: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
         """``training=False`` (held-out batches): the loss state is read but not updated."""
         policy = completion_stats(model, batch)
-        with torch.no_grad():  # no reference (algo/reference=none): the log-ratios are the log-probabilities
-            ref_logps = (completion_stats(self.ref_model, batch).logps if self.ref_model is not None
-                         else torch.zeros_like(policy.logps))
+        with torch.no_grad():  # the strategy scores with its frozen model, or with the policy (adapter off)
+            ref_logps = self.reference.logps(self.ref_model, model, batch)
         n = batch["input_ids"].shape[0] // 2
         pairs = PairLogps(policy.logps[:n], policy.logps[n:], ref_logps[:n], ref_logps[n:],
                           policy.num_tokens[:n], policy.num_tokens[n:])

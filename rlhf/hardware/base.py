@@ -27,6 +27,7 @@ from accelerate.state import AcceleratorState
 
 from rlhf.errors import UserError
 from rlhf.files import save_safetensors, save_torch
+from rlhf.hardware.frozen import is_trainable_only, load_trainable, save_trainable
 from rlhf.metrics import any_process
 from rlhf.validate import limits
 
@@ -235,11 +236,18 @@ class DataParallel:
 
     def save_state(self, model, optimizer, folder: Path) -> None:
         """Write the model's and the optimizer's state for an exact resume into ``folder`` (every process calls
-        it). Replicas: the main process writes ``model.safetensors`` and ``optimizer.pt``. Raises OSError on the
-        ranks whose write failed (a full disk): :func:`rlhf.checkpoint.save` sums that over the ranks, so every
-        strategy must return on every rank, never leave one waiting in a collective."""
+        it). Replicas: the main process writes ``model.safetensors`` and ``optimizer.pt``. A model with frozen
+        parameters (a LoRA adapter on its base, shared layers) saves only those that train, and a fingerprint of
+        the rest in the file's metadata (:func:`rlhf.hardware.frozen.save_trainable`): the frozen base comes
+        from the run's config again, and a resume checks it is the same. Raises OSError on the ranks whose write
+        failed (a full disk): :func:`rlhf.checkpoint.save` sums that over the ranks, so every strategy must
+        return on every rank, never leave one waiting in a collective."""
         if self.accelerator.is_main_process:
-            save_safetensors(self.unwrap(model), folder / "model.safetensors")
+            unwrapped = self.unwrap(model)
+            if all(p.requires_grad for p in unwrapped.parameters()):
+                save_safetensors(unwrapped, folder / "model.safetensors")
+            else:
+                save_trainable(unwrapped, folder / "model.safetensors")
             save_torch(optimizer.state_dict(), folder / "optimizer.pt")
 
     def load_state(self, model, optimizer, folder: Path) -> None:
@@ -247,8 +255,11 @@ class DataParallel:
         from safetensors.torch import load_model
 
         device = self.accelerator.device
-        load_model(self.unwrap(model), str(folder / "model.safetensors"),
-                   device=str(device) if device.type != "cpu" else "cpu")  # safetensors refuses "cpu:0"
+        unwrapped, file = self.unwrap(model), folder / "model.safetensors"
+        if is_trainable_only(file):
+            load_trainable(unwrapped, file)
+        else:
+            load_model(unwrapped, str(file), device=str(device) if device.type != "cpu" else "cpu")  # not "cpu:0"
         # Loaded on the CPU: load_state_dict moves each state to its parameter's device.
         optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu"))
 

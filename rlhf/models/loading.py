@@ -17,6 +17,7 @@ from transformers import (
 
 from rlhf import hub
 from rlhf.errors import UserError
+from rlhf.models.quantize import load_quantized, quantized_copy
 from rlhf.validate import limits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,6 +112,7 @@ def load_policy(
     gradient_checkpointing: bool = False,
     tiny: Any = None,
     head: str = "causal_lm",
+    quantization: dict[str, Any] | None = None,
 ) -> Policy:
     """Load a model (a causal LM unless ``head`` says otherwise) and its tokenizer.
 
@@ -131,6 +133,9 @@ def load_policy(
         head: what the model outputs, a key of :data:`HEADS`: ``causal_lm`` (next-token logits) or
             ``sequence_classification`` (one scalar per sequence, a reward model; a causal LM checkpoint keeps its
             backbone and gets a new score head). ``value`` is declared, not built yet (:data:`PLANNED_HEADS`).
+        quantization: ``BitsAndBytesConfig`` arguments to load the linear layers in 4 or 8 bits with (a dict,
+            :mod:`rlhf.models.quantize`); given by ``peft=qlora`` (:meth:`rlhf.models.adapters.LoRA.loader_arguments`),
+            not by the model YAMLs. The layers left unquantized keep ``dtype``.
     """
     _known_head({"head": head}, "model")
     spec = HEADS[head]
@@ -141,6 +146,8 @@ def load_policy(
             raise UserError("model.name_or_path is null and no tiny spec is given. Fix: model=tiny or "
                             "model.name_or_path=<hub id or folder>")
         policy = tiny.build(head)
+        if quantization is not None:
+            policy = Policy(quantized_copy(policy.model, quantization, DTYPES.get(dtype)), policy.tokenizer)
     else:
         path = os.path.expanduser(str(name_or_path))
         check_model_path(name_or_path)
@@ -153,15 +160,21 @@ def load_policy(
             model_kwargs["adapter_kwargs"] = {"local_files_only": True}
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-            model = spec.auto_class.from_pretrained(
-                path, dtype="auto" if dtype == "auto" else DTYPES[dtype],
-                attn_implementation=attn_implementation, **spec.config, **kwargs, **model_kwargs,
-            )
+            loaded_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+            if quantization is not None:
+                model = load_quantized(spec.auto_class, path, quantization, loaded_dtype,
+                                       attn_implementation=attn_implementation, **spec.config, **kwargs,
+                                       **model_kwargs)
+            else:
+                model = spec.auto_class.from_pretrained(
+                    path, dtype=loaded_dtype, attn_implementation=attn_implementation, **spec.config, **kwargs,
+                    **model_kwargs,
+                )
         except OSError as error:
             raise UserError(f"model.name_or_path={name_or_path}: could not load it ({error}). Fix: check the id or "
                             "folder; Hub ids need network access (or a cache with HF_HUB_OFFLINE=1).") from error
         policy = Policy(model, tokenizer)
-    if dtype != "auto":
+    if dtype != "auto" and quantization is None:  # a quantized model keeps its 4/8-bit layers (loaded in dtype)
         policy.model.to(DTYPES[dtype])
     if gradient_checkpointing:
         policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,7 +1,10 @@
 """Reference-model strategies for KL-regularized algorithms: the config group ``algo/reference``
-(``python train.py algo=dpo algo/reference=shared_layers``). Each is a callable ``(policy, tokenizer) -> frozen
-model or None``, built from ``conf/algo/reference/<name>.yaml``. Where the model then lives (device, precision,
-shards) is the hardware strategy's business: the loop hands it to ``strategy.prepare_frozen``.
+(``python train.py algo=dpo algo/reference=shared_layers``). Each is a :class:`Reference`, built from
+``conf/algo/reference/<name>.yaml``: called once with the initial policy, it returns the frozen model it keeps (or
+None: no separate model); where that model then lives (device, precision, shards) is the hardware strategy's
+business (the loop hands it to ``strategy.prepare_frozen``). Its :meth:`Reference.logps` then scores each batch,
+given that prepared model and the policy: most run the frozen model, the adapter strategies run the policy itself
+with its adapter switched off or swapped (:mod:`rlhf.models.reference_adapters`).
 
 - :class:`FrozenCopy` (``copy``): a frozen copy of the initial policy.
 - :class:`Pretrained` (``model``): a separately given model (e.g. the SFT model when the policy starts elsewhere);
@@ -10,6 +13,12 @@ shards) is the hardware strategy's business: the loop hands it to ``strategy.pre
   the layers above them are duplicated (the idea of TRL's ``create_reference_model(num_shared_layers=N)``).
 - :class:`NoReference` (``none``): no reference model; the log-ratios are the policy's log-probabilities (for
   reference-free objectives).
+- :class:`Int8` (``int8``): the reference in 8 bits (bitsandbytes' LLM.int8()), from ``name_or_path`` or from the
+  initial policy's weights.
+- :class:`~rlhf.models.reference_adapters.AdapterOff` (``adapter``) and
+  :class:`~rlhf.models.reference_adapters.SecondAdapter` (``ref_adapter``): with ``peft=lora``/``qlora``.
+
+Each also says how many bytes it holds beside the policy (:meth:`Reference.memory_bytes`), for the memory preflight.
 """
 
 from __future__ import annotations
@@ -18,19 +27,54 @@ import copy
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from rlhf.algos.base import completion_stats
 from rlhf.errors import UserError
+from rlhf.models.quantize import (
+    DTYPE_NAMES,
+    is_quantized,
+    quantized_bytes,
+    quantized_copy,
+    quiet_bitsandbytes,
+)
 from rlhf.validate import Range, limits
 
 
-class FrozenCopy:
+class Reference:
+    """What every reference strategy does (subclass it; the defaults suit one that keeps a frozen model).
+
+    ``needs_adapter``: the strategy works on a policy with a LoRA adapter (``peft=lora``/``qlora``); the config
+    check refuses it with ``peft=none`` before anything loads (:func:`rlhf.models.adapters.check_combination`).
+    """
+
+    needs_adapter = False
+
+    def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module | None:
+        """Build from the initial policy (before the hardware strategy wraps it) the frozen model this strategy
+        keeps, or None when it keeps none."""
+        raise NotImplementedError
+
+    def logps(self, frozen: torch.nn.Module | None, policy: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        """``[B]`` summed log-probabilities of the batch's completions under the reference. ``frozen``: what
+        :meth:`__call__` returned, as the hardware strategy prepared it; ``policy``: the model being trained, as
+        the loop passes it to the algorithm (wrapped by the strategy). Called under ``torch.no_grad()``."""
+        return completion_stats(frozen, batch).logps
+
+    def memory_bytes(self, policy: torch.nn.Module) -> int:
+        """Bytes of weights this strategy holds beside the policy on each process, predicted from the initial
+        policy before :meth:`__call__` (for the memory preflight; a copy of the policy's bytes by default)."""
+        return quantized_bytes(policy)
+
+
+class FrozenCopy(Reference):
     """A frozen deep copy of the initial policy, in eval mode."""
 
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module:
         return copy.deepcopy(policy).eval().requires_grad_(False)
 
 
-class Pretrained:
+class Pretrained(Reference):
     """A reference loaded from ``name_or_path`` (a Hub id or a folder such as ``<run dir>/final``), frozen.
 
     Args:
@@ -51,6 +95,11 @@ class Pretrained:
 
         loaded = load_policy(name_or_path=self.name_or_path, dtype=self.dtype, revision=self.revision,
                              trust_remote_code=self.trust_remote_code)
+        return self.check(loaded, policy, tokenizer).eval().requires_grad_(False)
+
+    def check(self, loaded: Any, policy: torch.nn.Module, tokenizer: Any) -> torch.nn.Module:
+        """``loaded.model`` when ``loaded`` (a :class:`~rlhf.models.loading.Policy`) scores the policy's token ids;
+        refused otherwise."""
         if tokenizer is not None and loaded.tokenizer.get_vocab() != tokenizer.get_vocab():
             raise UserError(
                 f"algo.reference.name_or_path={self.name_or_path} has another tokenizer than the policy "
@@ -62,7 +111,13 @@ class Pretrained:
                             f"{loaded.model.get_output_embeddings().weight.shape[0]} token ids, the policy "
                             f"{policy.get_output_embeddings().weight.shape[0]}. Fix: a reference with the policy's "
                             "vocabulary, or algo/reference=copy.")
-        return loaded.model.eval().requires_grad_(False)
+        return loaded.model
+
+    def memory_bytes(self, policy: torch.nn.Module) -> int:
+        """The policy's parameter count at this reference's ``dtype`` (a reference of the policy's family and size;
+        one of another size is not known before it loads)."""
+        width = torch.finfo(DTYPE_NAMES[self.dtype]).bits // 8 if self.dtype in DTYPE_NAMES else 4
+        return sum(p.numel() for p in policy.parameters()) * width
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -77,7 +132,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 @limits(num_shared_layers=Range(ge=1, meaning="decoder layers, counted from the input, that policy and reference "
                                 "share (frozen in both)", fix=1))
-class SharedLayers:
+class SharedLayers(Reference):
     """A reference whose first ``num_shared_layers`` decoder layers are the policy's own modules, frozen (in the
     policy too: they no longer train); the layers above them, the final norm and the output head are a frozen copy.
     The embeddings are copied, not shared (they are often tied to the output head, which keeps training).
@@ -101,12 +156,87 @@ class SharedLayers:
         reference.rlhf_shared_layers = self.num_shared_layers  # read by sharding strategies, which refuse it
         return reference.eval().requires_grad_(False)
 
+    def memory_bytes(self, policy: torch.nn.Module) -> int:
+        """The policy's bytes less those of the shared layers."""
+        shared = list(decoder_layers(policy))[: self.num_shared_layers]
+        return quantized_bytes(policy) - sum(quantized_bytes(layer) for layer in shared)
 
-class NoReference:
+
+class NoReference(Reference):
     """No reference model: reference-free objectives (the log-ratios are the policy's log-probabilities)."""
 
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> None:
         return None
+
+    def logps(self, frozen: torch.nn.Module | None, policy: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        """Zeros: the log-ratios are then the policy's own log-probabilities."""
+        return torch.zeros(batch["input_ids"].shape[0], device=batch["input_ids"].device)
+
+    def memory_bytes(self, policy: torch.nn.Module) -> int:
+        return 0
+
+
+@limits(threshold=Range(ge=0, meaning="LLM.int8()'s outlier threshold: input features above it are multiplied in "
+                        "16 bits; 0 turns the outlier path off", fix=6.0))
+class Int8(Reference):
+    """The reference with its linear layers in 8 bits (bitsandbytes' LLM.int8(), Dettmers et al. 2022,
+    arXiv:2208.07339): about a quarter of a float32 copy's bytes, at a small error in its log-probabilities
+    (measured in the README).
+
+    Args:
+        name_or_path: the model to load in 8 bits (a Hub id or folder; the policy's own ``model.name_or_path`` by
+            default); ``None``: the initial policy's weights (the embedded model, or a policy with a LoRA adapter,
+            merged first), written to a temporary folder and loaded back quantized.
+        dtype: the dtype of the layers left unquantized (norms, embeddings, the output head).
+        revision: Hub branch, tag or commit.
+        trust_remote_code: run code the Hub repository ships (only repositories you trust).
+        threshold: LLM.int8()'s outlier threshold (``llm_int8_threshold``).
+    """
+
+    def __init__(self, name_or_path: str | None = None, dtype: str = "float32", revision: str | None = None,
+                 trust_remote_code: bool = False, threshold: float = 6.0) -> None:
+        self.name_or_path, self.dtype, self.revision = name_or_path, dtype, revision
+        self.trust_remote_code, self.threshold = trust_remote_code, threshold
+
+    def settings(self) -> dict[str, Any]:
+        return {"load_in_8bit": True, "llm_int8_threshold": self.threshold}
+
+    def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module:
+        if self.name_or_path is not None:
+            from rlhf.models.loading import load_policy
+
+            loaded = load_policy(name_or_path=self.name_or_path, dtype=self.dtype, revision=self.revision,
+                                 trust_remote_code=self.trust_remote_code, quantization=self.settings())
+            return Pretrained(self.name_or_path).check(loaded, policy, tokenizer).eval().requires_grad_(False)
+        if is_quantized(policy):
+            raise UserError("algo/reference=int8 with algo.reference.name_or_path=null copies the initial policy's "
+                            "weights, but they are already quantized (peft=qlora). Fix: algo/reference=adapter (the "
+                            "4-bit base itself, no second model), or algo.reference.name_or_path=<the base model>.")
+        initial = policy
+        if hasattr(policy, "merge_and_unload"):  # a LoRA policy: its function is the base plus the adapter
+            initial = copy.deepcopy(policy).merge_and_unload()
+        return quantized_copy(initial, self.settings(), DTYPE_NAMES[self.dtype]).eval().requires_grad_(False)
+
+    def logps(self, frozen: torch.nn.Module | None, policy: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        with quiet_bitsandbytes():
+            return completion_stats(frozen, batch).logps
+
+    def memory_bytes(self, policy: torch.nn.Module) -> int:
+        """One byte per weight of every linear layer but the output head (plus a float32 scale per row), the
+        rest at ``dtype``."""
+        width = torch.finfo(DTYPE_NAMES[self.dtype]).bits // 8
+        head = policy.get_output_embeddings()
+        total, seen = 0, set()
+        for name, module in policy.named_modules():
+            if "lora_" in name:  # a LoRA adapter's own layers: merged into the base before quantizing
+                continue
+            for kind, param in module.named_parameters(recurse=False):
+                if id(param) in seen:  # tied weights count once
+                    continue
+                seen.add(id(param))
+                linear = kind == "weight" and isinstance(module, torch.nn.Linear) and module is not head
+                total += param.numel() + 4 * param.shape[0] if linear else param.numel() * width
+        return total
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

@@ -1,0 +1,87 @@
+"""Weights loaded in 8 or 4 bits with bitsandbytes, through transformers' ``BitsAndBytesConfig``.
+
+A quantization is written as a plain dict of ``BitsAndBytesConfig`` arguments (``{"load_in_4bit": True,
+"bnb_4bit_compute_dtype": "float32", ...}``), so that it travels through configs and checkpoints' ``config.json``:
+``peft=qlora`` passes one to the policy's loader (:func:`rlhf.models.loading.load_policy`), ``algo/reference=int8``
+loads its reference with one. transformers quantizes while it loads, so a model that exists only in memory (the
+embedded tiny model, an initial policy) is written to a temporary folder first and loaded back
+(:func:`quantized_copy`). bitsandbytes 0.50 runs 4-bit and 8-bit layers on CPUs too (tested here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def bnb_config(settings: dict[str, Any]):
+    """transformers' ``BitsAndBytesConfig`` from a dict of its arguments (dtype names as strings)."""
+    from transformers import BitsAndBytesConfig
+
+    values = {k: DTYPE_NAMES.get(v, v) if k.endswith("dtype") or k.endswith("storage") else v
+              for k, v in settings.items()}
+    return BitsAndBytesConfig(**values)
+
+
+def load_device() -> torch.device:
+    """Where this process loads quantized weights: its run's device (bitsandbytes quantizes where the weights
+    land), from Accelerate's process state when a run has started one, else the CPU."""
+    from accelerate.state import PartialState
+
+    return PartialState().device if PartialState._shared_state else torch.device("cpu")
+
+
+def load_quantized(auto_class: Any, path: str, settings: dict[str, Any], dtype: torch.dtype | None,
+                   **kwargs: Any) -> torch.nn.Module:
+    """``auto_class.from_pretrained(path)`` with its linear layers quantized as ``settings`` says; the layers that
+    stay unquantized (norms, embeddings, the output head) in ``dtype``."""
+    with quiet_bitsandbytes():
+        return auto_class.from_pretrained(path, quantization_config=bnb_config(settings), dtype=dtype,
+                                          device_map={"": load_device()}, **kwargs)
+
+
+def quantized_copy(model: torch.nn.Module, settings: dict[str, Any], dtype: torch.dtype | None = None):
+    """A quantized copy of an in-memory Hugging Face model (its weights written to a temporary folder and loaded
+    back quantized; the folder is removed). ``model`` is left as it was."""
+    auto_class = type(model)
+    with tempfile.TemporaryDirectory(prefix="rlhf-quantize-") as folder:
+        model.save_pretrained(folder)
+        copy = load_quantized(auto_class, folder, settings, dtype if dtype is not None else model.dtype)
+    copy.config._name_or_path = model.config._name_or_path  # where the weights came from, not the temporary folder
+    copy.name_or_path = model.config._name_or_path
+    return copy
+
+
+@contextlib.contextmanager
+def quiet_bitsandbytes() -> Iterator[None]:
+    """Silence bitsandbytes' per-call notice that 8-bit matmuls cast float32 inputs to float16 (their design)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"MatMul8bitLt: inputs will be cast")
+        yield
+
+
+def quantized_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's parameters and buffers hold as stored (a 4-bit matrix counts half a byte per weight, its
+    quantization constants included where bitsandbytes keeps them as tensors)."""
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        total += tensor.numel() * tensor.element_size()
+        state = getattr(tensor, "quant_state", None)
+        for extra in (getattr(state, "absmax", None), getattr(tensor, "SCB", None)):
+            if isinstance(extra, torch.Tensor):
+                total += extra.numel() * extra.element_size()
+    return total
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """Whether any weight of ``model`` is stored in 8 or 4 bits by bitsandbytes."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+                or any(type(p).__module__.startswith("bitsandbytes") for p in model.parameters()))
+

@@ -1,0 +1,193 @@
+"""LoRA / QLoRA policies (the config group peft, rlhf/models/adapters.py) and the reference strategies that use
+them or quantize (adapter, ref_adapter, int8): first-step losses against copy's, the adapter a run saves, the
+merged model, and the combinations refused before anything loads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+
+from rlhf.algos.base import completion_stats
+from rlhf.algos.dpo import DPO
+from rlhf.errors import UserError
+from rlhf.models.adapters import LoRA, NoAdapter, QLoRA
+from rlhf.models.loading import Policy
+from rlhf.models.quantize import quantized_copy
+from rlhf.models.reference import FrozenCopy, Int8
+from rlhf.models.reference_adapters import AdapterOff, SecondAdapter
+from rlhf.models.tiny import TinySpec
+from tests.conftest import FAST, compose_config
+
+ROWS = [{"prompt": "abc=", "chosen": "cba", "rejected": "cab"}, {"prompt": "hello=", "chosen": "olleh", "rejected": "hello"},
+        {"prompt": "xyz=", "chosen": "zyx", "rejected": "zxy"}]
+
+
+def _tiny(hidden: int = 16) -> Policy:
+    torch.manual_seed(0)
+    return TinySpec(hidden_size=hidden, num_layers=2, num_heads=2, intermediate_size=2 * hidden,
+                    warm_start_steps=0).build()
+
+
+def _first(policy: Policy, reference, beta: float = 0.1):
+    """DPO set up on `policy` with `reference`: (algo, batch, first loss, reference log-probabilities)."""
+    algo = DPO(beta=beta, reference=reference)
+    algo.setup(policy.model, policy.tokenizer)
+    batch = algo.collate([algo.tokenize(r, policy.tokenizer) for r in ROWS])
+    policy.model.train()
+    loss, _ = algo.loss(policy.model, batch)
+    with torch.no_grad():
+        ref = algo.reference.logps(algo.ref_model, policy.model, batch)
+    return algo, batch, loss, ref
+
+
+def _trained_adapter(policy: Policy) -> None:
+    """Move a fresh adapter away from zero, as training would."""
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.2 * torch.randn_like(p))
+
+
+# --- target modules per model family -----------------------------------------------------------------------------
+FAMILIES = {
+    "llama": (LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2), {"q_proj", "v_proj"}),
+    "qwen2": (Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2), {"q_proj", "v_proj"}),
+    "gpt2": (GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2), {"c_attn"}),
+    "gpt_neox": (GPTNeoXConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2), {"query_key_value"}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_gets_adapters_on_peft_s_default_layers_and_the_count_is_predicted(family):
+    config, expected = FAMILIES[family]
+    model = AutoModelForCausalLM.from_config(config)
+    lora = LoRA(r=4)
+    predicted = lora.trainable_parameters(model)
+    adapted = lora.apply(model)
+    names = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in adapted.named_parameters() if "lora_A" in name}
+    assert names == expected
+    assert predicted == lora.trainable_parameters(adapted) == sum(
+        p.numel() for p in adapted.parameters() if p.requires_grad) > 0
+    assert all(not p.requires_grad for n, p in adapted.named_parameters() if "lora_" not in n)
+
+
+def test_all_linear_and_a_list_of_names_choose_the_layers():
+    model = AutoModelForCausalLM.from_config(FAMILIES["llama"][0])
+    every = LoRA(r=2, target_modules="all-linear")
+    assert every.trainable_parameters(model) == every.trainable_parameters(every.apply(model))
+    named = LoRA(r=2, target_modules=["o_proj"]).apply(AutoModelForCausalLM.from_config(FAMILIES["llama"][0]))
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in named.named_parameters() if p.requires_grad} == {"o_proj"}
+
+
+# --- reference strategies --------------------------------------------------------------------------------------------
+def test_adapter_off_reference_gives_copys_first_loss_exactly_and_the_base_once_the_adapter_trained():
+    policy = _tiny()
+    policy.model = LoRA(r=4, dropout=0.1).apply(policy.model)
+    _, _, with_copy, _ = _first(policy, FrozenCopy())
+    policy = _tiny()
+    algo = DPO()
+    batch = algo.collate([algo.tokenize(r, policy.tokenizer) for r in ROWS])
+    with torch.no_grad():
+        base = completion_stats(policy.model.eval(), batch).logps
+    policy.model = LoRA(r=4, dropout=0.1).apply(policy.model)
+    algo, batch, with_adapter, _ = _first(policy, AdapterOff())
+    assert algo.frozen == {} and with_adapter.item() == with_copy.item()
+    assert with_adapter.item() == pytest.approx(math.log(2), abs=1e-6)
+    _trained_adapter(policy)
+    loss, _ = algo.loss(policy.model, batch)
+    with torch.no_grad():
+        assert torch.equal(algo.reference.logps(None, policy.model, batch), base)  # the adapter is off: the base
+    assert abs(loss.item() - math.log(2)) > 1e-3
+    assert all(p.requires_grad == ("lora_" in n) for n, p in policy.model.named_parameters())
+
+
+def test_qlora_policy_with_its_adapter_off_starts_at_log_2_exactly():
+    """The 4-bit base runs one kernel for the policy and its adapter-off reference (both in training mode)."""
+    policy = _tiny(hidden=64)
+    policy.model = QLoRA(r=4).apply(quantized_copy(policy.model, QLoRA().loader_arguments()["quantization"]))
+    assert type(policy.model.base_model.model.model.layers[0].mlp.up_proj.weight).__name__ == "Params4bit"
+    _, _, loss, _ = _first(policy, AdapterOff())
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-7)
+
+
+def test_a_second_adapter_from_a_previous_run_is_the_reference(tmp_path):
+    """A run with peft=lora saves its adapter in final/; a second run starts from it (peft.init_from) with it as the
+    reference: the first loss is log 2 exactly, the reference's log-probabilities are those of the base plus that
+    adapter (computed independently), and switching the adapter off would have given the base instead."""
+    from peft import PeftModel
+
+    from rlhf import train
+
+    train(compose_config(*FAST, "peft=lora", "peft.r=4", "optimizer.lr=0.05", "train.eval_at_start=false",
+                         output_dir=tmp_path / "sft"))
+    adapter = tmp_path / "sft" / "final"
+    assert (adapter / "adapter_config.json").is_file() and not (adapter / "model.safetensors").exists()
+    tiny = TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0)
+    policy = tiny.build()
+    policy.model = LoRA(init_from=str(adapter)).apply(policy.model)
+    algo, batch, loss, ref = _first(policy, SecondAdapter(str(adapter)))
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-7)
+    independent = PeftModel.from_pretrained(tiny.build().model, str(adapter)).eval()  # eval: no LoRA dropout
+    with torch.no_grad():
+        assert torch.allclose(ref, completion_stats(independent, batch).logps, atol=1e-6, rtol=0)
+        off = AdapterOff().logps(None, policy.model, batch)
+    assert (ref - off).abs().max() > 1e-2  # the trained adapter really differs from the base
+    trained = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert trained and all(".default." in n for n in trained)  # the reference adapter stays frozen
+    assert SecondAdapter(str(adapter)).memory_bytes(policy.model) == (adapter / "adapter_model.safetensors").stat().st_size
+
+
+INT8_TOLERANCE = 1e-3  # |first-step loss of int8 - copy's| at beta=0.1, 5x the largest measured (2e-4; README)
+
+
+def test_int8_reference_gives_copys_first_loss_within_the_stated_tolerance():
+    policy = _tiny(hidden=64)
+    _, _, with_copy, ref_copy = _first(policy, FrozenCopy())
+    algo, batch, with_int8, ref_int8 = _first(policy, Int8(name_or_path=None))
+    assert type(algo.ref_model.model.layers[0].mlp.up_proj).__name__ == "Linear8bitLt"
+    assert abs(with_int8.item() - with_copy.item()) < INT8_TOLERANCE
+    assert 0 < (ref_int8 - ref_copy).abs().max().item() < 0.05  # close, not equal (measured up to 0.02 nats)
+    assert Int8().memory_bytes(policy.model) < 0.5 * NoAdapter().memory_bytes(policy.model)
+
+
+# --- the run: final/, merged/, refusals ----------------------------------------------------------------------------
+def test_merge_writes_a_plain_model_that_computes_what_the_adapter_did(tmp_path):
+    from peft import PeftModel
+
+    from rlhf import train
+    from rlhf.models.loading import load_policy
+
+    train(compose_config(*FAST, "peft=lora", "peft.merge=true", "optimizer.lr=0.05", "train.eval_at_start=false",
+                         output_dir=tmp_path / "run"))
+    final = tmp_path / "run" / "final"
+    merged = load_policy(name_or_path=str(final / "merged"))
+    tiny = TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0)
+    adapted = PeftModel.from_pretrained(tiny.build().model, str(final)).eval()
+    ids = merged.tokenizer("abc=cba", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(merged.model(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5,
+                                   rtol=1e-5)
+        assert not torch.allclose(tiny.build().model(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("option", ["adapter", "ref_adapter"])
+def test_an_adapter_reference_without_an_adapter_is_refused_before_anything_loads(option):
+    from rlhf.config import check_config
+
+    extra = ["algo.reference.path=/nowhere"] if option == "ref_adapter" else []
+    with pytest.raises(UserError, match=f"algo/reference={option} uses the policy's LoRA adapter, but peft=none.*"
+                                        "Fix: peft=lora"):
+        check_config(compose_config("algo=dpo", f"algo/reference={option}", *extra))
+
+
+@pytest.mark.parametrize("option", ["none", "lora", "qlora"])
+def test_each_peft_option_composes_and_builds(option):
+    from hydra.utils import instantiate
+
+    assert isinstance(instantiate(compose_config(f"peft={option}").peft), NoAdapter)
