@@ -43,8 +43,22 @@ def load_quantized(auto_class: Any, path: str, settings: dict[str, Any], dtype: 
     """``auto_class.from_pretrained(path)`` with its linear layers quantized as ``settings`` says; the layers that
     stay unquantized (norms, embeddings, the output head) in ``dtype``."""
     with quiet_bitsandbytes():
-        return auto_class.from_pretrained(path, quantization_config=bnb_config(settings), dtype=dtype,
-                                          device_map={"": load_device()}, **kwargs)
+        model = auto_class.from_pretrained(path, quantization_config=bnb_config(settings), dtype=dtype,
+                                           device_map={"": load_device()}, **kwargs)
+    one_cpu_kernel(model)
+    return model
+
+
+def one_cpu_kernel(model: torch.nn.Module) -> None:
+    """Keep bitsandbytes' 4-bit layers on one kernel in training and in eval mode. On CPUs with AVX512-BF16,
+    bitsandbytes 0.50 repacks a 4-bit layer's weights for a faster bf16 kernel at its first forward in eval mode
+    without gradients: the repacking re-quantizes the quantization constants (the frozen base changes for good, so
+    a resumed run would not continue exactly), its results differ from the training kernel's (an adapter-off
+    reference would not equal the policy at the start), and it fails on layers narrower than 64 (measured here).
+    Switched off per layer; GPUs never take that path."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def quantized_copy(model: torch.nn.Module, settings: dict[str, Any], dtype: torch.dtype | None = None):

@@ -191,3 +191,51 @@ def test_each_peft_option_composes_and_builds(option):
     from hydra.utils import instantiate
 
     assert isinstance(instantiate(compose_config(f"peft={option}").peft), NoAdapter)
+
+
+# --- exact resume ------------------------------------------------------------------------------------------------
+def _run_files(run) -> dict:
+    """What must match bit for bit: the adapter in final/, and the last checkpoint's model, optimizer and rank files."""
+    from safetensors.torch import load_file
+
+    last = run / "checkpoints" / "step_00000006"
+    files = {"adapter": load_file(run / "final" / "adapter_model.safetensors"),
+             "model": load_file(last / "model.safetensors")}
+    for name in ("optimizer.pt", "scheduler.pt", "rank_0.pt"):
+        files[name] = torch.load(last / name, weights_only=True)
+    files["rank_0.pt"]["train"]["last"] = {k: v for k, v in files["rank_0.pt"]["train"]["last"].items()
+                                           if not k.startswith("perf/")}
+    return files
+
+
+@pytest.mark.parametrize("peft", ["lora", "qlora"])
+def test_a_lora_run_resumed_from_its_checkpoint_ends_bit_for_bit_as_an_uninterrupted_one(peft, tmp_path):
+    """6 steps in one go, and 3 steps then a resume to 6: the same adapter, optimizer, random state and metrics.
+    The checkpoint holds the adapter only (the frozen base is built again from the config and checked)."""
+    from safetensors import safe_open
+
+    from rlhf import train
+    from tests.conftest import assert_equal_trees
+    from tests.runs import metrics
+
+    common = [*FAST, f"peft={peft}", "peft.dropout=0.1", "algo/reference=adapter", "algo.disable_dropout=false",
+              "scheduler=constant", "train.save_every_steps=3", "train.eval_every_steps=3", "train.keep_last=null"]
+    train(compose_config(*common, "train.max_steps=6", output_dir=tmp_path / "whole"))
+    train(compose_config(*common, "train.max_steps=3", output_dir=tmp_path / "resumed"))
+    train(compose_config(*common, "train.max_steps=6", "resume=auto", "resume_changes=[train.max_steps]",
+                         output_dir=tmp_path / "resumed"))
+    assert_equal_trees(_run_files(tmp_path / "whole"), _run_files(tmp_path / "resumed"))
+    assert metrics(tmp_path / "whole") == metrics(tmp_path / "resumed")
+    with safe_open(str(tmp_path / "whole" / "checkpoints" / "step_00000003" / "model.safetensors"), "pt") as file:
+        assert all("lora_" in key for key in file.keys()) and len(file.metadata()["frozen_sha256"]) == 64
+
+
+def test_a_resume_onto_another_base_is_refused(tmp_path):
+    from rlhf import train
+
+    common = [*FAST, "peft=lora", "train.max_steps=2", "train.save_every_steps=2"]
+    train(compose_config(*common, output_dir=tmp_path / "run"))
+    with pytest.raises(UserError, match="frozen weights of the model built for this resume differ"):
+        train(compose_config(*common, "train.max_steps=3", "resume=auto",
+                             "resume_changes=[train.max_steps,model.tiny.init_seed]", "model.tiny.init_seed=1",
+                             output_dir=tmp_path / "run"))
