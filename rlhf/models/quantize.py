@@ -11,6 +11,7 @@ embedded tiny model, an initial policy) is written to a temporary folder first a
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -64,9 +65,13 @@ def one_cpu_kernel(model: torch.nn.Module) -> None:
 def quantized_copy(model: torch.nn.Module, settings: dict[str, Any], dtype: torch.dtype | None = None):
     """A quantized copy of an in-memory Hugging Face model (its weights written to a temporary folder and loaded
     back quantized; the folder is removed). ``model`` is left as it was."""
+    from safetensors.torch import save_model
+
     auto_class = type(model)
     with tempfile.TemporaryDirectory(prefix="rlhf-quantize-") as folder:
-        model.save_pretrained(folder)
+        # Not save_pretrained: under torch.distributed it writes on rank 0 only, and every process loads its copy.
+        model.config.save_pretrained(folder)
+        save_model(model, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         copy = load_quantized(auto_class, folder, settings, dtype if dtype is not None else model.dtype)
     copy.config._name_or_path = model.config._name_or_path  # where the weights came from, not the temporary folder
     copy.name_or_path = model.config._name_or_path

@@ -239,3 +239,30 @@ def test_a_resume_onto_another_base_is_refused(tmp_path):
         train(compose_config(*common, "train.max_steps=3", "resume=auto",
                              "resume_changes=[train.max_steps,model.tiny.init_seed]", "model.tiny.init_seed=1",
                              output_dir=tmp_path / "run"))
+
+
+@pytest.mark.serial
+def test_two_processes_train_an_adapter_against_its_base_and_resume_exactly(tmp_path):
+    """The practitioner's case on CPU: hardware=cpu_ddp (2 processes, gloo), each holding its own 4-bit base, the
+    reference being that base with the adapter off; a resume from step 2 ends as the run that went on did. (QLoRA
+    only: LoRA is the same path without quantization, and each 2-process run costs ~25 s here.)"""
+    peft = "qlora"
+    from safetensors.torch import load_file
+
+    from rlhf import train
+    from tests.conftest import assert_equal_trees
+    from tests.runs import metrics
+
+    common = [*FAST, "hardware=cpu_ddp", "hardware.timeout_s=60", f"peft={peft}", "algo/reference=adapter",
+              "train.per_device_batch_size=2", "train.max_steps=4", "train.save_every_steps=2",
+              "train.eval_at_start=false", "train.keep_last=null"]
+    train(compose_config(*common, output_dir=tmp_path / "whole"))
+    step_2 = tmp_path / "whole" / "checkpoints" / "step_00000002"
+    train(compose_config(*common, f"resume={step_2}", output_dir=tmp_path / "resumed"))
+    for name in ("final/adapter_model.safetensors", "checkpoints/step_00000004/model.safetensors"):
+        assert_equal_trees(load_file(tmp_path / "whole" / name), load_file(tmp_path / "resumed" / name), name)
+    for rank in (0, 1):
+        step = f"checkpoints/step_00000004/rank_{rank}.pt"
+        whole, resumed = (torch.load(r / step, weights_only=True) for r in (tmp_path / "whole", tmp_path / "resumed"))
+        assert_equal_trees(whole["rng"]["torch"], resumed["rng"]["torch"], step)
+    assert metrics(tmp_path / "whole")[-2:] == metrics(tmp_path / "resumed")[-2:]  # step 4: training, evaluation
