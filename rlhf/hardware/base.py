@@ -264,8 +264,10 @@ class DataParallel:
         optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu"))
 
     def all_finite(self, model) -> bool:
-        """Whether every parameter of the model is finite, on every process (before anything is saved)."""
-        bad = any(not torch.isfinite(p.detach()).all() for p in self.local_parameters(model))
+        """Whether every parameter that trains is finite, on every process (before anything is saved). Frozen ones
+        cannot turn non-finite, and need not be floats (a 4-bit base's packed weights, stored as any dtype)."""
+        pairs = zip(self.unwrap(model).parameters(), self.local_parameters(model))  # local: a shard, ZeRO's own tensor
+        bad = any(not torch.isfinite(local.detach()).all() for param, local in pairs if param.requires_grad)
         return not any_process({"nonfinite": bad}, self.accelerator)["nonfinite"]
 
     def local_parameters(self, model) -> list[torch.Tensor]:

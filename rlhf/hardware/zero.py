@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf.errors import UserError
 from rlhf.hardware.base import FP16_REASON, free_port
 from rlhf.hardware.sharded import Sharded, global_numel, name_deepspeed_accelerator
+from rlhf.models.quantize import is_quantized
 from rlhf.validate import limits
 
 log = logging.getLogger(__name__)
@@ -264,8 +265,12 @@ class ZeRO(Sharded):
         model.checkpoint_engine.raise_failure()
 
     def load_state(self, model, optimizer, folder) -> None:
+        """Each rank's partitions back. A base loaded in 4 or 8 bits (peft=qlora) saved bitsandbytes' quantization
+        constants beside its weights, which the freshly built model holds as attributes, not entries: DeepSpeed then
+        loads the module non-strictly (the frozen base is the one the config builds again, as on every resume)."""
         path, _ = model.load_checkpoint(str(folder / "zero"), tag="state", load_optimizer_states=True,
-                                        load_lr_scheduler_states=False)
+                                        load_lr_scheduler_states=False,
+                                        load_module_strict=not is_quantized(self.unwrap(model)))
         if path is None:
             raise UserError(f"{folder}: DeepSpeed found no ZeRO state in it. Fix: resume from a checkpoint written "
                             "with the same hardware option.")
