@@ -92,6 +92,8 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
     node = OmegaConf.select(cfg, group.replace("/", "."))
     if group == "algo/reference":  # builds the reference of a 2-layer policy, frozen (or none)
         policy = _tiny_policy()
+        if "peft" in cfg and instantiate(cfg.peft).adapts:  # adapter, ref_adapter: the policy has its own adapter
+            policy.model = instantiate(cfg.peft).apply(policy.model)
         reference = instantiate(node)(policy.model, policy.tokenizer)
         assert reference is None or not any(p.requires_grad for p in reference.parameters())
     elif group == "optimizer":
@@ -146,6 +148,12 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
         assert len(splits["train"]) == 8
     elif group == "train":
         TrainSettings(**OmegaConf.to_container(node, resolve=True))
+    elif group == "peft":  # applied to a small policy: what trains is what it predicts
+        adapter = instantiate(node)
+        model = _small_model()
+        predicted = adapter.trainable_parameters(model)
+        model = adapter.apply(model)
+        assert predicted == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
     else:  # a plain key (seed, ...) is covered by check_config; a group needs its builder here
         assert group not in GROUPS, f"no builder for {group}: add one to _build"
 
@@ -158,6 +166,13 @@ def test_option_composes_checks_and_builds(group, option, tmp_path):
         policy.model.save_pretrained(tmp_path / "ref")
         policy.tokenizer.save_pretrained(tmp_path / "ref")
         extra = [f"algo.reference.name_or_path={tmp_path / 'ref'}"]
+    if group == "algo/reference" and option in ("adapter", "ref_adapter"):  # on a LoRA policy
+        extra = ["peft=lora"]
+    if group == "algo/reference" and option == "ref_adapter":  # an adapter saved like a run's final/
+        from rlhf.models.adapters import LoRA
+
+        LoRA(r=2).apply(_tiny_policy().model).save_pretrained(tmp_path / "adapter")
+        extra.append(f"algo.reference.path={tmp_path / 'adapter'}")
     cfg = compose_config(f"{group}={option}", *extra, output_dir=tmp_path)
     check_config(cfg)
     check_fields(OmegaConf.to_container(cfg.train), TrainSettings, "train")
