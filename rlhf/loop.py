@@ -229,7 +229,8 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
         log.info("saved the final model to %s", run.run_dir / "final")
     if run.accelerator.is_main_process:
         (run.run_dir / "summary.json").write_text(json.dumps(
-            {"final": final, "train": {**asdict(run.settings), "max_steps": run.max_steps}, "seed": seed}, indent=2))
+            {"final": final, "train": {**asdict(run.settings), "max_steps": run.max_steps}, "seed": seed,
+             "memory_predicted_mb": {part: size / 2**20 for part, size in asdict(run.memory).items()}}, indent=2))
         run_folder.drop_previous_results(run.run_dir)  # this run's results are complete: the previous run's go
     return final
 
