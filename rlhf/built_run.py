@@ -20,7 +20,7 @@ from rlhf.config import build
 from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
 from rlhf.errors import UserError
 from rlhf.hardware import global_numel
-from rlhf.memory import MemoryPlan, activation_bytes, optimizer_bytes_per_parameter, plan
+from rlhf.memory import MemoryPlan, activation_bytes, measured_plan, optimizer_bytes_per_parameter
 from rlhf.optim import param_groups, schedule
 from rlhf.resume_check import data_fingerprint, record
 from rlhf.settings import TrainSettings
@@ -113,7 +113,7 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     value_bytes = 2 if precision == "bf16" else next(model.parameters()).element_size()
     activations = activation_bytes(model.config, sequences, tokens, value_bytes,
                                    checkpointing=bool(model_cfg.get("gradient_checkpointing", False)))
-    return plan(model, algo.frozen, optimizer_bytes_per_parameter(make_optimizer), strategy.sharded_state(),
+    return measured_plan(model, algo.frozen, optimizer_bytes_per_parameter(make_optimizer), strategy.sharded_state(),
                 strategy.accelerator.num_processes, activations)
 
 

@@ -102,25 +102,32 @@ def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, 
     return sequences * tokens * (kept * bytes_per_value + 3 * vocab * 4)
 
 
-def plan(model: torch.nn.Module, frozen: dict[str, torch.nn.Module], optimizer_bytes: float | None,
+def plan(weights: int, trainable: int, gradient_width: int, frozen: int, optimizer_bytes: float | None,
          sharded: frozenset[str], processes: int, activations: int) -> MemoryPlan:
-    """The preflight's prediction for one process. ``model`` is the policy before the hardware strategy wrapped it
-    (possibly on the meta device), ``frozen`` the algorithm's frozen models as placed (their local shards are
-    counted), ``sharded`` what the strategy splits over ``processes`` (``weights``, ``gradients``, ``optimizer``)."""
-    def share(part: str, total: int | float) -> int:
+    """The preflight's prediction for one process, from counts: the policy's ``weights`` in bytes (whole), its
+    ``trainable`` parameter elements with gradients of ``gradient_width`` bytes, the ``frozen`` models' bytes on
+    this process (already its share), the optimizer's bytes per trainable element, what the strategy splits over
+    ``processes`` (``sharded``: of ``weights``, ``gradients``, ``optimizer``), and the activation estimate."""
+    def share(part: str, total: float) -> int:
         return int(total / processes) if part in sharded else int(total)
 
-    parameters = list(model.parameters())
-    trainable = [p for p in parameters if p.requires_grad]
+    return MemoryPlan(weights=share("weights", weights), gradients=share("gradients", trainable * gradient_width),
+                      optimizer=share("optimizer", trainable * (optimizer_bytes or 0.0)), frozen=int(frozen),
+                      activations=int(activations))
+
+
+def measured_plan(model: torch.nn.Module, frozen: dict[str, torch.nn.Module], optimizer_bytes: float | None,
+                  sharded: frozenset[str], processes: int, activations: int) -> MemoryPlan:
+    """:func:`plan` from the objects of a run: ``model`` the policy before the hardware strategy wrapped it,
+    ``frozen`` the algorithm's frozen models as the strategy placed them (their local shards count; tensors shared
+    with the policy do not)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
     policy_ids = {id(t) for t in unique_tensors(model)}
-    frozen_bytes = sum(held_bytes(unique_tensors(m), skip=policy_ids) for m in frozen.values() if m is not None)
-    return MemoryPlan(
-        weights=share("weights", held_bytes(unique_tensors(model), local=False)),
-        gradients=share("gradients", held_bytes(trainable, local=False)),
-        optimizer=share("optimizer", sum(global_numel(p) for p in trainable) * (optimizer_bytes or 0.0)),
-        frozen=frozen_bytes,
-        activations=activations,
-    )
+    return plan(weights=held_bytes(unique_tensors(model), local=False),
+                trainable=sum(global_numel(p) for p in trainable),
+                gradient_width=trainable[0].element_size() if trainable else 0,
+                frozen=sum(held_bytes(unique_tensors(m), skip=policy_ids) for m in frozen.values() if m is not None),
+                optimizer_bytes=optimizer_bytes, sharded=sharded, processes=processes, activations=activations)
 
 
 def _status_kib(field: str) -> int | None:

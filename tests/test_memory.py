@@ -16,8 +16,8 @@ from rlhf.memory import (
     PeakMemory,
     activation_bytes,
     held_bytes,
+    measured_plan,
     optimizer_bytes_per_parameter,
-    plan,
     unique_tensors,
 )
 from rlhf.models.reference import FrozenCopy, SharedLayers
@@ -50,27 +50,28 @@ def test_plan_counts_each_part_and_sharding_divides_what_it_shards():
     model = _tiny().model
     weights = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
     reference = FrozenCopy()(model)
-    whole = plan(model, {"reference": reference}, 8.0, frozenset(), processes=2, activations=100)
+    whole = measured_plan(model, {"reference": reference}, 8.0, frozenset(), processes=2, activations=100)
     assert (whole.weights, whole.gradients, whole.frozen, whole.activations) == (
         weights, sum(p.numel() * 4 for p in model.parameters()), weights, 100)
     assert whole.optimizer == 2 * whole.gradients  # 8 bytes against 4 per parameter
-    sharded = plan(model, {"reference": reference}, 8.0, frozenset({"weights", "gradients", "optimizer"}), 2, 100)
+    sharded = measured_plan(model, {"reference": reference}, 8.0, frozenset({"weights", "gradients", "optimizer"}),
+                            2, 100)
     assert (sharded.weights, sharded.gradients, sharded.optimizer) == (
         whole.weights // 2, whole.gradients // 2, whole.optimizer // 2)
-    zero1 = plan(model, {}, 8.0, frozenset({"optimizer"}), 2, 0)
+    zero1 = measured_plan(model, {}, 8.0, frozenset({"optimizer"}), 2, 0)
     assert (zero1.weights, zero1.optimizer, zero1.frozen) == (whole.weights, whole.optimizer // 2, 0)
     assert whole.total == sum([whole.weights, whole.gradients, whole.optimizer, whole.frozen, whole.activations])
 
 
 def test_shared_layers_count_only_the_layers_the_reference_does_not_share():
     model = _tiny().model
-    copy_bytes = plan(model, {"reference": FrozenCopy()(model)}, 0.0, frozenset(), 1, 0).frozen
-    all_gradients = plan(model, {}, 0.0, frozenset(), 1, 0).gradients
+    copy_bytes = measured_plan(model, {"reference": FrozenCopy()(model)}, 0.0, frozenset(), 1, 0).frozen
+    all_gradients = measured_plan(model, {}, 0.0, frozenset(), 1, 0).gradients
     shared = SharedLayers(num_shared_layers=2)(model)
     layer_bytes = held_bytes(unique_tensors(model.model.layers[0]))
-    assert plan(model, {"reference": shared}, 0.0, frozenset(), 1, 0).frozen == copy_bytes - 2 * layer_bytes
+    assert measured_plan(model, {"reference": shared}, 0.0, frozenset(), 1, 0).frozen == copy_bytes - 2 * layer_bytes
     # frozen layers train no more: no gradient, no optimizer state
-    assert plan(model, {}, 8.0, frozenset(), 1, 0).gradients == all_gradients - 2 * layer_bytes
+    assert measured_plan(model, {}, 8.0, frozenset(), 1, 0).gradients == all_gradients - 2 * layer_bytes
 
 
 def _saved_bytes(model, batch) -> int:
