@@ -84,6 +84,8 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
 
     algo.setup(model, tokenizer)  # before prepare(): e.g. the reference copies the initial policy
     algo.frozen = {name: strategy.prepare_frozen(module) for name, module in algo.frozen.items()}
+    fingerprint = data_fingerprint(tokenized["train"])  # of the tokens: precomputed columns are the model's
+    tokenized = algo.precompute(tokenized, strategy)  # e.g. reference log-probabilities, computed or read once
     training = train_loader(tokenized["train"], settings.per_device_batch_size, algo.collate, cfg.seed)
     evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)
     # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
@@ -94,7 +96,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     return BuiltRun(settings, run_dir, strategy, accelerator, model, tokenizer, algo, optimizer, scheduler,
                     training, evaluation, accumulation, max_steps,
                     rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows,
-                    resume_record=record(cfg, strategy, data_fingerprint(tokenized["train"])))
+                    resume_record=record(cfg, strategy, fingerprint))
 
 
 def _check_context(max_length: int | None, config) -> None:
