@@ -139,8 +139,10 @@ class Precomputed(Reference):
                 log.info("reference log-probabilities of the %s split (%d rows): %s %s", split, len(rows[split]),
                          source, self.cache_dir / f"{keys[split]}.safetensors")
             out[split] = rows[split].add_column(COLUMN, shared.tolist())
-        self._initial, self._loaded = None, None  # the policy trains from here on; nothing of the reference stays
-        gc.collect()
+        loaded, self._initial, self._loaded = self._loaded, None, None  # the policy trains from here on
+        if loaded is not None:  # name_or_path was loaded for its hash only (every split was in the cache)
+            del loaded
+            gc.collect()
         return DatasetDict(out)
 
     def key(self, reference_hash: str, split, collate: Callable, strategy) -> str:
