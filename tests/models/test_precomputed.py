@@ -20,7 +20,6 @@ from rlhf.models.precomputed import Precomputed
 from rlhf.state import TrainState
 from tests.conftest import FAST, compose_config
 
-
 SMALL = ["data.task.num_train=16", "data.task.num_eval=8"]
 
 
