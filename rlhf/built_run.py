@@ -88,6 +88,8 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
 
     algo.setup(model, tokenizer)  # before prepare(): e.g. the reference copies the initial policy
     algo.frozen = {name: strategy.prepare_frozen(module) for name, module in algo.frozen.items()}
+    fingerprint = data_fingerprint(tokenized["train"])  # of the tokens: precomputed columns are the model's
+    tokenized = algo.precompute(tokenized, strategy)  # e.g. reference log-probabilities, computed or read once
     training = train_loader(tokenized["train"], settings.per_device_batch_size, algo.collate, cfg.seed)
     evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)
     # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
@@ -99,7 +101,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     return BuiltRun(settings, run_dir, strategy, accelerator, model, tokenizer, algo, optimizer, scheduler,
                     training, evaluation, accumulation, max_steps,
                     rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows,
-                    resume_record=record(cfg, strategy, data_fingerprint(tokenized["train"])), memory=memory)
+                    resume_record=record(cfg, strategy, fingerprint), memory=memory)
 
 
 def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: TrainSettings, model_cfg) -> MemoryPlan:
@@ -113,8 +115,8 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     value_bytes = 2 if precision == "bf16" else next(model.parameters()).element_size()
     activations = activation_bytes(model.config, sequences, tokens, value_bytes,
                                    checkpointing=bool(model_cfg.get("gradient_checkpointing", False)))
-    return measured_plan(model, algo.frozen, optimizer_bytes_per_parameter(make_optimizer), strategy.sharded_state(),
-                strategy.accelerator.num_processes, activations)
+    return measured_plan(model, algo.frozen, optimizer_bytes_per_parameter(make_optimizer),
+                         strategy.sharded_state(), strategy.accelerator.num_processes, activations)
 
 
 def _check_context(max_length: int | None, config) -> None:

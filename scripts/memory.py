@@ -137,12 +137,70 @@ def predict_one(architecture: str, overrides: list[str], checkpointing: bool, ca
                 activations=activation_bytes(model.config, GPU_SEQUENCES, GPU_TOKENS, value_bytes, checkpointing))
 
 
+GPU = ["hardware.device=cuda", "hardware.num_processes=2", "hardware.mixed_precision=bf16"]
+HARDWARE = ["ddp", "zero2", "zero3", "fsdp"]
+SETUPS = [  # (peft, reference): the combinations the config check accepts
+    ("none", "copy"), ("none", "int8"), ("none", "precomputed"),
+    ("lora", "copy"), ("lora", "adapter"), ("lora", "precomputed"),
+    ("qlora", "adapter"), ("qlora", "precomputed"),
+]
+ALL_OPTIMIZERS = ["adamw", "adam8bit", "lion", "sgd"]
+
+
+def _overrides(hardware: str, peft: str, reference: str, optimizer: str, dtype: str) -> list[str]:
+    extra = ["peft.quant_storage=bfloat16", "peft.compute_dtype=bfloat16"] if peft == "qlora" else []
+    return [f"hardware={hardware}", *GPU, f"peft={peft}", *extra, f"algo/reference={reference}",
+            f"optimizer={optimizer}", f"model.dtype={dtype}", "optimizer.momentum=0.9" if optimizer == "sgd" else ""]
+
+
+def predict(markdown: bool) -> None:
+    """Predicted GB per GPU for a 0.5B and a 7B model, 2 GPUs, by hardware x (peft, reference) x optimizer."""
+    cache: dict = {}
+    for architecture in ("Qwen2.5-0.5B", "Llama-2-7B"):
+        print(f"\n**{architecture}: predicted GB per GPU** (2 GPUs, bf16 weights and autocast, one pair of "
+              f"{GPU_TOKENS} tokens per micro-batch, gradient checkpointing on; a prediction of "
+              "`rlhf/memory.py`, not a measurement)\n")
+        print("| hardware | peft | reference | " + " | ".join(ALL_OPTIMIZERS) + " |")
+        print("|---|---|---|" + "---:|" * len(ALL_OPTIMIZERS))
+        for hardware in HARDWARE:
+            for peft, reference in SETUPS:
+                cells = [predict_one(architecture, _overrides(hardware, peft, reference, optimizer, "bfloat16"),
+                                     True, cache).total / 2**30 for optimizer in ALL_OPTIMIZERS]
+                print(f"| `{hardware}` | `{peft}` | `{reference}` | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+
+
+def fits(markdown: bool) -> None:
+    """For Phi-2 (2.7B) on two 24 GB GPUs: which setups fit, in bf16 and in fp32 weights."""
+    cache: dict = {}
+    budget = GPU_GB - GPU_RESERVED_GB
+    print(f"\n**Phi-2 (2.7B) on two {GPU_GB} GB GPUs: what fits** (predicted; {budget} GB usable per GPU after "
+          f"{GPU_RESERVED_GB} GB for the CUDA context and buffers; one pair of {GPU_TOKENS} tokens per micro-batch; "
+          "the optimizers that fit, with AdamW's predicted GB per GPU)\n")
+    print("| hardware | peft | reference | bf16 weights, checkpointing | bf16 weights, no checkpointing | "
+          "fp32 weights, checkpointing |")
+    print("|---|---|---|---|---|---|")
+    for hardware in HARDWARE:
+        for peft, reference in SETUPS:
+            cells = []
+            for dtype, checkpointing in (("bfloat16", True), ("bfloat16", False), ("float32", True)):
+                sizes = {optimizer: predict_one("Phi-2 (2.7B)", _overrides(hardware, peft, reference, optimizer,
+                                                                          dtype), checkpointing, cache).total / 2**30
+                         for optimizer in ALL_OPTIMIZERS}
+                fitting = [optimizer for optimizer, size in sizes.items() if size <= budget]
+                cells.append(f"{', '.join(fitting) or 'none'} ({sizes['adamw']:.1f})")
+            print(f"| `{hardware}` | `{peft}` | `{reference}` | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["measure", "predict", "fits", "all"])
     args = parser.parse_args()
     if args.what in ("measure", "all"):
         measure(markdown=True)
+    if args.what in ("predict", "all"):
+        predict(markdown=True)
+    if args.what in ("fits", "all"):
+        fits(markdown=True)
 
 
 if __name__ == "__main__":
