@@ -83,7 +83,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     _check_split_sizes(tokenized, settings, accelerator.num_processes)
 
     algo.setup(model, tokenizer)  # before prepare(): e.g. the reference copies the initial policy
-    algo.frozen = {name: strategy.prepare_frozen(module) for name, module in algo.frozen.items()}
+    algo.frozen = {name: strategy.prepare_frozen(module, name=name) for name, module in algo.frozen.items()}
     training = train_loader(tokenized["train"], settings.per_device_batch_size, algo.collate, cfg.seed)
     evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)
     # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
