@@ -121,7 +121,7 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
 def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> CompletionStats:
     """One forward pass; log-probabilities of each sequence's completion given its prompt."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    if logits.dim() != 3:  # e.g. a sequence-classification head: one scalar per sequence, no next-token logits
+    if logits.dim() != 3 or logits.shape[-1] == 1:  # a sequence-classification or value head: one scalar each
         raise UserError(f"this algorithm needs next-token logits, but the model outputs shape {list(logits.shape)}: "
                         "it has another head. Fix: model.head=causal_lm")
     logits = logits[:, :-1].float()
