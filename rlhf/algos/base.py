@@ -36,8 +36,8 @@ class Algorithm:
     1. ``tokenize(row, tokenizer)`` on every row of the data (text columns named by ``columns``), then
        ``setup(policy, tokenizer)`` with the initial policy, before the hardware strategy wraps it;
     2. for each model in ``frozen`` (built by ``setup``; the policy is never among them):
-       ``strategy.prepare_frozen(model)``, which puts it where it runs (the device, the autocast of mixed
-       precision) and is stored back under the same name;
+       ``strategy.prepare_frozen(model, name=name)``, which puts it where it runs (the device, the autocast of
+       mixed precision; FSDP2 and ZeRO-3 shard it like the policy) and is stored back under the same name;
     3. ``batch_source(loader, state, accelerator)`` once; then every micro-batch comes from its ``next()``;
     4. ``loss(model, batch)`` per micro-batch and ``evaluate(model, batch)`` per held-out batch (``collate``
        makes both kinds of batch from tokenized rows);

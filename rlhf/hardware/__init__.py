@@ -1,7 +1,8 @@
 """Hardware strategies: one object per ``conf/hardware`` option decides processes, devices and sharding."""
 
-from rlhf.hardware.base import DataParallel, FrozenHolding, cpus_available, free_port, global_numel
+from rlhf.hardware.base import DataParallel, cpus_available, free_port
 from rlhf.hardware.fsdp import FSDP2
+from rlhf.hardware.holding import FrozenHolding, global_numel
 from rlhf.hardware.zero import ZeRO
 
 __all__ = ["FSDP2", "DataParallel", "FrozenHolding", "ZeRO", "cpus_available", "free_port", "global_numel"]

@@ -2,7 +2,7 @@
 
 A ``conf/hardware/*.yaml`` option builds a :class:`DataParallel` (or a subclass) through ``_target_``. The loop
 calls the same methods whatever the option: ``start`` (the Accelerator and the process group), ``prepare_frozen``
-(models that do not train), ``prepare`` (the policy, its optimizer and the training loader),
+(models that do not train; ``frozen_share`` predicts the share of one a process holds), ``prepare`` (the policy, its optimizer and the training loader),
 ``accumulate``/``backward``, ``clip_gradients`` (the norm before clipping), ``step`` (step and zero the gradients)
 or ``skip_step`` (a non-finite step), ``save_state``/``load_state`` (checkpoints) and ``save_model`` (one whole
 Hugging Face model, written by the main process). :mod:`rlhf.launch` reads ``processes_per_node`` and
@@ -18,7 +18,6 @@ import logging
 import os
 import socket
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from accelerate.state import AcceleratorState
 
 from rlhf.errors import UserError
 from rlhf.files import save_safetensors, save_torch
+from rlhf.hardware.holding import FrozenHolding, global_numel, local_numel
 from rlhf.metrics import any_process
 from rlhf.validate import limits
 
@@ -72,39 +72,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def local_numel(tensor: torch.Tensor) -> int:
-    """Elements this process stores for `tensor`: its own shard for a DTensor (FSDP2) or a ZeRO-3 parameter."""
-    if hasattr(tensor, "ds_tensor"):  # DeepSpeed ZeRO-3 parameter: its partition, and the whole when it stays
-        # gathered (ds_persist: fewer elements than stage3_param_persistence_threshold)
-        return tensor.ds_tensor.numel() + (tensor.ds_numel if getattr(tensor, "ds_persist", False) else 0)
-    if hasattr(tensor, "to_local"):  # DTensor
-        return tensor.to_local().numel()
-    return tensor.numel()
-
-
-def global_numel(tensor: torch.Tensor) -> int:
-    """Elements of the whole `tensor`, however it is partitioned (a DTensor reports its global shape)."""
-    return getattr(tensor, "ds_numel", None) or tensor.numel()
-
-
-@dataclass(frozen=True)
-class FrozenHolding:
-    """What one process holds of a frozen model (:meth:`DataParallel.prepare_frozen`): its parameter elements
-    here and in the whole model, and the bytes of those here."""
-
-    local_elements: int
-    total_elements: int
-    local_bytes: int
-
-    @property
-    def share(self) -> float:
-        return self.local_elements / max(self.total_elements, 1)
-
-    def __str__(self) -> str:
-        return (f"this process holds {self.local_elements:,} of {self.total_elements:,} frozen parameter elements "
-                f"({self.share:.0%}), {self.local_bytes:,} bytes")
 
 
 # Accelerate's DistributedType names, in words, for the start-up line.

@@ -7,7 +7,8 @@ import os
 import torch
 
 from rlhf.errors import UserError
-from rlhf.hardware.base import DataParallel, global_numel, local_numel
+from rlhf.hardware.base import DataParallel
+from rlhf.hardware.holding import global_numel, local_numel
 
 CPU_PROCESSES = 2  # processes on a machine without GPU when hardware.num_processes is null: the fewest that shard
 

@@ -35,7 +35,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.errors import UserError
-from rlhf.hardware.base import FP16_REASON, free_port, global_numel
+from rlhf.hardware.base import FP16_REASON, free_port
+from rlhf.hardware.holding import global_numel
 from rlhf.hardware.sharded import Sharded, name_deepspeed_accelerator
 from rlhf.validate import limits
 
