@@ -87,7 +87,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     _check_split_sizes(tokenized, settings, accelerator.num_processes)
 
     algo.setup(model, tokenizer)  # before prepare(): e.g. the reference copies the initial policy
-    algo.frozen = {name: strategy.prepare_frozen(module) for name, module in algo.frozen.items()}
+    algo.frozen = {name: strategy.prepare_frozen(module, name=name) for name, module in algo.frozen.items()}
     fingerprint = data_fingerprint(tokenized["train"])  # of the tokens: precomputed columns are the model's
     tokenized = algo.precompute(tokenized, strategy)  # e.g. reference log-probabilities, computed or read once
     training = train_loader(tokenized["train"], settings.per_device_batch_size, algo.collate, cfg.seed)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rlhf.hardware.sharded import global_numel, local_numel
+from rlhf.hardware.holding import global_numel, local_numel
 
 MB = 2**20
 PROBE_SHAPE = (256, 256)  # a matrix above bitsandbytes' min_8bit_size (4096), so 8-bit states are 8-bit

@@ -36,8 +36,8 @@ class Algorithm:
     1. ``tokenize(row, tokenizer)`` on every row of the data (text columns named by ``columns``), then
        ``setup(policy, tokenizer)`` with the initial policy, before the hardware strategy wraps it;
     2. for each model in ``frozen`` (built by ``setup``; the policy is never among them):
-       ``strategy.prepare_frozen(model)``, which puts it where it runs (the device, the autocast of mixed
-       precision) and is stored back under the same name;
+       ``strategy.prepare_frozen(model, name=name)``, which puts it where it runs (the device, the autocast of
+       mixed precision; FSDP2 and ZeRO-3 shard it like the policy) and is stored back under the same name;
     3. ``precompute(rows, strategy)`` with the tokenized splits, returned with any columns computed once before
        training (reference log-probabilities); then ``batch_source(loader, state, accelerator)`` once; then every
        micro-batch comes from its ``next()``;
@@ -129,7 +129,7 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
 def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> CompletionStats:
     """One forward pass; log-probabilities of each sequence's completion given its prompt."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    if logits.dim() != 3:  # e.g. a sequence-classification head: one scalar per sequence, no next-token logits
+    if logits.dim() != 3 or logits.shape[-1] == 1:  # a sequence-classification or value head: one scalar each
         raise UserError(f"this algorithm needs next-token logits, but the model outputs shape {list(logits.shape)}: "
                         "it has another head. Fix: model.head=causal_lm")
     logits = logits[:, :-1].float()
