@@ -108,8 +108,9 @@ class CompletionStats:
     logps: Tensor  # [B] summed log-probability of the completion tokens (EOS included)
     num_tokens: Tensor  # [B] completion tokens per sequence
     greedy_match: Tensor  # [B] bool: argmax is the target at every completion position (= greedy decode matches)
-    token_logps: Tensor  # [B, T-1] log-probability of each next token
+    token_logps: Tensor  # [B, T-1] log-probability of each next completion token (0 elsewhere)
     mask: Tensor  # [B, T-1] bool, True on completion tokens
+    every_token_logps: Tensor  # [B, T-1] log-probability of each next token, prompt and padding included
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
@@ -127,6 +128,7 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
     logits = logits[:, :-1].float()
     labels = batch["input_ids"][:, 1:]
     mask = batch["completion_mask"][:, 1:].bool()
-    token_logps = selective_log_softmax(logits, labels) * mask
+    every_token_logps = selective_log_softmax(logits, labels)
+    token_logps = every_token_logps * mask
     greedy = ((logits.argmax(-1) == labels) | ~mask).all(-1)
-    return CompletionStats(token_logps.sum(-1), mask.sum(-1), greedy, token_logps, mask)
+    return CompletionStats(token_logps.sum(-1), mask.sum(-1), greedy, token_logps, mask, every_token_logps)

@@ -1,0 +1,46 @@
+"""What the algorithms regularized toward a frozen reference model share (DPO and its loss family, KTO): building
+the reference from the ``algo/reference`` strategy, turning dropout off, and the reference's log-probabilities."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhf.algos.base import Algorithm, completion_stats
+from rlhf.models.reference import disable_dropout
+
+
+class ReferenceRegularized(Algorithm):
+    """An :class:`Algorithm` with a frozen reference. A subclass sets, in its ``__init__``:
+
+    - ``reference``: a strategy of :mod:`rlhf.models.reference`, ``(policy, tokenizer) -> model or None``;
+    - ``disable_dropout``: turn every dropout off in policy and reference (as TRL does), so log-ratios start at 0.
+    """
+
+    reference: Any
+    disable_dropout: bool = True
+    pad_id: int = 0
+
+    def setup(self, policy, tokenizer) -> None:
+        self.pad_id = tokenizer.pad_token_id
+        if self.disable_dropout:
+            disable_dropout(policy)  # before the reference is made: a copy inherits it
+        reference = self.reference(policy, tokenizer)
+        if reference is not None and self.disable_dropout:
+            disable_dropout(reference)
+        # The loop puts it where it runs (prepare_frozen); none for a reference-free objective.
+        self.frozen = {"reference": reference} if reference is not None else {}
+
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        return self.frozen.get("reference")
+
+    def reference_logps(self, batch: dict[str, Tensor], like: Tensor) -> Tensor:
+        """The reference's summed completion log-probabilities of ``batch``'s sequences (no gradient); zeros shaped
+        ``like`` without a reference (``algo/reference=none``: log-ratios are then the log-probabilities)."""
+        if self.ref_model is None:
+            return torch.zeros_like(like)
+        with torch.no_grad():
+            return completion_stats(self.ref_model, batch).logps
