@@ -33,7 +33,8 @@ class Algorithm:
 
     The loop never asks which algorithm it runs. It calls, in this order:
 
-    1. ``tokenize(row, tokenizer)`` on every row of the data (text columns named by ``columns``), then
+    1. ``tokenize(row, tokenizer)`` on every row of the data (the columns named by ``columns``, and those of
+       ``optional_columns`` that the data has; :mod:`rlhf.data.formats`), then
        ``setup(policy, tokenizer)`` with the initial policy, before the hardware strategy wraps it;
     2. for each model in ``frozen`` (built by ``setup``; the policy is never among them):
        ``strategy.prepare_frozen(model)``, which puts it where it runs (the device, the autocast of mixed
@@ -47,7 +48,8 @@ class Algorithm:
     Allowed argument values are declared with :func:`rlhf.validate.limits` above the class.
     """
 
-    columns: tuple[str, ...] = ()  # the text columns each row must have (rlhf.data checks them)
+    columns: tuple[str, ...] = ()  # the columns each row must have (rlhf.data checks them): text, or typed (label)
+    optional_columns: tuple[str, ...] = ()  # typed columns passed on where the data has them (a reward's margin)
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:
