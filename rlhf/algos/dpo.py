@@ -5,6 +5,7 @@ With policy log-ratios against a frozen reference, ``h = (log pi(y_w|x) - log re
 summed over completion tokens (EOS included). Loss variants are the functions of :mod:`rlhf.algos.dpo_losses`,
 chosen by the config group ``algo/loss`` (``conf/algo/loss/*.yaml``); they all take the pair's log-probabilities
 (:class:`~rlhf.algos.dpo_losses.PairLogps`), ``beta`` and the loss's state, which this class saves in checkpoints.
+The reference-free SimPO and ORPO are such losses too, on average log-probabilities, with ``algo/reference=none``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, completion_stats, prompt_leaves_room
+from rlhf.algos.base import completion_stats
 from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.algos.sft import nll_loss
@@ -22,13 +23,7 @@ from rlhf.models.reference import FrozenCopy
 from rlhf.validate import Range, limits
 
 
-@limits(
-    prompt_leaves_room,
-    beta=Range(gt=0, meaning="the KL penalty's strength; 0.1-0.5 is common", fix=0.1),
-    nll_weight=Range(ge=0, meaning="weight of the NLL term on the chosen answer; 0 is plain DPO, 1 is RPO", fix=1.0),
-    max_prompt_length=PROMPT_TOKENS,
-    max_length=SEQUENCE_TOKENS,
-)
+@limits(nll_weight=Range(ge=0, meaning="weight of the NLL term on the chosen answer; 0 is plain DPO, 1 is RPO", fix=1.0))
 class DPO(ReferenceRegularized):
     """DPO on ``prompt``/``chosen``/``rejected`` rows; chosen and rejected share one forward pass.
 
@@ -46,7 +41,8 @@ class DPO(ReferenceRegularized):
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
 
-    The allowed values (``@limits`` above) are checked by :func:`rlhf.config.check_config` before anything is built.
+    The allowed values (``@limits`` above, and :class:`ReferenceRegularized`'s) are checked by
+    :func:`rlhf.config.check_config` before anything is built.
     """
 
     columns = ("prompt", "chosen", "rejected")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, completion_stats, prompt_leaves_room
+from rlhf.algos.base import completion_stats
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.data.collate import collate_sequences, encode, require_completion
 from rlhf.errors import UserError
@@ -57,14 +57,8 @@ def kl_estimate(mismatched_logratios: Tensor) -> Tensor:
     return kl.clamp(min=0)
 
 
-@limits(
-    prompt_leaves_room,
-    beta=Range(gt=0, meaning="the KL strength; TRL's default is 0.1", fix=0.1),
-    desirable_weight=Range(gt=0, meaning="weight of the desirable rows' losses (w_D)", fix=1.0),
-    undesirable_weight=Range(gt=0, meaning="weight of the undesirable rows' losses (w_U)", fix=1.0),
-    max_prompt_length=PROMPT_TOKENS,
-    max_length=SEQUENCE_TOKENS,
-)
+@limits(desirable_weight=Range(gt=0, meaning="weight of the desirable rows' losses (w_D)", fix=1.0),
+        undesirable_weight=Range(gt=0, meaning="weight of the undesirable rows' losses (w_U)", fix=1.0))
 class KTO(ReferenceRegularized):
     """KTO on ``prompt``/``completion``/``label`` rows (or preference pairs, split into such rows).
 

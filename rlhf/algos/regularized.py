@@ -8,12 +8,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf.algos.base import Algorithm, completion_stats
+from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, completion_stats, prompt_leaves_room
 from rlhf.models.reference import disable_dropout
+from rlhf.validate import Range, limits
 
 
+@limits(
+    prompt_leaves_room,
+    beta=Range(gt=0, meaning="the KL penalty's strength; 0.1-0.5 is common", fix=0.1),
+    max_prompt_length=PROMPT_TOKENS,
+    max_length=SEQUENCE_TOKENS,
+)
 class ReferenceRegularized(Algorithm):
-    """An :class:`Algorithm` with a frozen reference. A subclass sets, in its ``__init__``:
+    """An :class:`Algorithm` with a frozen reference; its subclasses inherit the allowed values of ``beta``,
+    ``max_prompt_length`` and ``max_length`` declared here. A subclass sets, in its ``__init__``:
 
     - ``reference``: a strategy of :mod:`rlhf.models.reference`, ``(policy, tokenizer) -> model or None``;
     - ``disable_dropout``: turn every dropout off in policy and reference (as TRL does), so log-ratios start at 0.

@@ -4,8 +4,9 @@ Every input path (CSV, JSON/JSONL, Parquet, ``save_to_disk`` folders, Hub datase
 :func:`check_rows`. A row is bad when a field the format needs is missing, null, empty (or only whitespace) or
 of the wrong type; when a conversation (a list of ``{role, content}`` messages) is empty, has a message with an
 unknown role or without content, or an answer (``completion``, ``chosen``, ``rejected``, and SFT's ``messages``)
-that does not end with the assistant's message; or when a preference pair's ``chosen`` is identical to its
-``rejected``. A column that holds conversations in some rows and plain text in others is refused as a whole.
+that does not end with the assistant's message; when a typed column's value is not of its type (``label``:
+true/false; ``margin``: a finite number); or when a preference pair's ``chosen`` is identical to its ``rejected``.
+A column that holds conversations in some rows and plain text in others is refused as a whole.
 
 Row numbers count data rows from 1, in file order: the first object of a JSON/JSONL file (blank lines are not
 rows), the first row after the header of a CSV file, index 0 of a Parquet file, saved dataset or Hub split.

@@ -7,6 +7,7 @@ in a CSV file every field is text (``3``, ``None`` and ``NA`` stay strings; an e
 
 A CSV file cannot hold lists, so a CSV column is read as conversations when its values are JSON lists of
 ``{role, content}`` messages (:func:`decode_conversations`); a column mixing those with plain text is refused.
+Typed columns (``label``, ``margin``) are read as their types (:func:`decode_typed`).
 """
 
 from __future__ import annotations
