@@ -39,7 +39,9 @@ class Algorithm:
     2. for each model in ``frozen`` (built by ``setup``; the policy is never among them):
        ``strategy.prepare_frozen(model)``, which puts it where it runs (the device, the autocast of mixed
        precision) and is stored back under the same name;
-    3. ``batch_source(loader, state, accelerator)`` once; then every micro-batch comes from its ``next()``;
+    3. ``precompute(rows, strategy)`` with the tokenized splits, returned with any columns computed once before
+       training (reference log-probabilities); then ``batch_source(loader, state, accelerator)`` once; then every
+       micro-batch comes from its ``next()``;
     4. ``loss(model, batch)`` per micro-batch and ``evaluate(model, batch)`` per held-out batch (``collate``
        makes both kinds of batch from tokenized rows);
     5. ``state_dict()`` into every checkpoint, ``load_state_dict(state)`` when a run resumes from one.
@@ -72,6 +74,12 @@ class Algorithm:
     def setup(self, policy: torch.nn.Module, tokenizer) -> None:
         """Anything built from the initial policy before training: a reference copy goes into ``self.frozen``.
         Default: nothing."""
+
+    def precompute(self, rows, strategy) -> Any:
+        """The tokenized splits (a ``DatasetDict``, ``"train"`` and ``"eval"``) with any columns computed once before
+        training, with the frozen models prepared and the hardware ``strategy`` started (every process calls it);
+        ``collate`` then finds them in each row. Default: the rows unchanged."""
+        return rows
 
     def batch_source(self, loader, state: TrainState, accelerator) -> BatchSource:
         """Where training micro-batches come from. Default: the training split's batches, epoch after epoch,

@@ -19,7 +19,7 @@ from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.algos.sft import nll_loss
 from rlhf.data.collate import collate_sequences, encode, require_completion
-from rlhf.models.reference import FrozenCopy
+from rlhf.models.reference import FrozenCopy, Reference
 from rlhf.validate import Range, limits
 
 
@@ -30,8 +30,9 @@ class DPO(ReferenceRegularized):
     Args:
         beta: strength of the implicit KL penalty (> 0); rewards are ``beta * log(pi/ref)``.
         loss: the per-pair loss, a function of (:class:`PairLogps`, beta, state) from :mod:`rlhf.algos.dpo_losses`.
-        reference: builds the frozen reference model from the initial policy and its tokenizer
-            (``self.frozen["reference"]``; the config group ``algo/reference``, :mod:`rlhf.models.reference`).
+        reference: a :class:`~rlhf.models.reference.Reference` strategy (the config group ``algo/reference``): it
+            builds the frozen reference model from the initial policy and its tokenizer (``self.frozen["reference"]``,
+            or none) and gives the reference log-probabilities of each batch.
         nll_weight: weight (>= 0) of an added NLL term on the chosen completion (RPO, Pang et al. 2024,
             arXiv:2404.19733; SimPO's and CPO's ``cpo_alpha``; 1 for ORPO); 0 is plain DPO. The NLL is the mean
             over the batch's chosen completion tokens.
@@ -51,7 +52,7 @@ class DPO(ReferenceRegularized):
         self,
         beta: float = 0.1,
         loss: Loss = sigmoid_loss,
-        reference: Any = None,
+        reference: Reference | None = None,
         nll_weight: float = 0.0,
         nll_on_prompt: bool = False,
         disable_dropout: bool = True,
@@ -74,10 +75,20 @@ class DPO(ReferenceRegularized):
         return out
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
-        """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass."""
+        """The pairs' sequences (:meth:`sequences`) and the reference strategy's columns (precomputed
+        log-probabilities)."""
+        return {**self.sequences(rows), **self.reference.collate(rows)}
+
+    def sequences(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass (sequence ``k`` is
+        row ``k % B``'s ``k // B``-th)."""
         ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
         masks = [r["chosen_completion_mask"] for r in rows] + [r["rejected_completion_mask"] for r in rows]
         return collate_sequences(ids, masks, self.pad_id)
+
+    def precompute(self, rows, strategy):
+        """The reference strategy's columns (e.g. ``algo/reference=precomputed``'s log-probabilities)."""
+        return self.reference.precompute(rows, strategy, self.sequences)
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss": {name: value.detach().cpu().clone() for name, value in self.loss_state.items()}}
@@ -88,7 +99,7 @@ class DPO(ReferenceRegularized):
     def loss(self, model, batch: dict[str, Tensor], training: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
         """``training=False`` (held-out batches): the loss state is read but not updated."""
         policy = completion_stats(model, batch)
-        ref_logps = self.reference_logps(batch, like=policy.logps)  # zeros with algo/reference=none
+        ref_logps = self.reference_logps(batch, model)  # zeros with algo/reference=none
         n = batch["input_ids"].shape[0] // 2
         pairs = PairLogps(policy.logps[:n], policy.logps[n:], ref_logps[:n], ref_logps[n:],
                           policy.num_tokens[:n], policy.num_tokens[n:])

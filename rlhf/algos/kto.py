@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from hydra.utils import get_object
 from torch import Tensor
 
 from rlhf.algos.base import completion_stats
@@ -57,7 +58,21 @@ def kl_estimate(mismatched_logratios: Tensor) -> Tensor:
     return kl.clamp(min=0)
 
 
-@limits(desirable_weight=Range(gt=0, meaning="weight of the desirable rows' losses (w_D)", fix=1.0),
+def _reference_scores_mismatched_pairs(values: dict[str, Any], where: str) -> None:
+    """Refuse a reference strategy that scores only precomputed rows: the mismatched pairs exist per batch."""
+    node = values.get("reference")
+    target = node.get("_target_") if isinstance(node, dict) else None
+    if isinstance(target, str) and not getattr(get_object(target), "scores_any_batch", True):
+        raise UserError(_PRECOMPUTED.format(where=where))
+
+
+_PRECOMPUTED = ("{where}: algo=kto pairs each prompt with another row's completion in every micro-batch, so the "
+                "reference must score sequences that exist only during training; this reference strategy gives the "
+                "log-probabilities of precomputed rows only. Fix: algo/reference=copy (or model, shared_layers).")
+
+
+@limits(_reference_scores_mismatched_pairs,
+        desirable_weight=Range(gt=0, meaning="weight of the desirable rows' losses (w_D)", fix=1.0),
         undesirable_weight=Range(gt=0, meaning="weight of the undesirable rows' losses (w_U)", fix=1.0))
 class KTO(ReferenceRegularized):
     """KTO on ``prompt``/``completion``/``label`` rows (or preference pairs, split into such rows).
@@ -83,6 +98,8 @@ class KTO(ReferenceRegularized):
         self.reference = reference if reference is not None else FrozenCopy()
         self.disable_dropout = disable_dropout
         self.max_prompt_length, self.max_length = max_prompt_length, max_length
+        if not self.reference.scores_any_batch:
+            raise UserError(_PRECOMPUTED.format(where="algo.reference"))
 
     def tokenize(self, row: dict[str, Any], tokenizer) -> dict[str, Any]:
         encoded = encode(tokenizer, row["prompt"], row["completion"], self.max_prompt_length, self.max_length)
@@ -112,7 +129,7 @@ class KTO(ReferenceRegularized):
     def logratios(self, model, batch: dict[str, Tensor]):
         """Completion statistics of the policy on ``batch``'s sequences (with gradient), and their log-ratios."""
         policy = completion_stats(model, batch)
-        return policy, policy.logps - self.reference_logps(batch, like=policy.logps)
+        return policy, policy.logps - self.reference_logps(batch, model)
 
     def loss(self, model, batch: dict[str, Tensor], training: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
         desirable = batch["label"]

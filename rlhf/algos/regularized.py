@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, completion_stats, prompt_leaves_room
+from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
 from rlhf.models.reference import disable_dropout
 from rlhf.validate import Range, limits
 
@@ -23,7 +23,7 @@ class ReferenceRegularized(Algorithm):
     """An :class:`Algorithm` with a frozen reference; its subclasses inherit the allowed values of ``beta``,
     ``max_prompt_length`` and ``max_length`` declared here. A subclass sets, in its ``__init__``:
 
-    - ``reference``: a strategy of :mod:`rlhf.models.reference`, ``(policy, tokenizer) -> model or None``;
+    - ``reference``: a :class:`~rlhf.models.reference.Reference` strategy (the config group ``algo/reference``);
     - ``disable_dropout``: turn every dropout off in policy and reference (as TRL does), so log-ratios start at 0.
     """
 
@@ -45,10 +45,9 @@ class ReferenceRegularized(Algorithm):
     def ref_model(self) -> torch.nn.Module | None:
         return self.frozen.get("reference")
 
-    def reference_logps(self, batch: dict[str, Tensor], like: Tensor) -> Tensor:
-        """The reference's summed completion log-probabilities of ``batch``'s sequences (no gradient); zeros shaped
-        ``like`` without a reference (``algo/reference=none``: log-ratios are then the log-probabilities)."""
-        if self.ref_model is None:
-            return torch.zeros_like(like)
+    def reference_logps(self, batch: dict[str, Tensor], policy: torch.nn.Module) -> Tensor:
+        """``[B]``: the reference's summed completion log-probability of each of ``batch``'s sequences, without
+        gradient, as the ``algo/reference`` strategy gives it: a forward pass of the reference model, the batch's
+        precomputed column, or zeros (``none``: the log-ratios are then the log-probabilities)."""
         with torch.no_grad():
-            return completion_stats(self.ref_model, batch).logps
+            return self.reference.logps(batch, self.ref_model, policy)

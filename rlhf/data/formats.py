@@ -160,7 +160,8 @@ _MEANING = {"prompt": "the input of each row", "completion": "the answer to lear
             "chosen": "the preferred answer of each pair", "rejected": "the worse answer of each pair",
             "label": "true where the completion is desirable, false where not"}
 # Columns that mean another kind of training, and the option that trains on them.
-_OTHER_ALGORITHMS = ((("chosen", "rejected"), "algo=dpo"), (("prompt", "completion"), "algo=sft"),
+_OTHER_ALGORITHMS = ((("chosen", "rejected"), "algo=dpo"), (("prompt", "completion", "label"), "algo=kto"),
+                     (("prompt", "completion"), "algo=sft"),
                      (("messages",), "algo=sft"))
 
 

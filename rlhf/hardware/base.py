@@ -192,6 +192,11 @@ class DataParallel:
             module.forward = autocast(module.forward)
         return module
 
+    def sharded_state(self) -> frozenset[str]:
+        """What this strategy splits over its processes, of ``weights``, ``gradients`` and ``optimizer`` (the
+        policy's; read by the memory preflight, :mod:`rlhf.memory`). Data parallel: nothing, each process holds all."""
+        return frozenset()
+
     def empty_cache(self) -> None:
         """Collect garbage and give the device's cached memory back (``train.empty_cache_every_steps``)."""
         gc.collect()

@@ -76,6 +76,9 @@ class FSDP2(Sharded):
         self.layer_classes = list(layer_classes) if layer_classes is not None else None
 
     # --- training -------------------------------------------------------------------------------------------
+    def sharded_state(self) -> frozenset[str]:
+        return frozenset({"weights", "gradients", "optimizer"})
+
     def prepare(self, model, make_optimizer, train_loader):
         """Shard each layer, then the whole model; build the optimizer on the sharded parameters."""
         from torch.distributed.device_mesh import init_device_mesh

@@ -161,6 +161,10 @@ class ZeRO(Sharded):
                                    timeout=datetime.timedelta(seconds=self.timeout_s), verbose=False)
         return accelerator
 
+    def sharded_state(self) -> frozenset[str]:
+        """ZeRO-1 splits the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the weights."""
+        return frozenset(["optimizer", "gradients", "weights"][: self.stage])
+
     def deepspeed_settings(self, micro_batch_size: int) -> dict[str, Any]:
         """The DeepSpeed config this strategy gives ``deepspeed.initialize``."""
         zero: dict[str, Any] = {"stage": self.stage}

@@ -1,13 +1,18 @@
 """Reference-model strategies for KL-regularized algorithms: the config group ``algo/reference``
-(``python train.py algo=dpo algo/reference=shared_layers``). Each is a callable ``(policy, tokenizer) -> frozen
-model or None``, built from ``conf/algo/reference/<name>.yaml``. Where the model then lives (device, precision,
-shards) is the hardware strategy's business: the loop hands it to ``strategy.prepare_frozen``.
+(``python train.py algo=dpo algo/reference=shared_layers``). Each is a :class:`Reference`, built from
+``conf/algo/reference/<name>.yaml``: called with ``(policy, tokenizer)`` it returns the frozen model or None; where
+that model then lives (device, precision, shards) is the hardware strategy's business: the loop hands it to
+``strategy.prepare_frozen``. Its :meth:`~Reference.logps` gives an algorithm the reference log-probabilities of a
+batch, and :meth:`~Reference.precompute` / :meth:`~Reference.collate` let a strategy compute them once, before
+training, as columns of the rows (``precomputed``, :mod:`rlhf.models.precomputed`).
 
 - :class:`FrozenCopy` (``copy``): a frozen copy of the initial policy.
 - :class:`Pretrained` (``model``): a separately given model (e.g. the SFT model when the policy starts elsewhere);
   a tokenizer with another vocabulary is refused.
 - :class:`SharedLayers` (``shared_layers``): the first N decoder layers are the policy's own, frozen in both, so only
   the layers above them are duplicated (the idea of TRL's ``create_reference_model(num_shared_layers=N)``).
+- :class:`~rlhf.models.precomputed.Precomputed` (``precomputed``): log-probabilities computed once before training,
+  cached on disk; no reference model during training.
 - :class:`NoReference` (``none``): no reference model; the log-ratios are the policy's log-probabilities (for
   reference-free objectives).
 """
@@ -18,19 +23,50 @@ import copy
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from rlhf.algos.base import completion_stats
 from rlhf.errors import UserError
 from rlhf.validate import Range, limits
 
 
-class FrozenCopy:
+class Reference:
+    """What an algorithm asks of its reference, whatever the strategy. Subclasses build the model in ``__call__``;
+    the rest has defaults here (a forward pass of that model)."""
+
+    # Whether logps() scores any batch of sequences, or only those of the rows precompute() saw (precomputed): an
+    # algorithm that makes sequences per batch (KTO's mismatched pairs) needs the former.
+    scores_any_batch: bool = True
+
+    def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module | None:
+        """The frozen reference model built from the initial ``policy`` (None: no model during training)."""
+        raise NotImplementedError
+
+    def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
+        """``[B]``: the reference's summed log-probability of each sequence's completion in ``batch``; ``model`` is
+        what ``__call__`` returned, placed by the hardware strategy, ``policy`` the model being trained. Called
+        under ``torch.no_grad()``."""
+        return completion_stats(model, batch).logps
+
+    def precompute(self, rows, strategy, collate) -> Any:
+        """Once, before training (after the hardware strategy has started): the tokenized splits (a
+        ``DatasetDict``) with any columns this strategy adds; ``collate(rows)`` makes a batch of sequences of them.
+        Default: the rows unchanged."""
+        return rows
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """Tensors of the columns added by :meth:`precompute`, for a batch of ``rows``. Default: none."""
+        return {}
+
+
+class FrozenCopy(Reference):
     """A frozen deep copy of the initial policy, in eval mode."""
 
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module:
         return copy.deepcopy(policy).eval().requires_grad_(False)
 
 
-class Pretrained:
+class Pretrained(Reference):
     """A reference loaded from ``name_or_path`` (a Hub id or a folder such as ``<run dir>/final``), frozen.
 
     Args:
@@ -77,7 +113,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 @limits(num_shared_layers=Range(ge=1, meaning="decoder layers, counted from the input, that policy and reference "
                                 "share (frozen in both)", fix=1))
-class SharedLayers:
+class SharedLayers(Reference):
     """A reference whose first ``num_shared_layers`` decoder layers are the policy's own modules, frozen (in the
     policy too: they no longer train); the layers above them, the final norm and the output head are a frozen copy.
     The embeddings are copied, not shared (they are often tied to the output head, which keeps training).
@@ -102,11 +138,14 @@ class SharedLayers:
         return reference.eval().requires_grad_(False)
 
 
-class NoReference:
+class NoReference(Reference):
     """No reference model: reference-free objectives (the log-ratios are the policy's log-probabilities)."""
 
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> None:
         return None
+
+    def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
+        return torch.zeros(batch["input_ids"].shape[0], device=batch["input_ids"].device)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

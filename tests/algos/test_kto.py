@@ -104,3 +104,13 @@ def test_kto_trains_on_unpaired_rows_of_a_file(fast_config, tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     metrics = train(fast_config("algo=kto", f"data.path={path}", "data.eval_size=2", "train.max_steps=2"))
     assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["eval/loss"])
+
+
+def test_a_reference_of_precomputed_rows_only_is_refused_before_anything_loads():
+    """The mismatched pairs exist per micro-batch: a cache of the rows' own sequences cannot score them."""
+    from rlhf.config import check_config
+    from tests.conftest import compose_config
+
+    with pytest.raises(UserError, match="Fix: algo/reference=copy"):
+        check_config(compose_config("algo=kto", "algo/reference=precomputed"))
+    check_config(compose_config("algo=kto", "algo/reference=shared_layers"))

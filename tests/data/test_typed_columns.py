@@ -70,3 +70,8 @@ def test_an_optional_column_is_passed_on_where_the_data_has_it(tmp_path):
     path.write_text("prompt,chosen,rejected,margin\na=,b,c,1.5\nd=,e,f,lots\n")
     with pytest.raises(UserError, match="column 'margin' is a string 'lots', not a finite number"):
         _load(path, ("prompt", "chosen", "rejected"), optional=("margin",))
+
+
+def test_unpaired_rows_given_to_a_pairwise_algorithm_point_to_kto():
+    with pytest.raises(UserError, match="algo=kto for such data"):
+        pick_format(["prompt", "completion", "label"], ("prompt", "chosen", "rejected"))
