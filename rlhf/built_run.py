@@ -82,7 +82,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     _check_context(getattr(algo, "max_length", None), model.config)
     data = build(cfg.data)
     with accelerator.local_main_process_first():
-        splits = data.load(algo.columns, tokenizer)
+        splits = data.load(algo.columns, tokenizer, optional=algo.optional_columns)
     tokenized = tokenize_once(splits, algo, tokenizer, accelerator, run_dir / ".cache")
     _check_split_sizes(tokenized, settings, accelerator.num_processes)
 

@@ -33,7 +33,8 @@ class Algorithm:
 
     The loop never asks which algorithm it runs. It calls, in this order:
 
-    1. ``tokenize(row, tokenizer)`` on every row of the data (text columns named by ``columns``), then
+    1. ``tokenize(row, tokenizer)`` on every row of the data (the columns named by ``columns``, and those of
+       ``optional_columns`` that the data has; :mod:`rlhf.data.formats`), then
        ``setup(policy, tokenizer)`` with the initial policy, before the hardware strategy wraps it;
     2. for each model in ``frozen`` (built by ``setup``; the policy is never among them):
        ``strategy.prepare_frozen(model, name=name)``, which puts it where it runs (the device, the autocast of
@@ -49,7 +50,8 @@ class Algorithm:
     Allowed argument values are declared with :func:`rlhf.validate.limits` above the class.
     """
 
-    columns: tuple[str, ...] = ()  # the text columns each row must have (rlhf.data checks them)
+    columns: tuple[str, ...] = ()  # the columns each row must have (rlhf.data checks them): text, or typed (label)
+    optional_columns: tuple[str, ...] = ()  # typed columns passed on where the data has them (a reward's margin)
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:
@@ -116,8 +118,9 @@ class CompletionStats:
     logps: Tensor  # [B] summed log-probability of the completion tokens (EOS included)
     num_tokens: Tensor  # [B] completion tokens per sequence
     greedy_match: Tensor  # [B] bool: argmax is the target at every completion position (= greedy decode matches)
-    token_logps: Tensor  # [B, T-1] log-probability of each next token
+    token_logps: Tensor  # [B, T-1] log-probability of each next completion token (0 elsewhere)
     mask: Tensor  # [B, T-1] bool, True on completion tokens
+    every_token_logps: Tensor  # [B, T-1] log-probability of each next token, prompt and padding included
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
@@ -135,6 +138,7 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
     logits = logits[:, :-1].float()
     labels = batch["input_ids"][:, 1:]
     mask = batch["completion_mask"][:, 1:].bool()
-    token_logps = selective_log_softmax(logits, labels) * mask
+    every_token_logps = selective_log_softmax(logits, labels)
+    token_logps = every_token_logps * mask
     greedy = ((logits.argmax(-1) == labels) | ~mask).all(-1)
-    return CompletionStats(token_logps.sum(-1), mask.sum(-1), greedy, token_logps, mask)
+    return CompletionStats(token_logps.sum(-1), mask.sum(-1), greedy, token_logps, mask, every_token_logps)

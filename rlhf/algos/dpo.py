@@ -5,31 +5,26 @@ With policy log-ratios against a frozen reference, ``h = (log pi(y_w|x) - log re
 summed over completion tokens (EOS included). Loss variants are the functions of :mod:`rlhf.algos.dpo_losses`,
 chosen by the config group ``algo/loss`` (``conf/algo/loss/*.yaml``); they all take the pair's log-probabilities
 (:class:`~rlhf.algos.dpo_losses.PairLogps`), ``beta`` and the loss's state, which this class saves in checkpoints.
+The reference-free SimPO and ORPO are such losses too, on average log-probabilities, with ``algo/reference=none``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, completion_stats, prompt_leaves_room
+from rlhf.algos.base import completion_stats
 from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
+from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.algos.sft import nll_loss
 from rlhf.data.collate import collate_sequences, encode, require_completion
-from rlhf.models.reference import FrozenCopy, Reference, disable_dropout
+from rlhf.models.reference import FrozenCopy, Reference
 from rlhf.validate import Range, limits
 
 
-@limits(
-    prompt_leaves_room,
-    beta=Range(gt=0, meaning="the KL penalty's strength; 0.1-0.5 is common", fix=0.1),
-    nll_weight=Range(ge=0, meaning="weight of the NLL term on the chosen answer; 0 is plain DPO, 1 is RPO", fix=1.0),
-    max_prompt_length=PROMPT_TOKENS,
-    max_length=SEQUENCE_TOKENS,
-)
-class DPO(Algorithm):
+@limits(nll_weight=Range(ge=0, meaning="weight of the NLL term on the chosen answer; 0 is plain DPO, 1 is RPO", fix=1.0))
+class DPO(ReferenceRegularized):
     """DPO on ``prompt``/``chosen``/``rejected`` rows; chosen and rejected share one forward pass.
 
     Args:
@@ -39,13 +34,16 @@ class DPO(Algorithm):
             builds the frozen reference model from the initial policy and its tokenizer (``self.frozen["reference"]``,
             or none) and gives the reference log-probabilities of each batch.
         nll_weight: weight (>= 0) of an added NLL term on the chosen completion (RPO, Pang et al. 2024,
-            arXiv:2404.19733); 0 is plain DPO.
+            arXiv:2404.19733; SimPO's and CPO's ``cpo_alpha``; 1 for ORPO); 0 is plain DPO. The NLL is the mean
+            over the batch's chosen completion tokens.
+        nll_on_prompt: the NLL term also covers the prompt tokens of the chosen sequences (TRL's ORPO).
         disable_dropout: turn every dropout off in policy and reference (as TRL does), attention dropout read from
             the model config included, so log-ratios start at 0.
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
 
-    The allowed values (``@limits`` above) are checked by :func:`rlhf.config.check_config` before anything is built.
+    The allowed values (``@limits`` above, and :class:`ReferenceRegularized`'s) are checked by
+    :func:`rlhf.config.check_config` before anything is built.
     """
 
     columns = ("prompt", "chosen", "rejected")
@@ -56,11 +54,12 @@ class DPO(Algorithm):
         loss: Loss = sigmoid_loss,
         reference: Reference | None = None,
         nll_weight: float = 0.0,
+        nll_on_prompt: bool = False,
         disable_dropout: bool = True,
         max_prompt_length: int | None = 512,
         max_length: int | None = 1024,
     ) -> None:
-        self.beta, self.loss_fn, self.nll_weight = beta, loss, nll_weight
+        self.beta, self.loss_fn, self.nll_weight, self.nll_on_prompt = beta, loss, nll_weight, nll_on_prompt
         self.reference = reference if reference is not None else FrozenCopy()
         self.disable_dropout = disable_dropout
         self.max_prompt_length, self.max_length = max_prompt_length, max_length
@@ -74,20 +73,6 @@ class DPO(Algorithm):
             require_completion(encoded, row, side, self.max_length)
             out[f"{side}_input_ids"], out[f"{side}_completion_mask"] = encoded["input_ids"], encoded["completion_mask"]
         return out
-
-    def setup(self, policy, tokenizer) -> None:
-        self.pad_id = tokenizer.pad_token_id
-        if self.disable_dropout:
-            disable_dropout(policy)  # before the reference is made: a copy inherits it
-        reference = self.reference(policy, tokenizer)
-        if reference is not None and self.disable_dropout:
-            disable_dropout(reference)
-        # The loop puts it where it runs (prepare_frozen); none for a reference-free objective.
-        self.frozen = {"reference": reference} if reference is not None else {}
-
-    @property
-    def ref_model(self) -> torch.nn.Module | None:
-        return self.frozen.get("reference")
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """The pairs' sequences (:meth:`sequences`) and the reference strategy's columns (precomputed
@@ -114,8 +99,7 @@ class DPO(Algorithm):
     def loss(self, model, batch: dict[str, Tensor], training: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
         """``training=False`` (held-out batches): the loss state is read but not updated."""
         policy = completion_stats(model, batch)
-        with torch.no_grad():  # a forward pass of the reference model, the batch's precomputed column, or zeros
-            ref_logps = self.reference.logps(batch, self.ref_model, model)
+        ref_logps = self.reference_logps(batch, model)  # zeros with algo/reference=none
         n = batch["input_ids"].shape[0] // 2
         pairs = PairLogps(policy.logps[:n], policy.logps[n:], ref_logps[:n], ref_logps[n:],
                           policy.num_tokens[:n], policy.num_tokens[n:])
@@ -124,7 +108,15 @@ class DPO(Algorithm):
         losses = self.loss_fn(pairs, self.beta, state)
         loss = losses.mean()
         if self.nll_weight:
-            loss = loss + self.nll_weight * nll_loss(policy.token_logps[:n], policy.mask[:n])
+            if self.nll_on_prompt:  # every token of the chosen sequences but the first, which nothing predicts
+                tokens = batch["attention_mask"][:n, 1:].bool()
+                nll = nll_loss(policy.every_token_logps[:n] * tokens, tokens)
+            else:
+                nll = nll_loss(policy.token_logps[:n], policy.mask[:n])
+            loss = loss + self.nll_weight * nll
+            nll_metric = {"nll_loss": nll.detach()}  # TRL's name (CPO, ORPO)
+        else:
+            nll_metric = {}
         chosen_rewards = self.beta * chosen_logratios.detach()
         rejected_rewards = self.beta * rejected_logratios.detach()
         # Metric names are TRL's, so runs can be compared with DPOTrainer's logs.
@@ -137,6 +129,7 @@ class DPO(Algorithm):
             "logps/chosen": policy.logps[:n].detach().mean(),
             "logps/rejected": policy.logps[n:].detach().mean(),
             "exact_match": policy.greedy_match[:n].float().mean(),
+            **nll_metric,
         }
         return loss, metrics
 

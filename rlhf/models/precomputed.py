@@ -74,6 +74,8 @@ class Precomputed(Reference):
         batch_size: rows per forward pass while precomputing (the memory of one batch's activations).
     """
 
+    scores_any_batch = False  # only the sequences of the rows it precomputed
+
     def __init__(self, name_or_path: str | None = None, dtype: str = "float32", revision: str | None = None,
                  trust_remote_code: bool = False, cache_dir: str = "~/.cache/rlhf", batch_size: int = 16) -> None:
         self.model_source: Reference = (FrozenCopy() if name_or_path is None else

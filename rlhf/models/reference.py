@@ -34,6 +34,10 @@ class Reference:
     """What an algorithm asks of its reference, whatever the strategy. Subclasses build the model in ``__call__``;
     the rest has defaults here (a forward pass of that model)."""
 
+    # Whether logps() scores any batch of sequences, or only those of the rows precompute() saw (precomputed): an
+    # algorithm that makes sequences per batch (KTO's mismatched pairs) needs the former.
+    scores_any_batch: bool = True
+
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module | None:
         """The frozen reference model built from the initial ``policy`` (None: no model during training)."""
         raise NotImplementedError
