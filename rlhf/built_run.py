@@ -20,6 +20,7 @@ from rlhf.config import build
 from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
 from rlhf.errors import UserError
 from rlhf.hardware import global_numel
+from rlhf.memory import MemoryPlan, activation_bytes, measured_plan, optimizer_bytes_per_parameter
 from rlhf.models.adapters import NoAdapter
 from rlhf.optim import param_groups, schedule
 from rlhf.resume_check import data_fingerprint, record
@@ -49,7 +50,9 @@ class BuiltRun:
     rows: dict[str, int]  # training and held-out rows after tokenization
     skipped_rows: int  # bad rows left out by data.on_bad_row=skip
     resume_record: dict[str, Any]  # what each checkpoint records for resumes (config.json, rlhf.resume_check)
+    memory: MemoryPlan  # the preflight: what one process is predicted to hold (rlhf.memory)
     adapter: Any  # the peft option (rlhf.models.adapters): writes final/merged/ after final/
+    peak: Any = None  # rlhf.memory.PeakMemory: the measured peak (set by the loop, which starts it before building)
 
     def describe(self) -> None:
         """Log what is about to happen: the folder, the hardware, the batch arithmetic, the model's size."""
@@ -65,6 +68,7 @@ class BuiltRun:
                  f" ({settings.num_epochs} epoch(s))" if settings.num_epochs else "")
         log.info("parameters: %s (%s trainable); %d training rows, %d held-out rows",
                  f"{total:,}", f"{trainable:,}", self.rows["train"], self.rows["eval"])
+        log.info("%s", self.memory.describe())
 
 
 def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
@@ -82,23 +86,42 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     _check_context(getattr(algo, "max_length", None), model.config)
     data = build(cfg.data)
     with accelerator.local_main_process_first():
-        splits = data.load(algo.columns, tokenizer)
+        splits = data.load(algo.columns, tokenizer, optional=algo.optional_columns)
     tokenized = tokenize_once(splits, algo, tokenizer, accelerator, run_dir / ".cache")
     _check_split_sizes(tokenized, settings, accelerator.num_processes)
 
     algo.setup(model, tokenizer)  # before prepare(): e.g. the reference copies the initial policy
-    algo.frozen = {name: strategy.prepare_frozen(module) for name, module in algo.frozen.items()}
+    algo.frozen = {name: strategy.prepare_frozen(module, name=name) for name, module in algo.frozen.items()}
+    fingerprint = data_fingerprint(tokenized["train"])  # of the tokens: precomputed columns are the model's
+    tokenized = algo.precompute(tokenized, strategy)  # e.g. reference log-probabilities, computed or read once
     training = train_loader(tokenized["train"], settings.per_device_batch_size, algo.collate, cfg.seed)
     evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)
     # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
     make_optimizer = build(cfg.optimizer, _convert_="all")  # plain lists (betas): checkpoints load weights-only
+    memory = preflight(model, algo, tokenized["train"], make_optimizer, strategy, settings, cfg.model)
     model, optimizer, training = strategy.prepare(model, lambda m: make_optimizer(param_groups(m)), training)
     max_steps = settings.steps(len(training), accumulation)
     scheduler = schedule(build(cfg.scheduler), optimizer, max_steps)
     return BuiltRun(settings, run_dir, strategy, accelerator, model, tokenizer, algo, optimizer, scheduler,
                     training, evaluation, accumulation, max_steps,
                     rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows,
-                    resume_record=record(cfg, strategy, data_fingerprint(tokenized["train"])), adapter=adapter)
+                    resume_record=record(cfg, strategy, fingerprint), memory=memory,
+                    adapter=adapter)
+
+
+def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: TrainSettings, model_cfg) -> MemoryPlan:
+    """The memory preflight (:mod:`rlhf.memory`) of this run, for one process: the activations are estimated for a
+    micro-batch of the longest rows (of the first 1000), as the algorithm collates them."""
+    sample = rows.select(range(min(len(rows), 1000)))
+    sizes = [sum(len(v) for v in row.values() if isinstance(v, list)) for row in sample]
+    longest = sorted(range(len(sizes)), key=sizes.__getitem__)[-settings.per_device_batch_size:]
+    sequences, tokens = algo.collate([sample[i] for i in longest])["input_ids"].shape
+    precision = strategy.mixed_precision
+    value_bytes = 2 if precision == "bf16" else next(model.parameters()).element_size()
+    activations = activation_bytes(model.config, sequences, tokens, value_bytes,
+                                   checkpointing=bool(model_cfg.get("gradient_checkpointing", False)))
+    return measured_plan(model, algo.frozen, optimizer_bytes_per_parameter(make_optimizer),
+                         strategy.sharded_state(), strategy.accelerator.num_processes, activations)
 
 
 def _check_context(max_length: int | None, config) -> None:

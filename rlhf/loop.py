@@ -27,7 +27,8 @@ from rlhf import checkpoint, resume_check, run_folder, signals
 from rlhf.built_run import BuiltRun, build_run
 from rlhf.config import build
 from rlhf.logging import log_file
-from rlhf.metrics import any_process, evaluate, window_means
+from rlhf.memory import PeakMemory
+from rlhf.metrics import any_process, evaluate, max_over_processes, window_means
 from rlhf.nonfinite import CAUSES, NonFinite, skip_or_stop
 from rlhf.signals import Stopped, catch_stop_signals
 from rlhf.state import TrainState
@@ -43,7 +44,9 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
     run_dir = Path(cfg.output_dir)
     accelerator = strategy.start(seed=cfg.seed)
     with log_file(run_dir, accelerator.is_main_process), catch_stop_signals() as stop:
+        peak = PeakMemory(accelerator.device)  # before anything of the run is built
         run = build_run(cfg, strategy, run_dir)
+        run.peak = peak
         run.describe()
         state = TrainState()
         if resume is not None:
@@ -180,7 +183,8 @@ def _window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, e
     processes = run.accelerator.num_processes
     metrics = {**window_means(state, "train/", run.accelerator), "train/lr": run.scheduler.get_last_lr()[0],
                "perf/tokens_per_s": state.window_tokens * processes / elapsed_s,
-               "perf/step_time_s": elapsed_s / max(state.window_steps, 1)}
+               "perf/step_time_s": elapsed_s / max(state.window_steps, 1),
+               "perf/peak_mem_mb": max_over_processes(run.peak.mb(), run.accelerator)}
     if grad_norm is not None and math.isfinite(grad_norm):
         metrics["train/grad_norm"] = grad_norm
     if state.nonfinite_steps:
@@ -212,6 +216,10 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
     """The final model in ``<run dir>/final`` and ``summary.json``; return the final metrics."""
     run.accelerator.wait_for_everyone()
     final = dict(state.last)
+    final["perf/peak_mem_mb"] = max_over_processes(run.peak.mb(), run.accelerator)
+    log.info("memory: peak %.1f MB on the busiest process (%s) against %.1f MB predicted", final["perf/peak_mem_mb"],
+             "allocated by torch" if run.peak.cuda else "resident set above its size before the run was built",
+             run.memory.total / 2**20)
     signals.reached("final_save")
     if run.settings.save_final and run.max_steps > 0:
         if not run.strategy.all_finite(run.model):
@@ -224,7 +232,8 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
         run.accelerator.wait_for_everyone()
     if run.accelerator.is_main_process:
         (run.run_dir / "summary.json").write_text(json.dumps(
-            {"final": final, "train": {**asdict(run.settings), "max_steps": run.max_steps}, "seed": seed}, indent=2))
+            {"final": final, "train": {**asdict(run.settings), "max_steps": run.max_steps}, "seed": seed,
+             "memory_predicted_mb": {part: size / 2**20 for part, size in asdict(run.memory).items()}}, indent=2))
         run_folder.drop_previous_results(run.run_dir)  # this run's results are complete: the previous run's go
     return final
 

@@ -36,6 +36,13 @@ def sum_over_processes(values: Mapping[str, float | torch.Tensor], accelerator, 
     return dict(zip(keys, accelerator.reduce(packed, reduction="sum").tolist()))
 
 
+def max_over_processes(value: float, accelerator) -> float:
+    """The largest of each process's ``value`` (one small all-gather). A collective: every process calls it."""
+    if accelerator.num_processes == 1:
+        return float(value)
+    return float(accelerator.gather(torch.tensor([float(value)], device=accelerator.device)).max())
+
+
 def any_process(flags: Mapping[str, bool], accelerator) -> dict[str, bool]:
     """Each flag OR-ed over every process (one small all-reduce)."""
     sums = sum_over_processes({key: float(flag) for key, flag in flags.items()}, accelerator, same_keys=True)

@@ -12,6 +12,11 @@ With ``--losses`` it checks every DPO loss variant that TRL also has (``conf/alg
 reference model that differs from the policy (the policy's weights plus seeded noise); exits 1 if any differs by
 1e-4 or more. TRL runs in float32 here (``bf16=False``: its default bf16 autocast moves the reference's
 log-probabilities by ~1e-3 nats). Measured with TRL 1.16.0 on 16 pairs: all 18 variants agree to 1.2e-7 or better.
+It also checks the objectives that TRL has in other trainers (:data:`TRL_OTHERS`): ``algo=simpo`` against
+``trl.experimental.cpo.CPOTrainer`` (``loss_type="simpo"``), ``algo=orpo`` against ``trl.experimental.orpo.ORPOTrainer``
+and ``algo=kto`` against ``trl.KTOTrainer``, on the same token ids: CPO and ORPO put BOS before every prompt, so our
+rows get it in their prompt text; KTO gets the pairs and unpairs them (all chosen rows, then all rejected ones, one
+evaluation batch that is also its KL rotation's batch), ours the same unpaired rows in the same order.
 With ``--steps N`` it also trains both for N DPO steps (AdamW, lr 1e-4, 32 pairs per step, no evaluation, no
 checkpoints) and prints seconds per step and the ratio.
 """
@@ -93,6 +98,69 @@ def our_loss(option: str, policy, reference, rows) -> float:
         return float(algo.loss(model.eval(), batch)[0])  # a training step's loss (its state updated), not evaluate
 
 
+# conf/algo option -> (the TRL trainer, its config fields for the same loss, how our rows are made from TRL's pairs,
+# whether policy and reference swap roles: KTO's KL estimate, floored at 0, is 0 with the noisy reference, and the
+# comparison would not see it; with the noisy model as the policy it is about 2.5).
+def _with_bos(policy, rows):
+    """CPO and ORPO put BOS before every prompt (TRL's add_bos_token_if_needed); the same token ids for ours."""
+    return [{**row, "prompt": policy.tokenizer.bos_token + row["prompt"]} for row in rows]
+
+
+def _unpaired(policy, rows):
+    """TRL's unpair_preference_dataset order on one map batch: every chosen row, then every rejected row."""
+    return ([{"prompt": r["prompt"], "completion": r["chosen"], "label": True} for r in rows]
+            + [{"prompt": r["prompt"], "completion": r["rejected"], "label": False} for r in rows])
+
+
+TRL_OTHERS = {
+    "simpo": ("trl.experimental.cpo:CPO", {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0},
+              _with_bos, False),
+    "simpo_cpo_alpha": ("trl.experimental.cpo:CPO", {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5,
+                                                     "cpo_alpha": 1.0}, _with_bos, False),
+    "orpo": ("trl.experimental.orpo:ORPO", {"beta": 0.1}, _with_bos, False),
+    "kto": ("trl:KTO", {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0}, _unpaired, True),
+}
+OUR_OVERRIDES = {"simpo_cpo_alpha": ["algo=simpo", "algo.nll_weight=1.0"]}  # else algo=<option>
+
+
+def our_other_loss(option: str, policy, model, reference, rows) -> float:
+    """The first-step loss of ``algo=<option>`` with its own beta (the YAML's; TRL_OTHERS gives TRL the same)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        algo = instantiate(compose("config", overrides=OUR_OVERRIDES.get(option, [f"algo={option}"])).algo)
+    model = copy.deepcopy(model)
+    algo.setup(model, policy.tokenizer)
+    if algo.frozen:  # reference-free objectives have none
+        algo.frozen = {"reference": reference}
+    ours = TRL_OTHERS[option][2](policy, rows)
+    batch = algo.collate([algo.tokenize(r, policy.tokenizer) for r in ours])
+    with torch.no_grad():
+        return float(algo.loss(model.eval(), batch)[0])
+
+
+def trl_other_loss(option: str, policy, model, reference, rows) -> float:
+    import importlib
+
+    from datasets import Dataset
+
+    where, fields = TRL_OTHERS[option][:2]
+    module, name = where.split(":")
+    trl_module = importlib.import_module(module)
+    config, trainer_class = getattr(trl_module, f"{name}Config"), getattr(trl_module, f"{name}Trainer")
+    with tempfile.TemporaryDirectory() as out:
+        args = config(output_dir=out, per_device_eval_batch_size=2 * len(rows), per_device_train_batch_size=2 * len(rows),
+                      report_to=[], use_cpu=True, bf16=False, **fields)
+        kwargs = {"ref_model": copy.deepcopy(reference)} if name == "KTO" else {}
+        trainer = trainer_class(model=copy.deepcopy(model), args=args, processing_class=policy.tokenizer,
+                                train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows), **kwargs)
+        return trainer.evaluate()["eval_loss"]
+
+
 def trl_loss(policy, reference, rows, fields: dict) -> float:
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -106,12 +174,21 @@ def trl_loss(policy, reference, rows, fields: dict) -> float:
         return trainer.evaluate()["eval_loss"]
 
 
-def compare_losses(policy, rows) -> bool:
+def compare_losses(policy, rows, only: set[str] | None = None) -> bool:
     reference = perturbed(policy.model)
     print(f"{'algo=':<24}{'rlhf':>12}{'TRL':>12}{'|diff|':>12}")
     worst = 0.0
     for option, fields in TRL_LOSSES.items():
+        if only and option not in only:
+            continue
         a, b = our_loss(option, policy, reference, rows), trl_loss(policy, reference, rows, fields)
+        worst = max(worst, abs(a - b))
+        print(f"{option:<24}{a:>12.6f}{b:>12.6f}{abs(a - b):>12.2e}")
+    for option in TRL_OTHERS:
+        if only and option not in only:
+            continue
+        models = (reference, policy.model) if TRL_OTHERS[option][3] else (policy.model, reference)
+        a, b = our_other_loss(option, policy, *models, rows), trl_other_loss(option, policy, *models, rows)
         worst = max(worst, abs(a - b))
         print(f"{option:<24}{a:>12.6f}{b:>12.6f}{abs(a - b):>12.2e}")
     print("losses agree" if worst < 1e-4 else "losses DIFFER")
@@ -168,6 +245,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=64, help="held-out pairs to evaluate")
     parser.add_argument("--losses", action="store_true", help="compare every DPO loss variant TRL also has")
+    parser.add_argument("--only", default="", help="with --losses: only these options, comma-separated")
     parser.add_argument("--steps", type=int, default=0, help="also time N training steps of each (0: skip)")
     args = parser.parse_args()
     try:
@@ -190,7 +268,7 @@ def main() -> int:
             worst = max(worst, diff) if key.startswith("logps") else worst
             print(f"{key:<22}{a[key]:>12.5f}{b[key]:>12.5f}{diff:>12.2e}")
     print("agree" if worst < 1e-3 else "DIFFER")
-    losses_agree = compare_losses(policy, rows) if args.losses else True
+    losses_agree = compare_losses(policy, rows, set(filter(None, args.only.split(",")))) if args.losses else True
     if args.steps:
         ours_s = time_ours(args.steps)
         same_s = time_trl(policy, args.steps, bf16=False, gradient_checkpointing=False)

@@ -33,12 +33,15 @@ class Algorithm:
 
     The loop never asks which algorithm it runs. It calls, in this order:
 
-    1. ``tokenize(row, tokenizer)`` on every row of the data (text columns named by ``columns``), then
+    1. ``tokenize(row, tokenizer)`` on every row of the data (the columns named by ``columns``, and those of
+       ``optional_columns`` that the data has; :mod:`rlhf.data.formats`), then
        ``setup(policy, tokenizer)`` with the initial policy, before the hardware strategy wraps it;
     2. for each model in ``frozen`` (built by ``setup``; the policy is never among them):
-       ``strategy.prepare_frozen(model)``, which puts it where it runs (the device, the autocast of mixed
-       precision) and is stored back under the same name;
-    3. ``batch_source(loader, state, accelerator)`` once; then every micro-batch comes from its ``next()``;
+       ``strategy.prepare_frozen(model, name=name)``, which puts it where it runs (the device, the autocast of
+       mixed precision; FSDP2 and ZeRO-3 shard it like the policy) and is stored back under the same name;
+    3. ``precompute(rows, strategy)`` with the tokenized splits, returned with any columns computed once before
+       training (reference log-probabilities); then ``batch_source(loader, state, accelerator)`` once; then every
+       micro-batch comes from its ``next()``;
     4. ``loss(model, batch)`` per micro-batch and ``evaluate(model, batch)`` per held-out batch (``collate``
        makes both kinds of batch from tokenized rows);
     5. ``state_dict()`` into every checkpoint, ``load_state_dict(state)`` when a run resumes from one.
@@ -47,7 +50,8 @@ class Algorithm:
     Allowed argument values are declared with :func:`rlhf.validate.limits` above the class.
     """
 
-    columns: tuple[str, ...] = ()  # the text columns each row must have (rlhf.data checks them)
+    columns: tuple[str, ...] = ()  # the columns each row must have (rlhf.data checks them): text, or typed (label)
+    optional_columns: tuple[str, ...] = ()  # typed columns passed on where the data has them (a reward's margin)
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:
@@ -70,6 +74,12 @@ class Algorithm:
     def setup(self, policy: torch.nn.Module, tokenizer) -> None:
         """Anything built from the initial policy before training: a reference copy goes into ``self.frozen``.
         Default: nothing."""
+
+    def precompute(self, rows, strategy) -> Any:
+        """The tokenized splits (a ``DatasetDict``, ``"train"`` and ``"eval"``) with any columns computed once before
+        training, with the frozen models prepared and the hardware ``strategy`` started (every process calls it);
+        ``collate`` then finds them in each row. Default: the rows unchanged."""
+        return rows
 
     def batch_source(self, loader, state: TrainState, accelerator) -> BatchSource:
         """Where training micro-batches come from. Default: the training split's batches, epoch after epoch,
@@ -108,8 +118,9 @@ class CompletionStats:
     logps: Tensor  # [B] summed log-probability of the completion tokens (EOS included)
     num_tokens: Tensor  # [B] completion tokens per sequence
     greedy_match: Tensor  # [B] bool: argmax is the target at every completion position (= greedy decode matches)
-    token_logps: Tensor  # [B, T-1] log-probability of each next token
+    token_logps: Tensor  # [B, T-1] log-probability of each next completion token (0 elsewhere)
     mask: Tensor  # [B, T-1] bool, True on completion tokens
+    every_token_logps: Tensor  # [B, T-1] log-probability of each next token, prompt and padding included
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
@@ -121,12 +132,13 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
 def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> CompletionStats:
     """One forward pass; log-probabilities of each sequence's completion given its prompt."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    if logits.dim() != 3:  # e.g. a sequence-classification head: one scalar per sequence, no next-token logits
+    if logits.dim() != 3 or logits.shape[-1] == 1:  # a sequence-classification or value head: one scalar each
         raise UserError(f"this algorithm needs next-token logits, but the model outputs shape {list(logits.shape)}: "
                         "it has another head. Fix: model.head=causal_lm")
     logits = logits[:, :-1].float()
     labels = batch["input_ids"][:, 1:]
     mask = batch["completion_mask"][:, 1:].bool()
-    token_logps = selective_log_softmax(logits, labels) * mask
+    every_token_logps = selective_log_softmax(logits, labels)
+    token_logps = every_token_logps * mask
     greedy = ((logits.argmax(-1) == labels) | ~mask).all(-1)
-    return CompletionStats(token_logps.sum(-1), mask.sum(-1), greedy, token_logps, mask)
+    return CompletionStats(token_logps.sum(-1), mask.sum(-1), greedy, token_logps, mask, every_token_logps)

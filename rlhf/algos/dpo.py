@@ -5,46 +5,45 @@ With policy log-ratios against a frozen reference, ``h = (log pi(y_w|x) - log re
 summed over completion tokens (EOS included). Loss variants are the functions of :mod:`rlhf.algos.dpo_losses`,
 chosen by the config group ``algo/loss`` (``conf/algo/loss/*.yaml``); they all take the pair's log-probabilities
 (:class:`~rlhf.algos.dpo_losses.PairLogps`), ``beta`` and the loss's state, which this class saves in checkpoints.
+The reference-free SimPO and ORPO are such losses too, on average log-probabilities, with ``algo/reference=none``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, completion_stats, prompt_leaves_room
+from rlhf.algos.base import completion_stats
 from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
+from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.algos.sft import nll_loss
 from rlhf.data.collate import collate_sequences, encode, require_completion
-from rlhf.models.reference import FrozenCopy, disable_dropout
+from rlhf.models.reference import FrozenCopy, Reference
 from rlhf.validate import Range, limits
 
 
-@limits(
-    prompt_leaves_room,
-    beta=Range(gt=0, meaning="the KL penalty's strength; 0.1-0.5 is common", fix=0.1),
-    nll_weight=Range(ge=0, meaning="weight of the NLL term on the chosen answer; 0 is plain DPO, 1 is RPO", fix=1.0),
-    max_prompt_length=PROMPT_TOKENS,
-    max_length=SEQUENCE_TOKENS,
-)
-class DPO(Algorithm):
+@limits(nll_weight=Range(ge=0, meaning="weight of the NLL term on the chosen answer; 0 is plain DPO, 1 is RPO", fix=1.0))
+class DPO(ReferenceRegularized):
     """DPO on ``prompt``/``chosen``/``rejected`` rows; chosen and rejected share one forward pass.
 
     Args:
         beta: strength of the implicit KL penalty (> 0); rewards are ``beta * log(pi/ref)``.
         loss: the per-pair loss, a function of (:class:`PairLogps`, beta, state) from :mod:`rlhf.algos.dpo_losses`.
-        reference: builds the frozen reference model from the initial policy and its tokenizer
-            (``self.frozen["reference"]``; the config group ``algo/reference``, :mod:`rlhf.models.reference`).
+        reference: a :class:`~rlhf.models.reference.Reference` strategy (the config group ``algo/reference``): it
+            builds the frozen reference model from the initial policy and its tokenizer (``self.frozen["reference"]``,
+            or none) and gives the reference log-probabilities of each batch.
         nll_weight: weight (>= 0) of an added NLL term on the chosen completion (RPO, Pang et al. 2024,
-            arXiv:2404.19733); 0 is plain DPO.
+            arXiv:2404.19733; SimPO's and CPO's ``cpo_alpha``; 1 for ORPO); 0 is plain DPO. The NLL is the mean
+            over the batch's chosen completion tokens.
+        nll_on_prompt: the NLL term also covers the prompt tokens of the chosen sequences (TRL's ORPO).
         disable_dropout: turn every dropout off in policy and reference (as TRL does), attention dropout read from
             the model config included, so log-ratios start at 0.
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
 
-    The allowed values (``@limits`` above) are checked by :func:`rlhf.config.check_config` before anything is built.
+    The allowed values (``@limits`` above, and :class:`ReferenceRegularized`'s) are checked by
+    :func:`rlhf.config.check_config` before anything is built.
     """
 
     columns = ("prompt", "chosen", "rejected")
@@ -53,13 +52,14 @@ class DPO(Algorithm):
         self,
         beta: float = 0.1,
         loss: Loss = sigmoid_loss,
-        reference: Any = None,
+        reference: Reference | None = None,
         nll_weight: float = 0.0,
+        nll_on_prompt: bool = False,
         disable_dropout: bool = True,
         max_prompt_length: int | None = 512,
         max_length: int | None = 1024,
     ) -> None:
-        self.beta, self.loss_fn, self.nll_weight = beta, loss, nll_weight
+        self.beta, self.loss_fn, self.nll_weight, self.nll_on_prompt = beta, loss, nll_weight, nll_on_prompt
         self.reference = reference if reference is not None else FrozenCopy()
         self.disable_dropout = disable_dropout
         self.max_prompt_length, self.max_length = max_prompt_length, max_length
@@ -74,26 +74,21 @@ class DPO(Algorithm):
             out[f"{side}_input_ids"], out[f"{side}_completion_mask"] = encoded["input_ids"], encoded["completion_mask"]
         return out
 
-    def setup(self, policy, tokenizer) -> None:
-        self.pad_id = tokenizer.pad_token_id
-        if self.disable_dropout:
-            disable_dropout(policy)  # before the reference is made: a copy inherits it
-        reference = self.reference(policy, tokenizer)
-        if self.disable_dropout:  # again: a strategy may add modules to the policy (a second adapter)
-            for model in (policy, reference) if reference is not None else (policy,):
-                disable_dropout(model)
-        # The loop puts it where it runs (prepare_frozen); none for a reference-free objective.
-        self.frozen = {"reference": reference} if reference is not None else {}
-
-    @property
-    def ref_model(self) -> torch.nn.Module | None:
-        return self.frozen.get("reference")
-
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
-        """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass."""
+        """The pairs' sequences (:meth:`sequences`) and the reference strategy's columns (precomputed
+        log-probabilities)."""
+        return {**self.sequences(rows), **self.reference.collate(rows)}
+
+    def sequences(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass (sequence ``k`` is
+        row ``k % B``'s ``k // B``-th)."""
         ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
         masks = [r["chosen_completion_mask"] for r in rows] + [r["rejected_completion_mask"] for r in rows]
         return collate_sequences(ids, masks, self.pad_id)
+
+    def precompute(self, rows, strategy):
+        """The reference strategy's columns (e.g. ``algo/reference=precomputed``'s log-probabilities)."""
+        return self.reference.precompute(rows, strategy, self.sequences)
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss": {name: value.detach().cpu().clone() for name, value in self.loss_state.items()}}
@@ -104,8 +99,7 @@ class DPO(Algorithm):
     def loss(self, model, batch: dict[str, Tensor], training: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
         """``training=False`` (held-out batches): the loss state is read but not updated."""
         policy = completion_stats(model, batch)
-        with torch.no_grad():  # the strategy scores with its frozen model, or with the policy (adapter off)
-            ref_logps = self.reference.logps(self.ref_model, model, batch)
+        ref_logps = self.reference_logps(batch, model)  # zeros with algo/reference=none
         n = batch["input_ids"].shape[0] // 2
         pairs = PairLogps(policy.logps[:n], policy.logps[n:], ref_logps[:n], ref_logps[n:],
                           policy.num_tokens[:n], policy.num_tokens[n:])
@@ -114,7 +108,15 @@ class DPO(Algorithm):
         losses = self.loss_fn(pairs, self.beta, state)
         loss = losses.mean()
         if self.nll_weight:
-            loss = loss + self.nll_weight * nll_loss(policy.token_logps[:n], policy.mask[:n])
+            if self.nll_on_prompt:  # every token of the chosen sequences but the first, which nothing predicts
+                tokens = batch["attention_mask"][:n, 1:].bool()
+                nll = nll_loss(policy.every_token_logps[:n] * tokens, tokens)
+            else:
+                nll = nll_loss(policy.token_logps[:n], policy.mask[:n])
+            loss = loss + self.nll_weight * nll
+            nll_metric = {"nll_loss": nll.detach()}  # TRL's name (CPO, ORPO)
+        else:
+            nll_metric = {}
         chosen_rewards = self.beta * chosen_logratios.detach()
         rejected_rewards = self.beta * rejected_logratios.detach()
         # Metric names are TRL's, so runs can be compared with DPOTrainer's logs.
@@ -127,6 +129,7 @@ class DPO(Algorithm):
             "logps/chosen": policy.logps[:n].detach().mean(),
             "logps/rejected": policy.logps[n:].detach().mean(),
             "exact_match": policy.greedy_match[:n].float().mean(),
+            **nll_metric,
         }
         return loss, metrics
 

@@ -50,6 +50,15 @@ class PairLogps:
     def rejected_logratios(self) -> Tensor:
         return self.policy_rejected - self.ref_rejected
 
+    @property
+    def chosen_average(self) -> Tensor:
+        """The policy's average log-probability per chosen completion token (reference-free objectives)."""
+        return self.policy_chosen / self.chosen_tokens
+
+    @property
+    def rejected_average(self) -> Tensor:
+        return self.policy_rejected / self.rejected_tokens
+
     def margins(self, per_token: bool = False) -> Tensor:
         """``h``: chosen minus rejected log-ratio; ``per_token``: each log-ratio divided by its token count."""
         if per_token:
@@ -221,6 +230,37 @@ def sigmoid_norm_loss(pairs: PairLogps, beta: float, state: LossState, label_smo
     """Length-normalized DPO (Tulu 3, Lambert et al. 2024, arXiv:2411.15124): DPO's sigmoid loss on log-ratios
     divided by their completion lengths. TRL: ``"sigmoid_norm"``."""
     return _smoothed_sigmoid(beta * pairs.margins(per_token=True), label_smoothing)
+
+
+# ---- reference-free losses: the policy's average log-probabilities per completion token (run with
+# algo/reference=none; a reference, if any, is not read) ----
+
+@limits(gamma=Range(ge=0, meaning="SimPO's target reward margin (TRL's simpo_gamma)", fix=0.5),
+        label_smoothing=SMOOTHING)
+def simpo_loss(pairs: PairLogps, beta: float, state: LossState, gamma: float = 0.5,
+               label_smoothing: float = 0.0) -> Tensor:
+    """SimPO (Meng et al. 2024, arXiv:2405.14734, eq. 6): with the average log-probabilities ``a = log pi(y|x) / |y|``,
+    ``-log s(beta (a_w - a_l) - gamma)``; ``label_smoothing`` > 0 mixes in the flipped label as cDPO does. No
+    reference. TRL: ``CPOTrainer`` with ``loss_type="simpo"`` (``simpo_gamma``); TRL's ``cpo_alpha`` NLL term is
+    ``algo.nll_weight``."""
+    return _smoothed_sigmoid(beta * (pairs.chosen_average - pairs.rejected_average) - gamma, label_smoothing)
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, accurate near 0 and far below it (Maechler 2012); ``x`` is capped just
+    below 0 so that a certain completion (``x = 0``) gives a large negative number, not ``-inf``."""
+    x = x.clamp(max=-torch.finfo(x.dtype).tiny)
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_loss(pairs: PairLogps, beta: float, state: LossState) -> Tensor:
+    """ORPO's odds-ratio term (Hong et al. 2024, arXiv:2403.07691, eqs. 4-7), ``beta`` being the paper's lambda:
+    ``-beta log s(log odds(y_w) - log odds(y_l))`` with ``odds(y) = P / (1 - P)``, ``log P`` the average
+    log-probability per completion token. No reference. ORPO's NLL term is ``algo.nll_weight`` (1 for ORPO) with
+    ``algo.nll_on_prompt``. TRL: ``ORPOTrainer`` (``beta`` is lambda there too)."""
+    chosen, rejected = pairs.chosen_average, pairs.rejected_average
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    return -beta * F.logsigmoid(log_odds)
 
 
 def _one_weight_per_loss(values, where: str) -> None:

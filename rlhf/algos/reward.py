@@ -66,6 +66,7 @@ class Reward(Algorithm):
     """
 
     columns = ("prompt", "chosen", "rejected")
+    optional_columns = (MARGIN,)  # a data file's numeric margin column reaches tokenize (rlhf.data)
 
     def __init__(self, head: str = "sequence_classification", center_rewards_coefficient: float = 0.0,
                  max_prompt_length: int | None = 512, max_length: int | None = 1024) -> None:

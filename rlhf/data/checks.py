@@ -4,8 +4,9 @@ Every input path (CSV, JSON/JSONL, Parquet, ``save_to_disk`` folders, Hub datase
 :func:`check_rows`. A row is bad when a field the format needs is missing, null, empty (or only whitespace) or
 of the wrong type; when a conversation (a list of ``{role, content}`` messages) is empty, has a message with an
 unknown role or without content, or an answer (``completion``, ``chosen``, ``rejected``, and SFT's ``messages``)
-that does not end with the assistant's message; or when a preference pair's ``chosen`` is identical to its
-``rejected``. A column that holds conversations in some rows and plain text in others is refused as a whole.
+that does not end with the assistant's message; when a typed column's value is not of its type (``label``:
+true/false; ``margin``: a finite number); or when a preference pair's ``chosen`` is identical to its ``rejected``.
+A column that holds conversations in some rows and plain text in others is refused as a whole.
 
 Row numbers count data rows from 1, in file order: the first object of a JSON/JSONL file (blank lines are not
 rows), the first row after the header of a CSV file, index 0 of a Parquet file, saved dataset or Hub split.
@@ -14,6 +15,7 @@ rows), the first row after the header of a CSV file, index 0 of a Parquet file, 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +31,10 @@ MISSING = object()  # a field a row does not have at all (JSON rows without the 
 
 # Columns whose rows may be text or conversations (all rows of one column alike); the others have one kind.
 _EITHER = ("prompt", "completion", "chosen", "rejected")
-_KIND = {"messages": "conversation", "text": "text"}
+_KIND = {"messages": "conversation", "text": "text", "label": "bool", "margin": "number"}
+# Columns that hold no text: a value of a fixed type, passed through to the algorithm as it is (KTO's ``label``:
+# true for a desirable completion, false for an undesirable one; a reward model's ``margin``).
+TYPED = tuple(column for column, kind in _KIND.items() if kind in ("bool", "number"))
 _CONVERSATION_FIX = ('write it as a list of {"role": ..., "content": ...} messages (in a CSV file: as JSON, '
                      'e.g. [{"role": "user", "content": "hi"}])')
 
@@ -113,11 +118,13 @@ def conversation_problem(messages: list) -> tuple[str, str] | None:
 
 def value_problem(value: Any, column: str) -> tuple[str, str] | None:
     """(problem, fix) for one field of a row, else None. ``column`` decides the kinds of value allowed."""
-    kind = _KIND.get(column, "either")
+    kind = column_kind(column)
     if value is MISSING:
         return "is missing", f"give every row a non-empty {column!r}, or remove the row"
     if value is None:
         return "is null", "give it a value, or remove the row"
+    if kind in ("bool", "number"):
+        return typed_problem(value, kind)
     if isinstance(value, str):
         if kind == "conversation":
             return "is text, not a list of messages", _CONVERSATION_FIX
@@ -130,6 +137,23 @@ def value_problem(value: Any, column: str) -> tuple[str, str] | None:
     fix = ("use a 'messages' column for conversations, or write it as a string" if isinstance(value, list)
            else "write it as a string" if kind != "conversation" else _CONVERSATION_FIX)
     return f"is {describe_type(value)}, not {wanted}", fix
+
+
+def column_kind(column: str) -> str:
+    """What a column holds: ``text``, ``conversation``, ``either`` of those, ``bool`` or ``number``."""
+    return _KIND.get(column, "either")
+
+
+def typed_problem(value: Any, kind: str) -> tuple[str, str] | None:
+    """(problem, fix) for a value of a typed column (``kind`` ``bool`` or ``number``), else None."""
+    if kind == "bool":
+        if isinstance(value, bool):
+            return None
+        return (f"is {describe_type(value)} {value!r}, not true/false",
+                "write true (a desirable completion) or false (an undesirable one); in a CSV file: true or false")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return None
+    return f"is {describe_type(value)} {value!r}, not a finite number", "write a number, e.g. 1.5"
 
 
 def _same_answer(chosen: Any, rejected: Any) -> bool:

@@ -13,6 +13,11 @@ implicit-prompt pref.  ``chosen``, ``rejected``                   same, as messa
 
 Conversational rows are rendered with the tokenizer's chat template: the prompt with the generation prompt
 appended, each completion as the rest of the rendered conversation, as TRL does.
+
+Unpaired rows (KTO): ``prompt``, ``completion`` and a ``label`` (true: desirable, false: undesirable), TRL's
+unpaired preference format; preference rows given to an algorithm that asks for them become two rows each, the
+chosen answer desirable and the rejected one not (TRL's ``unpair_preference_dataset``). Typed columns
+(:data:`rlhf.data.checks.TYPED`: ``label``, a reward model's ``margin``) pass through as they are.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 from datasets import Dataset
 from jinja2 import TemplateError
 
-from rlhf.data.checks import ROW_COLUMN
+from rlhf.data.checks import ROW_COLUMN, TYPED
 from rlhf.errors import UserError
 
 Messages = list[dict[str, str]]
@@ -66,8 +71,27 @@ def _extract_prompt(row: dict[str, Any]) -> dict[str, Any]:
     return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
 
 
-def to_text(row: dict[str, Any], columns: Sequence[str], tokenizer) -> dict[str, str]:
-    """One row of any accepted format -> a row with exactly `columns`, all strings."""
+def to_rows(row: dict[str, Any], columns: Sequence[str], tokenizer) -> list[dict[str, Any]]:
+    """One row of any accepted format -> the rows with exactly `columns`: one row, or two unpaired rows (``label``
+    true for the chosen answer, false for the rejected one) from a preference pair when `columns` ask for
+    ``completion`` and ``label``. The typed columns among `columns` (``label``, ``margin``) keep their values."""
+    if "label" in columns and "completion" in columns and "label" not in row and "chosen" in row:
+        pair = to_text(row, ("prompt", "chosen", "rejected"), tokenizer)
+        return [{"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen",
+                 **{c: row[c] for c in columns if c in TYPED and c != "label" and c in row}}
+                for side in ("chosen", "rejected")]
+    return [to_text(row, columns, tokenizer)]
+
+
+def to_text(row: dict[str, Any], columns: Sequence[str], tokenizer) -> dict[str, Any]:
+    """One row of any accepted format -> a row with exactly `columns`, all strings but the typed ones
+    (:data:`rlhf.data.checks.TYPED`), which keep their values."""
+    typed = {column: row[column] for column in columns if column in TYPED}
+    columns = [column for column in columns if column not in TYPED]
+    return {**_to_text(row, columns, tokenizer), **typed}
+
+
+def _to_text(row: dict[str, Any], columns: Sequence[str], tokenizer) -> dict[str, str]:
     if "chosen" in columns and "prompt" not in row:
         row = _extract_prompt(row)
     if "prompt" not in row and "messages" in row:  # the last assistant turn is the completion, the rest the prompt
@@ -100,6 +124,8 @@ _ALTERNATIVES = {
     ("prompt", "completion"): [("prompt", "completion"), ("messages",), ("text",)],
     ("prompt", "chosen", "rejected"): [("prompt", "chosen", "rejected"), ("chosen", "rejected")],
     ("prompt",): [("prompt",), ("messages",)],
+    ("prompt", "completion", "label"): [("prompt", "completion", "label"), ("prompt", "chosen", "rejected"),
+                                        ("chosen", "rejected")],
 }
 
 
@@ -131,32 +157,47 @@ def pick_format(names: Sequence[str], columns: Sequence[str], where: str = "the 
 
 # What each column holds, for the message that asks for a missing one.
 _MEANING = {"prompt": "the input of each row", "completion": "the answer to learn",
-            "chosen": "the preferred answer of each pair", "rejected": "the worse answer of each pair"}
+            "chosen": "the preferred answer of each pair", "rejected": "the worse answer of each pair",
+            "label": "true where the completion is desirable, false where not"}
 # Columns that mean another kind of training, and the option that trains on them.
-_OTHER_ALGORITHMS = ((("chosen", "rejected"), "algo=dpo"), (("prompt", "completion"), "algo=sft"),
+_OTHER_ALGORITHMS = ((("chosen", "rejected"), "algo=dpo"), (("prompt", "completion", "label"), "algo=kto"),
+                     (("prompt", "completion"), "algo=sft"),
                      (("messages",), "algo=sft"))
 
 
-def _row_to_text(row: dict[str, Any], columns: Sequence[str], tokenizer, where: str) -> dict[str, str]:
-    """:func:`to_text`, keeping the row's origin (:data:`ROW_COLUMN`) and naming it if the chat template fails."""
-    try:
-        out = to_text(row, columns, tokenizer)
-    except TemplateError as error:
-        raise UserError(f"{row.get(ROW_COLUMN) or where}: the tokenizer's chat template refused this conversation "
-                        f"({error}). Fix: change the conversation to what the template accepts (e.g. alternating "
-                        "user/assistant turns), or set model.chat_template.") from error
-    if ROW_COLUMN in row:
-        out[ROW_COLUMN] = row[ROW_COLUMN]
+def _rows_to_text(batch: dict[str, list], columns: Sequence[str], tokenizer, where: str) -> dict[str, list]:
+    """:func:`to_rows` over a batch of rows, keeping each row's origin (:data:`ROW_COLUMN`; an unpaired row's says
+    which answer of the pair it is) and naming it if the chat template fails."""
+    out: dict[str, list] = {column: [] for column in columns}
+    if ROW_COLUMN in batch:
+        out[ROW_COLUMN] = []
+    for values in zip(*batch.values()):
+        row = dict(zip(batch, values))
+        try:
+            made = to_rows(row, columns, tokenizer)
+        except TemplateError as error:
+            raise UserError(f"{row.get(ROW_COLUMN) or where}: the tokenizer's chat template refused this "
+                            f"conversation ({error}). Fix: change the conversation to what the template accepts (e.g. "
+                            "alternating user/assistant turns), or set model.chat_template.") from error
+        for new in made:
+            if ROW_COLUMN in row:
+                side = (", its chosen answer" if new["label"] else ", its rejected answer") if len(made) > 1 else ""
+                new[ROW_COLUMN] = row[ROW_COLUMN] + side
+            for key in out:
+                out[key].append(new[key])
     return out
 
 
-def standardize(dataset: Dataset, columns: Sequence[str], tokenizer, where: str = "the dataset") -> Dataset:
-    """Check `dataset` has a format that provides `columns`, then convert every row to text columns.
+def standardize(dataset: Dataset, columns: Sequence[str], tokenizer, where: str = "the dataset",
+                optional: Sequence[str] = ()) -> Dataset:
+    """Check `dataset` has a format that provides `columns`, then convert every row to text columns (typed columns
+    as they are; a preference pair to two unpaired rows where `columns` ask for them, see :func:`to_rows`).
 
-    A :data:`~rlhf.data.checks.ROW_COLUMN` column (where each row came from) is kept as it is.
+    The `optional` columns the dataset has, and a :data:`~rlhf.data.checks.ROW_COLUMN` column (where each row came
+    from), are kept.
     """
-    columns = tuple(columns)
-    pick_format(dataset.column_names, columns, where)
+    pick_format(dataset.column_names, tuple(columns), where)
+    columns = (*columns, *(c for c in optional if c in dataset.column_names and c not in columns))
     sample = dataset[0] if len(dataset) else {}
     conversational = any(_is_conversation(v) for v in sample.values())
     if conversational and getattr(tokenizer, "chat_template", None) is None:
@@ -165,7 +206,8 @@ def standardize(dataset: Dataset, columns: Sequence[str], tokenizer, where: str 
             "Fix: use an instruct model or set model.chat_template='<jinja template>'."
         )
     return dataset.map(
-        _row_to_text,
+        _rows_to_text,
+        batched=True,
         fn_kwargs={"columns": columns, "tokenizer": tokenizer, "where": where},
         remove_columns=dataset.column_names,
         desc="formatting",

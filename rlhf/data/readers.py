@@ -7,6 +7,7 @@ in a CSV file every field is text (``3``, ``None`` and ``NA`` stay strings; an e
 
 A CSV file cannot hold lists, so a CSV column is read as conversations when its values are JSON lists of
 ``{role, content}`` messages (:func:`decode_conversations`); a column mixing those with plain text is refused.
+Typed columns (``label``, ``margin``) are read as their types (:func:`decode_typed`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.data.checks import MISSING, Origin, RowProblem, describe_type, is_conversation
+from rlhf.data.checks import MISSING, TYPED, Origin, RowProblem, column_kind, describe_type, is_conversation
 from rlhf.errors import UserError
 
 SUPPORTED = (".csv", ".json", ".jsonl", ".parquet")  # file types data.path may name
@@ -175,6 +176,32 @@ def decode_conversations(records: Records, fields: list[str]) -> Records:
     rows = [(number, {**row, **{c: decoded[c][number] for c in decoded if number in decoded[c]}})
             for number, row in records.rows if number not in problems]
     return Records(rows, records.problems + list(problems.values()), records.columns)
+
+
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+
+
+def decode_typed(records: Records, fields: list[str]) -> Records:
+    """CSV fields hold text only: read the typed columns among ``fields`` (:data:`rlhf.data.checks.TYPED`) as their
+    types. ``label``: ``true``/``false`` (any case) or ``1``/``0``; ``margin``: a number. A value that does not
+    read stays text, which :func:`rlhf.data.checks.check_rows` then names as a bad row."""
+    typed = [column for column in fields if column in TYPED]
+    if not typed:
+        return records
+
+    def read(column: str, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        text = value.strip().lower()
+        if column_kind(column) == "bool":
+            return True if text in _TRUE else False if text in _FALSE else value
+        try:
+            return float(text) if text else value
+        except ValueError:
+            return value
+
+    rows = [(number, {**row, **{c: read(c, row[c]) for c in typed if c in row}}) for number, row in records.rows]
+    return Records(rows, records.problems, records.columns)
 
 
 def read_file(path: str, where: str) -> tuple[Records, Origin]:

@@ -26,6 +26,7 @@ from rlhf.data.checks import (
     RowProblem,
     check_on_bad_row,
     check_rows,
+    column_kind,
     require_rows,
     settle,
 )
@@ -55,10 +56,13 @@ def _learns_answers(columns: Sequence[str]) -> bool:
     return any(column != "prompt" for column in columns)
 
 
-def _plain(value: Any) -> Any:
-    """A checked value as stored: text as it is, a conversation as ``{role, content}`` messages only."""
+def _plain(value: Any, column: str) -> Any:
+    """A checked value as stored: text as it is, a conversation as ``{role, content}`` messages only, a number of a
+    typed column as a float (a JSON column of 1 and 1.5 is one Arrow type)."""
     if isinstance(value, list):
         return [{"role": m["role"], "content": m["content"]} for m in value]
+    if column_kind(column) == "number":
+        return float(value)
     return value
 
 
@@ -146,24 +150,28 @@ class DataSource:
             log.warning(warning)
             self.skipped_rows += len(problems)
 
-    def _check_records(self, records: readers.Records, columns: Sequence[str], origin: Origin) -> Dataset:
-        """Rows read from a CSV/JSON file -> the checked rows of the format's columns, as a Dataset."""
+    def _check_records(self, records: readers.Records, columns: Sequence[str], origin: Origin,
+                       optional: Sequence[str] = ()) -> Dataset:
+        """Rows read from a CSV/JSON file -> the checked rows of the format's columns (and of the `optional` columns
+        the file has), as a Dataset."""
         require_rows(records.total, origin)
         if not records.rows:  # no row could be parsed: this raises
             self._settle(records.problems, records.total, origin)
-        fields = pick_format(records.columns, columns, origin.where)
-        if origin.header:  # CSV: conversations are written as JSON
-            records = readers.decode_conversations(records, list(fields))
+        fields = _with_optional(pick_format(records.columns, columns, origin.where), records.columns, optional)
+        if origin.header:  # CSV: conversations are written as JSON, and every value is text
+            records = readers.decode_typed(readers.decode_conversations(records, list(fields)), list(fields))
         checked = check_rows(records.rows, fields, origin, answers=_learns_answers(columns))
         self._settle(records.problems + checked.problems, records.total, origin)
         rows = [records.rows[i] for i in checked.kept]
-        return Dataset.from_list([{**{f: _plain(row[f]) for f in fields}, ROW_COLUMN: origin.label(number)}
+        return Dataset.from_list([{**{f: _plain(row[f], f) for f in fields}, ROW_COLUMN: origin.label(number)}
                                   for number, row in rows])
 
-    def _check_dataset(self, dataset: Dataset, columns: Sequence[str], origin: Origin) -> Dataset:
-        """A loaded (Arrow) split -> the checked rows of the format's columns."""
+    def _check_dataset(self, dataset: Dataset, columns: Sequence[str], origin: Origin,
+                       optional: Sequence[str] = ()) -> Dataset:
+        """A loaded (Arrow) split -> the checked rows of the format's columns (and of the `optional` ones it has)."""
         require_rows(len(dataset), origin)
-        fields = pick_format(dataset.column_names, columns, origin.where)
+        fields = _with_optional(pick_format(dataset.column_names, columns, origin.where), dataset.column_names,
+                                optional)
         dataset = dataset.select_columns(list(fields))
         checked = check_rows(_numbered(dataset), fields, origin, answers=_learns_answers(columns))
         self._settle(checked.problems, len(dataset), origin)
@@ -171,7 +179,7 @@ class DataSource:
             dataset = dataset.select(checked.kept)
         return dataset.add_column(ROW_COLUMN, [origin.label(i + 1) for i in checked.kept])
 
-    def _read_split(self, split: str, columns: Sequence[str]) -> Dataset:
+    def _read_split(self, split: str, columns: Sequence[str], optional: Sequence[str] = ()) -> Dataset:
         path = os.path.expanduser(str(self.path))
         where = f"data.path={self.path}"
         if os.path.isfile(path):
@@ -184,21 +192,22 @@ class DataSource:
                 metadata = _read_local(where, lambda: pq.read_metadata(path))  # damaged: one message, no datasets log
                 require_rows(metadata.num_rows, Origin(where))
                 dataset = _read_local(where, lambda: load_dataset("parquet", data_files={split: path}, split=split))
-                return self._check_dataset(dataset, columns, Origin(where))
+                return self._check_dataset(dataset, columns, Origin(where), optional)
             records, origin = readers.read_file(path, where)
-            return self._check_records(records, columns, origin)
+            return self._check_records(records, columns, origin, optional)
         if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in paths.SAVED_MARKERS):
             saved = _read_local(where, lambda: load_from_disk(path))  # a folder written by Dataset(Dict).save_to_disk
             if isinstance(saved, DatasetDict):
                 if split not in saved:
                     raise UserError(f"data.path={self.path} has splits {list(saved)}, not {split!r}. Fix: set "
                                     "data.split / data.eval_split to one of them.")
-                return self._check_dataset(saved[split], columns, Origin(f"{where} (split {split!r})"))
-            return self._check_dataset(saved, columns, Origin(where))
+                return self._check_dataset(saved[split], columns, Origin(f"{where} (split {split!r})"), optional)
+            return self._check_dataset(saved, columns, Origin(where), optional)
         problem = paths.path_problem(str(self.path))
         if problem:
             raise UserError(problem)
-        return self._check_dataset(self._load_hub(path, split), columns, Origin(f"{where} (split {split!r})"))
+        return self._check_dataset(self._load_hub(path, split), columns, Origin(f"{where} (split {split!r})"),
+                                   optional)
 
     def _load_hub(self, path: str, split: str) -> Dataset:
         """A split of a Hub dataset, or of a local folder of data files, through ``datasets.load_dataset``."""
@@ -217,15 +226,16 @@ class DataSource:
                             "(HF_DATASETS_OFFLINE=1 means cached datasets only).") from error
 
     # ---- both splits --------------------------------------------------------------------------------------
-    def load_raw(self, columns: Sequence[str]) -> DatasetDict:
-        """Train/eval splits, checked, in whatever format the source has (plus :data:`ROW_COLUMN`)."""
+    def load_raw(self, columns: Sequence[str], optional: Sequence[str] = ()) -> DatasetDict:
+        """Train/eval splits, checked, in whatever format the source has (plus :data:`ROW_COLUMN`, and the
+        `optional` columns a file has)."""
         if self.path is None:
             splits = self.task.load(columns)
             return DatasetDict({k: v.add_column(ROW_COLUMN, [Origin(f"the embedded task ({k} split)").label(i + 1)
                                                              for i in range(len(v))]) for k, v in splits.items()})
-        train = self._read_split(self.split, columns)
+        train = self._read_split(self.split, columns, optional)
         if self.eval_split is not None:
-            evaluation = self._read_split(self.eval_split, columns)
+            evaluation = self._read_split(self.eval_split, columns, optional)
         else:
             size = self.eval_size if self.eval_size < 1 else int(self.eval_size)
             if len(train) < 2:
@@ -244,15 +254,23 @@ class DataSource:
             train, evaluation = parts["train"], parts["test"]
         return DatasetDict({"train": train, "eval": evaluation})
 
-    def load(self, columns: Sequence[str], tokenizer) -> DatasetDict:
-        """Train/eval splits as text columns `columns` (conversational rows rendered with the chat template),
-        plus :data:`ROW_COLUMN`; sets :attr:`skipped_rows`."""
+    def load(self, columns: Sequence[str], tokenizer, optional: Sequence[str] = ()) -> DatasetDict:
+        """Train/eval splits with the columns `columns` (text rendered with the chat template where rows are
+        conversations; typed columns such as ``label`` as they are), the `optional` columns that the data has (e.g. a
+        reward model's ``margin``), and :data:`ROW_COLUMN`; sets :attr:`skipped_rows`. Paired preference rows become
+        two unpaired rows where `columns` ask for ``completion`` and ``label`` (:func:`rlhf.data.formats.to_rows`)."""
         self.skipped_rows = 0
-        raw = self.load_raw(columns)
+        raw = self.load_raw(columns, optional)
         if self.max_train_rows is not None:
             raw["train"] = raw["train"].select(range(min(self.max_train_rows, len(raw["train"]))))
         where = "the embedded task" if self.path is None else f"data.path={self.path}"
-        return DatasetDict({k: standardize(v, columns, tokenizer, f"{where} ({k} split)") for k, v in raw.items()})
+        return DatasetDict({k: standardize(v, columns, tokenizer, f"{where} ({k} split)", optional)
+                            for k, v in raw.items()})
+
+
+def _with_optional(fields: Sequence[str], names: Sequence[str], optional: Sequence[str]) -> tuple[str, ...]:
+    """The format's `fields` and those of the `optional` columns that the data has (its column `names`)."""
+    return (*fields, *(column for column in optional if column in names and column not in fields))
 
 
 def _read_local(where: str, read):

@@ -7,6 +7,8 @@ One generator gives every data format the algorithms need (TRL's standard format
   plausible mistake: the string unreversed, one letter changed, two neighbours swapped, one letter dropped or
   doubled)
 - prompts for online algorithms: ``{"prompt": "abc="}``, scored by :meth:`ReverseTask.reward`.
+- for unpaired rows (``prompt``, ``completion``, ``label``: KTO), the preference pairs: the data layer splits each
+  into a desirable and an undesirable row, as it does any paired data (:func:`rlhf.data.formats.to_rows`).
 
 The train/eval split is decided by a hash of the string itself, so held-out strings never appear in training
 data, whatever seed or size is asked for.
@@ -102,16 +104,17 @@ class ReverseTask:
         for word in self.words(split):
             prompt, answer = self.prompt(word), word[::-1]
             row = {"prompt": prompt}
-            if "completion" in columns:
+            if "completion" in columns and "label" not in columns:
                 row["completion"] = answer
-            if "chosen" in columns:
+            if "chosen" in columns or "label" in columns:  # unpaired rows are made from the pairs
                 row["chosen"], row["rejected"] = answer, self.corrupt(answer, rng)
             rows.append(row)
         return rows
 
     def load(self, columns: Sequence[str]) -> DatasetDict:
-        """Train and eval splits with the given columns (any of prompt, completion, chosen, rejected)."""
-        unknown = set(columns) - {"prompt", "completion", "chosen", "rejected"}
+        """Train and eval splits with the given columns (any of prompt, completion, chosen, rejected); asked for a
+        ``label``, the preference pairs."""
+        unknown = set(columns) - {"prompt", "completion", "chosen", "rejected", "label"}
         if unknown:
             raise ValueError(f"the reverse task has no column(s) {sorted(unknown)}")
         return DatasetDict({s: Dataset.from_list(self.rows(s, columns)) for s in ("train", "eval")})

@@ -2,7 +2,7 @@
 
 from rlhf.hardware.base import DataParallel, cpus_available, free_port
 from rlhf.hardware.fsdp import FSDP2
-from rlhf.hardware.sharded import global_numel
+from rlhf.hardware.holding import FrozenHolding, global_numel
 from rlhf.hardware.zero import ZeRO
 
-__all__ = ["FSDP2", "DataParallel", "ZeRO", "cpus_available", "free_port", "global_numel"]
+__all__ = ["FSDP2", "DataParallel", "FrozenHolding", "ZeRO", "cpus_available", "free_port", "global_numel"]

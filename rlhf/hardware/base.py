@@ -2,7 +2,7 @@
 
 A ``conf/hardware/*.yaml`` option builds a :class:`DataParallel` (or a subclass) through ``_target_``. The loop
 calls the same methods whatever the option: ``start`` (the Accelerator and the process group), ``prepare_frozen``
-(models that do not train), ``prepare`` (the policy, its optimizer and the training loader),
+(models that do not train; ``frozen_share`` predicts the share of one a process holds), ``prepare`` (the policy, its optimizer and the training loader),
 ``accumulate``/``backward``, ``clip_gradients`` (the norm before clipping), ``step`` (step and zero the gradients)
 or ``skip_step`` (a non-finite step), ``save_state``/``load_state`` (checkpoints) and ``save_model`` (one whole
 Hugging Face model, written by the main process). :mod:`rlhf.launch` reads ``processes_per_node`` and
@@ -28,6 +28,7 @@ from accelerate.state import AcceleratorState
 from rlhf.errors import UserError
 from rlhf.files import save_safetensors, save_torch
 from rlhf.hardware.frozen import is_trainable_only, load_trainable, save_trainable
+from rlhf.hardware.holding import FrozenHolding, global_numel, local_numel
 from rlhf.metrics import any_process
 from rlhf.validate import limits
 
@@ -125,6 +126,8 @@ class DataParallel:
         self.mixed_precision, self.threads_per_process = mixed_precision, threads_per_process
         self.rdzv_endpoint, self.node_rank, self.timeout_s = rdzv_endpoint, node_rank, timeout_s
         self.accelerator: Accelerator | None = None
+        self.frozen_held: dict[str, FrozenHolding] = {}  # by name, what prepare_frozen left on this process
+        self._sharding = ""  # set by a sharding strategy's prepare(): what this process holds of the policy
 
     # --- processes ---------------------------------------------------------------------------------------
     def uses_cuda(self) -> bool:
@@ -178,20 +181,50 @@ class DataParallel:
         kind = f"{type(self).__name__}, {_IN_WORDS.get(acc.distributed_type.value, acc.distributed_type.value)}" \
             if acc.num_processes > 1 else "one process"
         precision = "no mixed precision" if self.mixed_precision == "no" else f"{self.mixed_precision} mixed precision"
+        frozen = "".join(f"; {name}: {held}" for name, held in self.frozen_held.items())
         return (f"{acc.num_processes} process(es) ({kind}) on {acc.device}, {torch.get_num_threads()} thread(s) "
-                f"each, {local} process(es) on {cpus_available()} CPU(s) here, {precision}")
+                f"each, {local} process(es) on {cpus_available()} CPU(s) here, {precision}{self._sharding}{frozen}")
+
+    def processes(self) -> int:
+        """Processes of the whole run: the Accelerator's count once started, else what the launch will start."""
+        if self.accelerator is not None:
+            return self.accelerator.num_processes
+        return self.processes_per_node() * self.num_nodes
 
     # --- training -------------------------------------------------------------------------------------------
-    def prepare_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Put a model that is used but never trained (a reference, a reward model) where it runs: on this
-        process's device, in eval mode, without gradients, its forward under the same autocast as the policy's
-        (``mixed_precision``). Every process keeps a whole copy; a sharding strategy may override this to shard it
-        like the policy."""
-        module = module.to(self.accelerator.device).eval().requires_grad_(False)
+    def prepare_frozen(self, module: torch.nn.Module, name: str = "frozen") -> torch.nn.Module:
+        """Put a model that is used but never trained (a reference, a reward model; ``name`` says which) where it
+        runs: in eval mode, without gradients, placed by :meth:`_place_frozen` (this class: a whole copy on this
+        process's device; FSDP2 and ZeRO-3 shard it like the policy). What this process then holds of it is
+        recorded in :attr:`frozen_held` and printed in :meth:`describe`."""
+        module.eval().requires_grad_(False)
+        placed = self._place_frozen(module)
+        params = list(self.unwrap(placed).parameters())
+        self.frozen_held[name] = FrozenHolding(
+            local_elements=sum(local_numel(p) for p in params), total_elements=sum(global_numel(p) for p in params),
+            local_bytes=sum(local_numel(p) * p.element_size() for p in params))
+        return placed
+
+    def frozen_share(self) -> float:
+        """The fraction of a frozen model's parameters (elements and bytes) each process holds once
+        :meth:`prepare_frozen` has placed it, predicted before anything is built (for the memory preflight): 1.0
+        here, every process a whole copy; 1/processes where the strategy shards it (FSDP2, ZeRO-3). The measured
+        value, after the fact: :attr:`frozen_held`."""
+        return 1.0
+
+    def _place_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A whole copy on this process's device, its forward under the same autocast as the policy's
+        (``mixed_precision``)."""
+        module = module.to(self.accelerator.device)
         if self.mixed_precision == "bf16":
             autocast = torch.autocast(device_type=self.accelerator.device.type, dtype=torch.bfloat16)
             module.forward = autocast(module.forward)
         return module
+
+    def sharded_state(self) -> frozenset[str]:
+        """What this strategy splits over its processes, of ``weights``, ``gradients`` and ``optimizer`` (the
+        policy's; read by the memory preflight, :mod:`rlhf.memory`). Data parallel: nothing, each process holds all."""
+        return frozenset()
 
     def empty_cache(self) -> None:
         """Collect garbage and give the device's cached memory back (``train.empty_cache_every_steps``)."""

@@ -76,8 +76,23 @@ class FSDP2(Sharded):
         self.layer_classes = list(layer_classes) if layer_classes is not None else None
 
     # --- training -------------------------------------------------------------------------------------------
+    def sharded_state(self) -> frozenset[str]:
+        return frozenset({"weights", "gradients", "optimizer"})
+
     def prepare(self, model, make_optimizer, train_loader):
         """Shard each layer, then the whole model; build the optimizer on the sharded parameters."""
+        acc = self.accelerator
+        layers = self._shard(model, self.reshard_after_forward)
+        optimizer = make_optimizer(model)  # after sharding: it must hold the sharded parameters
+        optimizer, train_loader = acc.prepare(optimizer, train_loader)
+        self._sharding = (f"; FSDP2 over {len(layers)} layer(s) + root, reshard_after_forward="
+                          f"{self.reshard_after_forward}: {self.holding(model.parameters(), 'parameter')}, "
+                          "optimizer states likewise")
+        return model, optimizer, train_loader
+
+    def _shard(self, model: torch.nn.Module, reshard_after_forward: bool) -> list[torch.nn.Module]:
+        """``fully_shard`` each layer (:func:`layers_to_shard`), then the whole model, in place; return the
+        layers."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -86,7 +101,7 @@ class FSDP2(Sharded):
             raise UserError("hardware=fsdp needs several processes (hardware.num_processes >= 2), or a launcher "
                             "such as torchrun. Fix: hardware.num_processes=2, or hardware=cpu / gpu for one process.")
         mesh = init_device_mesh(acc.device.type, (acc.num_processes,))
-        options = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward, "mp_policy": self._policy()}
+        options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": self._policy()}
         layers = layers_to_shard(model, self.layer_classes)
         if not layers:
             log.warning("hardware=fsdp found no layer to shard on its own (layer_classes=%s, model has no "
@@ -97,12 +112,19 @@ class FSDP2(Sharded):
         # The rest (embeddings, final norm, head). Its outputs (the logits) in fp32, as autocast gives the losses'
         # log-softmax: computed in bf16, a sum of log-probabilities would lose most of its digits.
         fully_shard(model, **{**options, "mp_policy": self._policy(output_dtype=torch.float32)})
-        optimizer = make_optimizer(model)  # after sharding: it must hold the sharded parameters
-        optimizer, train_loader = acc.prepare(optimizer, train_loader)
-        self._sharding = (f"; FSDP2 over {len(layers)} layer(s) + root, reshard_after_forward="
-                          f"{self.reshard_after_forward}: {self.holding(model.parameters(), 'parameter')}, "
-                          "optimizer states likewise")
-        return model, optimizer, train_loader
+        return layers
+
+    def _place_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Shard a frozen model like the policy (each layer, then the whole), in the policy's mixed precision. It
+        never runs a backward, so every unit, the root included, frees its gathered parameters right after its
+        forward (``reshard_after_forward=True`` whatever the policy's setting: FSDP2 leaves the root gathered after
+        the forward only when this is left unset)."""
+        self._shard(module, reshard_after_forward=True)
+        return module
+
+    def frozen_share(self) -> float:
+        """Each process holds 1/processes of a frozen model (:meth:`_place_frozen`)."""
+        return 1.0 / self.processes()
 
     def _policy(self, output_dtype: torch.dtype | None = None):
         """FSDP2's mixed precision: for bf16, parameters gathered and used in bf16, gradients reduced in fp32

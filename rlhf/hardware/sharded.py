@@ -8,23 +8,9 @@ import torch
 
 from rlhf.errors import UserError
 from rlhf.hardware.base import DataParallel
+from rlhf.hardware.holding import global_numel, local_numel
 
 CPU_PROCESSES = 2  # processes on a machine without GPU when hardware.num_processes is null: the fewest that shard
-
-
-def local_numel(tensor: torch.Tensor) -> int:
-    """Elements this process stores for `tensor`: its own shard for a DTensor (FSDP2) or a ZeRO-3 parameter."""
-    if hasattr(tensor, "ds_tensor"):  # DeepSpeed ZeRO-3 parameter: its partition, and the whole when it stays
-        # gathered (ds_persist: fewer elements than stage3_param_persistence_threshold)
-        return tensor.ds_tensor.numel() + (tensor.ds_numel if getattr(tensor, "ds_persist", False) else 0)
-    if hasattr(tensor, "to_local"):  # DTensor
-        return tensor.to_local().numel()
-    return tensor.numel()
-
-
-def global_numel(tensor: torch.Tensor) -> int:
-    """Elements of the whole `tensor`, however it is partitioned (a DTensor reports its global shape)."""
-    return getattr(tensor, "ds_numel", None) or tensor.numel()
 
 
 def name_deepspeed_accelerator(cuda: bool) -> None:
@@ -36,8 +22,6 @@ def name_deepspeed_accelerator(cuda: bool) -> None:
 
 class Sharded(DataParallel):
     """Base of the strategies that split the model's state over processes."""
-
-    _sharding = ""  # set by prepare(): what this process holds, for describe()
 
     def processes_per_node(self) -> int:
         """``num_processes``, or when null one per local GPU, or on a machine without GPU ``CPU_PROCESSES``."""
@@ -51,11 +35,8 @@ class Sharded(DataParallel):
         here, whole = sum(local_numel(p) for p in params), sum(global_numel(p) for p in params)
         return f"this process holds {here:,} of {whole:,} {label} elements ({here / max(whole, 1):.0%})"
 
-    def describe(self) -> str:
-        return super().describe() + self._sharding
-
-    def prepare_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+    def prepare_frozen(self, module: torch.nn.Module, name: str = "frozen") -> torch.nn.Module:
         if getattr(module, "rlhf_shared_layers", 0):  # rlhf.models.reference.SharedLayers
             raise UserError("algo/reference=shared_layers makes the reference use the policy's own layers, which this "
                             "hardware option shards: not supported. Fix: algo/reference=copy (or hardware=cpu_ddp/ddp).")
-        return super().prepare_frozen(module)
+        return super().prepare_frozen(module, name)

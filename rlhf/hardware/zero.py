@@ -36,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.errors import UserError
 from rlhf.hardware.base import FP16_REASON, free_port
-from rlhf.hardware.sharded import Sharded, global_numel, name_deepspeed_accelerator
+from rlhf.hardware.holding import global_numel
+from rlhf.hardware.sharded import Sharded, name_deepspeed_accelerator
 from rlhf.models.quantize import is_quantized
 from rlhf.validate import limits
 
@@ -162,6 +163,10 @@ class ZeRO(Sharded):
                                    timeout=datetime.timedelta(seconds=self.timeout_s), verbose=False)
         return accelerator
 
+    def sharded_state(self) -> frozenset[str]:
+        """ZeRO-1 splits the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the weights."""
+        return frozenset(["optimizer", "gradients", "weights"][: self.stage])
+
     def deepspeed_settings(self, micro_batch_size: int) -> dict[str, Any]:
         """The DeepSpeed config this strategy gives ``deepspeed.initialize``."""
         zero: dict[str, Any] = {"stage": self.stage}
@@ -198,6 +203,26 @@ class ZeRO(Sharded):
         self._sharding = (f"; ZeRO-{self.stage}: {self.holding(engine.module.parameters(), 'parameter')}{kept}; "
                           f"its optimizer steps {_stepped(engine, optimizer):,} of {trainable:,} trainable elements")
         return engine, optimizer, train_loader
+
+    def _place_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Stage 3: partition a frozen model like the policy, in a DeepSpeed engine of its own without optimizer
+        (the way TRL prepares its reference under ZeRO-3), built from this strategy's settings (precision,
+        ``param_persistence_threshold``, ``deepspeed_config``); each layer's parameters are gathered just for its
+        forward. Stages 1 and 2 partition no parameters: a whole copy on the device, as
+        :class:`~rlhf.hardware.base.DataParallel` keeps it."""
+        if self.stage != 3:
+            return super()._place_frozen(module)
+        deepspeed = import_deepspeed(self.uses_cuda())
+        # The batch size is required by DeepSpeed's config checks and used only for training: a forward-only engine.
+        engine, _, _, _ = deepspeed.initialize(model=module, config=self.deepspeed_settings(micro_batch_size=1))
+        engine.eval()  # DeepSpeed's engine returns None here, not itself
+        return engine
+
+    def frozen_share(self) -> float:
+        """Stage 3: 1/processes of a frozen model (a little more in fact: parameters under
+        ``param_persistence_threshold`` stay whole on every process; the measured share is in :attr:`frozen_held`);
+        stages 1 and 2: a whole copy."""
+        return 1.0 / self.processes() if self.stage == 3 else 1.0
 
     @contextlib.contextmanager
     def accumulate(self, model, sync: bool) -> Iterator[None]:

@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -40,12 +42,12 @@ HEADS = {
     "causal_lm": Head(AutoModelForCausalLM, {}),
     # One scalar per sequence, read at its last token: a reward model (rlhf.algos.reward).
     "sequence_classification": Head(AutoModelForSequenceClassification, {"num_labels": 1}, pools_last_token=True),
+    # One scalar per token: a value model, PPO's critic (rlhf.models.value.token_values reads it). No dropout before
+    # the score (transformers' default is 0.1): a regression target is not dropped out (TRL turns dropout off too).
+    "value": Head(AutoModelForTokenClassification, {"num_labels": 1, "classifier_dropout": 0.0}),
 }
-# Declared heads that are not built yet, with what to do instead.
-PLANNED_HEADS = {
-    "value": "a causal LM backbone with a scalar value per token (for PPO) is not implemented yet. Fix: "
-             "model.head=causal_lm, or model.head=sequence_classification for one scalar per sequence",
-}
+# Declared heads that are not built yet, with what to do instead (none today).
+PLANNED_HEADS: dict[str, str] = {}
 
 
 def _known_head(values: dict[str, Any], where: str) -> None:
@@ -55,8 +57,8 @@ def _known_head(values: dict[str, Any], where: str) -> None:
         raise UserError(f"{where}.head={head}: {PLANNED_HEADS[head]}")
     if head not in HEADS:
         raise UserError(f"{where}.head={head!r} is not one of {[*HEADS, *PLANNED_HEADS]}. Fix: e.g. "
-                        f"{where}.head=causal_lm (a language model) or {where}.head=sequence_classification "
-                        "(a reward model)")
+                        f"{where}.head=causal_lm (a language model), {where}.head=sequence_classification "
+                        f"(a reward model) or {where}.head=value (a value per token)")
 
 
 @dataclass
@@ -130,9 +132,10 @@ def load_policy(
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
             them (non-reentrant ``torch.utils.checkpoint``): activation memory for about a third more compute.
         tiny: a :class:`rlhf.models.tiny.TinySpec`, used when ``name_or_path`` is ``None``.
-        head: what the model outputs, a key of :data:`HEADS`: ``causal_lm`` (next-token logits) or
-            ``sequence_classification`` (one scalar per sequence, a reward model; a causal LM checkpoint keeps its
-            backbone and gets a new score head). ``value`` is declared, not built yet (:data:`PLANNED_HEADS`).
+        head: what the model outputs, a key of :data:`HEADS`: ``causal_lm`` (next-token logits),
+            ``sequence_classification`` (one scalar per sequence, a reward model) or ``value`` (one scalar per
+            token, PPO's critic: :func:`rlhf.models.value.token_values`). A causal LM checkpoint loaded with another
+            head keeps its backbone and gets a new score head.
         quantization: ``BitsAndBytesConfig`` arguments to load the linear layers in 4 or 8 bits with (a dict,
             :mod:`rlhf.models.quantize`); given by ``peft=qlora`` (:meth:`rlhf.models.adapters.LoRA.loader_arguments`),
             not by the model YAMLs. The layers left unquantized keep ``dtype``.
@@ -160,15 +163,17 @@ def load_policy(
             model_kwargs["adapter_kwargs"] = {"local_files_only": True}
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            if spec.config:  # the head's fields set on the checkpoint's config: fields a config class does not
+                # declare (e.g. Llama's classifier_dropout) would otherwise go to the model's constructor and fail
+                model_kwargs["config"] = AutoConfig.from_pretrained(path, **kwargs)
+                model_kwargs["config"].update(spec.config)
             loaded_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
             if quantization is not None:
                 model = load_quantized(spec.auto_class, path, quantization, loaded_dtype,
-                                       attn_implementation=attn_implementation, **spec.config, **kwargs,
-                                       **model_kwargs)
+                                       attn_implementation=attn_implementation, **kwargs, **model_kwargs)
             else:
                 model = spec.auto_class.from_pretrained(
-                    path, dtype=loaded_dtype, attn_implementation=attn_implementation, **spec.config, **kwargs,
-                    **model_kwargs,
+                    path, dtype=loaded_dtype, attn_implementation=attn_implementation, **kwargs, **model_kwargs,
                 )
         except OSError as error:
             raise UserError(f"model.name_or_path={name_or_path}: could not load it ({error}). Fix: check the id or "

@@ -1,16 +1,18 @@
 """Reference-model strategies for KL-regularized algorithms: the config group ``algo/reference``
 (``python train.py algo=dpo algo/reference=shared_layers``). Each is a :class:`Reference`, built from
-``conf/algo/reference/<name>.yaml``: called once with the initial policy, it returns the frozen model it keeps (or
-None: no separate model); where that model then lives (device, precision, shards) is the hardware strategy's
-business (the loop hands it to ``strategy.prepare_frozen``). Its :meth:`Reference.logps` then scores each batch,
-given that prepared model and the policy: most run the frozen model, the adapter strategies run the policy itself
-with its adapter switched off or swapped (:mod:`rlhf.models.reference_adapters`).
+``conf/algo/reference/<name>.yaml``: called with ``(policy, tokenizer)`` it returns the frozen model or None; where
+that model then lives (device, precision, shards) is the hardware strategy's business: the loop hands it to
+``strategy.prepare_frozen``. Its :meth:`~Reference.logps` gives an algorithm the reference log-probabilities of a
+batch, and :meth:`~Reference.precompute` / :meth:`~Reference.collate` let a strategy compute them once, before
+training, as columns of the rows (``precomputed``, :mod:`rlhf.models.precomputed`).
 
 - :class:`FrozenCopy` (``copy``): a frozen copy of the initial policy.
 - :class:`Pretrained` (``model``): a separately given model (e.g. the SFT model when the policy starts elsewhere);
   a tokenizer with another vocabulary is refused.
 - :class:`SharedLayers` (``shared_layers``): the first N decoder layers are the policy's own, frozen in both, so only
   the layers above them are duplicated (the idea of TRL's ``create_reference_model(num_shared_layers=N)``).
+- :class:`~rlhf.models.precomputed.Precomputed` (``precomputed``): log-probabilities computed once before training,
+  cached on disk; no reference model during training.
 - :class:`NoReference` (``none``): no reference model; the log-ratios are the policy's log-probabilities (for
   reference-free objectives).
 - :class:`Int8` (``int8``): the reference in 8 bits (bitsandbytes' LLM.int8()), from ``name_or_path`` or from the
@@ -42,28 +44,40 @@ from rlhf.validate import Range, limits
 
 
 class Reference:
-    """What every reference strategy does (subclass it; the defaults suit one that keeps a frozen model).
+    """What an algorithm asks of its reference, whatever the strategy. Subclasses build the model in ``__call__``;
+    the rest has defaults here (a forward pass of that model)."""
 
-    ``needs_adapter``: the strategy works on a policy with a LoRA adapter (``peft=lora``/``qlora``); the config
-    check refuses it with ``peft=none`` before anything loads (:func:`rlhf.models.adapters.check_combination`).
-    """
-
-    needs_adapter = False
+    # Whether logps() scores any batch of sequences, or only those of the rows precompute() saw (precomputed): an
+    # algorithm that makes sequences per batch (KTO's mismatched pairs) needs the former.
+    scores_any_batch: bool = True
+    # Whether it works on the policy's LoRA adapter (peft=lora/qlora): refused with peft=none before anything loads
+    # (rlhf.models.adapters.check_combination).
+    needs_adapter: bool = False
 
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module | None:
-        """Build from the initial policy (before the hardware strategy wraps it) the frozen model this strategy
-        keeps, or None when it keeps none."""
+        """The frozen reference model built from the initial ``policy`` (None: no model during training)."""
         raise NotImplementedError
 
-    def logps(self, frozen: torch.nn.Module | None, policy: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
-        """``[B]`` summed log-probabilities of the batch's completions under the reference. ``frozen``: what
-        :meth:`__call__` returned, as the hardware strategy prepared it; ``policy``: the model being trained, as
-        the loop passes it to the algorithm (wrapped by the strategy). Called under ``torch.no_grad()``."""
-        return completion_stats(frozen, batch).logps
+    def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
+        """``[B]``: the reference's summed log-probability of each sequence's completion in ``batch``; ``model`` is
+        what ``__call__`` returned, placed by the hardware strategy, ``policy`` the model being trained. Called
+        under ``torch.no_grad()``."""
+        return completion_stats(model, batch).logps
+
+    def precompute(self, rows, strategy, collate) -> Any:
+        """Once, before training (after the hardware strategy has started): the tokenized splits (a
+        ``DatasetDict``) with any columns this strategy adds; ``collate(rows)`` makes a batch of sequences of them.
+        Default: the rows unchanged."""
+        return rows
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """Tensors of the columns added by :meth:`precompute`, for a batch of ``rows``. Default: none."""
+        return {}
 
     def memory_bytes(self, policy: torch.nn.Module) -> int:
-        """Bytes of weights this strategy holds beside the policy on each process, predicted from the initial
-        policy before :meth:`__call__` (for the memory preflight; a copy of the policy's bytes by default)."""
+        """Bytes of weights this strategy holds beside the policy on each process during training, predicted from
+        the initial policy (also one on the meta device) before :meth:`__call__`, for the memory preflight's
+        predictions (``scripts/memory.py``). Default: a whole copy of the policy as stored."""
         return quantized_bytes(policy)
 
 
@@ -168,8 +182,7 @@ class NoReference(Reference):
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> None:
         return None
 
-    def logps(self, frozen: torch.nn.Module | None, policy: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
-        """Zeros: the log-ratios are then the policy's own log-probabilities."""
+    def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
         return torch.zeros(batch["input_ids"].shape[0], device=batch["input_ids"].device)
 
     def memory_bytes(self, policy: torch.nn.Module) -> int:
@@ -217,9 +230,9 @@ class Int8(Reference):
             initial = copy.deepcopy(policy).merge_and_unload()
         return quantized_copy(initial, self.settings(), DTYPE_NAMES[self.dtype]).eval().requires_grad_(False)
 
-    def logps(self, frozen: torch.nn.Module | None, policy: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
         with quiet_bitsandbytes():
-            return completion_stats(frozen, batch).logps
+            return completion_stats(model, batch).logps
 
     def memory_bytes(self, policy: torch.nn.Module) -> int:
         """One byte per weight of every linear layer but the output head (plus a float32 scale per row), the

@@ -53,7 +53,7 @@ class AdapterOff(Reference):
         peft_model(policy, "adapter")  # refuse a policy without an adapter now, not at the first step
         return None
 
-    def logps(self, frozen: torch.nn.Module | None, policy: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
         with peft_model(policy, "adapter").disable_adapter():
             return completion_stats(policy, batch).logps
 
@@ -96,7 +96,7 @@ class SecondAdapter(Reference):
         model.set_adapter(trained)  # load_adapter leaves the trained adapter active; said again, to be sure
         return None
 
-    def logps(self, frozen: torch.nn.Module | None, policy: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
         with active_adapter(peft_model(policy, "ref_adapter"), REFERENCE_ADAPTER):
             return completion_stats(policy, batch).logps
 

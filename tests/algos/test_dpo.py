@@ -88,3 +88,31 @@ def test_dpo_collate_puts_chosen_first_in_one_batch():
     eos = policy.tokenizer.eos_token_id
     assert batch["input_ids"][0].tolist()[:8] == list(b"abc=cba") + [eos]
     assert batch["input_ids"][2].tolist()[:8] == list(b"abc=cab") + [eos]
+
+
+def test_orpo_is_the_nll_of_the_whole_chosen_sequence_minus_lambda_log_sigmoid_of_the_log_odds_ratio():
+    """algo=orpo as TRL's ORPOTrainer: NLL over prompt and completion of the chosen rows (every token but the first;
+    not the padding), plus the odds-ratio term on average log-probabilities; no reference model."""
+    from hydra.utils import instantiate
+
+    from rlhf.algos.dpo_losses import log1mexp
+    from tests.conftest import compose_config
+
+    policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+    algo = instantiate(compose_config("algo=orpo").algo)
+    algo.setup(policy.model, policy.tokenizer)
+    assert algo.ref_model is None
+    batch = _batch(policy, algo)
+    loss, metrics = algo.loss(policy.model, batch)
+    logits = policy.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    tokens, completion = batch["attention_mask"][:, 1:].float(), batch["completion_mask"][:, 1:].float()
+    nll = -(logps[:2] * tokens[:2]).sum() / tokens[:2].sum()  # both chosen sequences, prompts included
+    average = (logps * completion).sum(-1) / completion.sum(-1)
+    log_odds = average - log1mexp(average)
+    odds_ratio = -0.1 * torch.nn.functional.logsigmoid(log_odds[:2] - log_odds[2:]).mean()
+    assert metrics["nll_loss"].item() == pytest.approx(nll.item(), rel=1e-5)
+    assert loss.item() == pytest.approx((nll + odds_ratio).item(), rel=1e-5)
+    algo.nll_on_prompt = False  # the completion tokens only, as RPO and SimPO's cpo_alpha
+    only_completion = -(logps[:2] * completion[:2]).sum() / completion[:2].sum()
+    assert algo.loss(policy.model, batch)[1]["nll_loss"].item() == pytest.approx(only_completion.item(), rel=1e-5)

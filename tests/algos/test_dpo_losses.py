@@ -43,6 +43,12 @@ def sig(x: float) -> float:
     return 1 / (1 + math.exp(-x))
 
 
+def log_odds(average_logp: float) -> float:
+    """ORPO's log odds of a completion, log(P / (1 - P)) with P = exp(average log-probability)."""
+    p = math.exp(average_logp)
+    return math.log(p / (1 - p))
+
+
 def expected(name: str) -> list[float]:
     """Each loss written out per pair from its paper / TRL's definition, in plain floats."""
     out = []
@@ -70,6 +76,11 @@ def expected(name: str) -> list[float]:
             "alpha_0.5": -logsig(BETA * (math.exp(-0.5 * r_l) - math.exp(-0.5 * r_w)) / 0.5),
             # TRL's coefficient a: f'(u) = (u^(a-1) - 1)/(a-1); the paper's (1 - u^-alpha)/alpha with alpha = 1 - a
             "alpha_0.2": -logsig(BETA * (math.exp(-0.8 * r_l) - math.exp(-0.8 * r_w)) / 0.8),
+            # reference-free, on the policy's average log-probabilities a = logp / |y| (the reference is not read)
+            "simpo": -logsig(BETA * (PC[i] / NC[i] - PR[i] / NR[i]) - 0.5),
+            "simpo_smoothed": (-0.9 * logsig(BETA * (PC[i] / NC[i] - PR[i] / NR[i]) - 1.0)
+                               - 0.1 * logsig(-(BETA * (PC[i] / NC[i] - PR[i] / NR[i]) - 1.0))),
+            "orpo": -BETA * logsig(log_odds(PC[i] / NC[i]) - log_odds(PR[i] / NR[i])),
         }[name])
     return out
 
@@ -93,12 +104,38 @@ CASES = {
     "forward_kl": lambda p, s: L.sigmoid_loss(p, BETA, s, divergence=L.forward_kl),
     "alpha_0.5": lambda p, s: L.sigmoid_loss(p, BETA, s, divergence=lambda q: L.alpha_divergence(q, 0.5)),
     "alpha_0.2": lambda p, s: L.sigmoid_loss(p, BETA, s, divergence=lambda q: L.alpha_divergence(q, 0.2)),
+    "simpo": lambda p, s: L.simpo_loss(p, BETA, s, gamma=0.5),
+    "simpo_smoothed": lambda p, s: L.simpo_loss(p, BETA, s, gamma=1.0, label_smoothing=0.1),
+    "orpo": lambda p, s: L.orpo_loss(p, BETA, s),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_loss_matches_hand_computed_values(name):
     assert CASES[name](pairs(), {}).tolist() == pytest.approx(expected(name), rel=1e-5)
+
+
+def test_log1mexp_is_accurate_near_zero_and_far_below_it_and_finite_at_zero():
+    xs = [-1e-9, -1e-3, -0.5, -math.log(2), -2.0, -40.0]
+    got = L.log1mexp(torch.tensor(xs, dtype=torch.float64)).tolist()
+    assert got == pytest.approx([math.log(-math.expm1(x)) for x in xs], rel=1e-12)
+    assert math.isfinite(L.log1mexp(torch.tensor([0.0])).item())  # a completion of probability 1
+
+
+def test_reference_free_losses_at_equal_average_logps_and_ignore_the_reference():
+    """Chosen and rejected equally likely per token: SimPO is log(1 + e^gamma), ORPO's term beta log 2."""
+    t = torch.tensor
+    equal = L.PairLogps(t([-2.0, -6.0]), t([-3.0, -9.0]), t([5.0, -1.0]), t([0.0, 2.0]), t([2.0, 4.0]), t([3.0, 6.0]))
+    assert L.simpo_loss(equal, 2.0, {}, gamma=0.5).tolist() == pytest.approx([math.log1p(math.exp(0.5))] * 2)
+    assert L.orpo_loss(equal, 0.1, {}).tolist() == pytest.approx([0.1 * LOG2] * 2)
+    assert torch.equal(L.simpo_loss(pairs(), BETA, {}), L.simpo_loss(at_ref(pairs()), BETA, {}))
+    assert torch.equal(L.orpo_loss(pairs(), BETA, {}), L.orpo_loss(at_ref(pairs()), BETA, {}))
+
+
+def at_ref(p: L.PairLogps) -> L.PairLogps:
+    """The same pairs with another reference."""
+    return L.PairLogps(p.policy_chosen, p.policy_rejected, p.ref_chosen + 3, p.ref_rejected - 1, p.chosen_tokens,
+                       p.rejected_tokens)
 
 
 def test_aot_sorts_across_the_batch():
@@ -136,7 +173,12 @@ AT_INIT = {  # policy = reference: every log-ratio is 0
     "hinge": 1.0, "apo_zero": 1.0, "apo_down": 1.0, "nca_pair": 2 * LOG2, "bco_pair": 2 * LOG2,
     "ipo": (1 / (2 * 0.3)) ** 2, "sppo_hard": 2 * (0.5 / 0.3) ** 2, "discopop": (LOG2 + 1) / 2,
     "exo_pair": -LOG2 - 0.5 * math.log((1 - 1e-3) * 1e-3), "mpo": 0.8 * LOG2 + 0.2 * 2 * LOG2,
+    # reference-free: no log-ratio is 0; with at_init's logps c (chosen over 2 tokens) and c - 1 (rejected over 3),
+    # at the YAMLs' gamma 0.5 (SimPO) and ORPO's odds ratio (its NLL term is not part of algo.loss)
+    "simpo": sum(-logsig(0.3 * (c / 2 - (c - 1) / 3) - 0.5) for c in (-3.0, -7.0, -1.5)) / 3,
+    "orpo": sum(-0.3 * logsig(log_odds(c / 2) - log_odds((c - 1) / 3)) for c in (-3.0, -7.0, -1.5)) / 3,
 }
+REFERENCE_FREE = ("simpo", "orpo")
 DPO_VARIANTS = sorted(p.stem for p in (CONF / "algo").glob("*.yaml")
                       if compose_config(f"algo={p.stem}").algo._target_ == "rlhf.algos.dpo.DPO")
 
@@ -203,7 +245,20 @@ def test_bco_resumed_from_a_checkpoint_equals_the_uninterrupted_run(fast_config,
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
-@pytest.mark.parametrize("variant", DPO_VARIANTS)
+@pytest.mark.parametrize("variant", REFERENCE_FREE)
+def test_a_reference_free_variant_is_dpo_without_reference_and_builds_no_second_model(variant):
+    named = compose_config(f"algo={variant}").algo
+    chosen = compose_config("algo=dpo", f"algo/loss={variant}", "algo/reference=none").algo
+    assert named.loss == chosen.loss and named.reference == chosen.reference
+    from rlhf.models.tiny import TinySpec
+
+    policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+    algo = instantiate(named)
+    algo.setup(policy.model, policy.tokenizer)
+    assert algo.frozen == {}
+
+
+@pytest.mark.parametrize("variant", [v for v in DPO_VARIANTS if v not in REFERENCE_FREE])
 def test_a_variant_is_dpo_with_its_own_loss_option(variant):
     """algo=<variant> takes beta, lengths, dropout and the reference from algo=dpo and its loss from algo/loss."""
     named, chosen = compose_config(f"algo={variant}").algo, compose_config("algo=dpo", f"algo/loss={variant if variant != 'dpo' else 'sigmoid'}").algo

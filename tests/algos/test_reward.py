@@ -86,3 +86,14 @@ def test_a_short_run_saves_a_reward_model_that_loads_and_scores(tmp_path):
     with torch.no_grad():
         scores = model(**batch).logits
     assert scores.shape == (2, 1) and torch.isfinite(scores).all()
+
+
+def test_the_margin_column_of_a_data_file_reaches_the_loss(tmp_path):
+    """A margin of 50 on every pair: the held-out loss -log sigmoid(r_chosen - r_rejected - 50) is about 50 (a fresh
+    head's reward differences are small); without the column reaching the loss it would be about log 2."""
+    path = tmp_path / "margins.csv"
+    path.write_text("prompt,chosen,rejected,margin\n" + "".join(f"{w}=,{w[::-1]},{w},50\n" for w in
+                                                                   ["abc", "de", "fgh", "ij", "klm", "no", "pqr", "st"]))
+    metrics = train(compose_config("algo=reward", *FAST, f"data.path={path}", "data.eval_size=4", "train.max_steps=0",
+                                   output_dir=tmp_path / "run"))
+    assert metrics["eval/loss"] == pytest.approx(50, abs=5)

@@ -97,7 +97,7 @@ def test_the_dpo_reference_goes_through_prepare_frozen_and_runs_in_the_policys_p
     prepared = []
     prepare_frozen = DataParallel.prepare_frozen
     monkeypatch.setattr(LlamaForCausalLM, "forward", spy)
-    monkeypatch.setattr(DataParallel, "prepare_frozen", lambda self, m: prepared.append(m) or prepare_frozen(self, m))
+    monkeypatch.setattr(DataParallel, "prepare_frozen", lambda self, m, **kw: prepared.append(m) or prepare_frozen(self, m, **kw))
     train(compose_config(*FAST, "algo=dpo", "hardware.mixed_precision=bf16", "train.eval_at_start=false",
                          output_dir=tmp_path))
     assert len(prepared) == 1 and id(prepared[0]) in seen, "the reference did not go through prepare_frozen"

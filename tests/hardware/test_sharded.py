@@ -1,4 +1,5 @@
-"""Sharded strategies on 2 CPU processes: the partitioning is real, training equals DDP, one whole model is saved.
+"""Sharded strategies on 2 CPU processes: the partitioning is real (of the policy and of DPO's reference), training
+equals DDP, one whole model is saved.
 
 The serial tests share one launch: 2 spawned processes (1 thread each) run every configuration below one after the
 other through the loop (``rlhf.loop.train``), so the start of a process pair (imports, process group, the first
@@ -18,6 +19,10 @@ DDP, FSDP2 and ZeRO-2 with one rank unable to write from step 2 on (``*_full_dis
 ends on both ranks with the checkpoint-failure message (a UserError, which the pair catches and goes on), so a
 hang or a traceback there fails every test of the file. Their cost: about 3.5 s of the pair's time (6 runs of
 about 0.6 s).
+
+Every run is DPO, so its reference goes through ``strategy.prepare_frozen``: FSDP2 and ZeRO-3 shard it, and each
+line also says what the process holds of it. The ``*_refmodel`` runs (``algo/reference=model``, the ``ddp`` run's
+final model: a reference unlike the policy) add about 3.6 s (0.5 s each for DDP and FSDP2, 2.6 s for ZeRO-3).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -67,10 +73,14 @@ def full_disk(rank: int = 1) -> list[str]:
             f"+algo.limit_bytes={room}", "train.save_every_steps=1", "train.keep_last=null", "hardware.timeout_s=60"]
 
 
+REF_MODEL = "_refmodel"  # a run <strategy>_refmodel has algo/reference=model: the "ddp" run's final/ (not its policy)
+
 RUNS: dict[str, list[str]] = {  # name -> overrides, in the order they run
     "ddp": ["hardware=cpu_ddp", f"train.max_grad_norm={CLIP}"],
     "ddp_noclip": ["hardware=cpu_ddp", "train.max_grad_norm=null"],
     "fsdp": ["hardware=fsdp", f"train.max_grad_norm={CLIP}"],
+    f"ddp{REF_MODEL}": ["hardware=cpu_ddp", f"train.max_grad_norm={CLIP}"],
+    f"fsdp{REF_MODEL}": ["hardware=fsdp", f"train.max_grad_norm={CLIP}"],
     "fsdp_long": ["hardware=fsdp", f"train.max_grad_norm={CLIP}", *RESUME],
     "fsdp_long_resumed": ["hardware=fsdp", f"train.max_grad_norm={CLIP}", *RESUME],
     "ddp_bf16": ["hardware=cpu_ddp", "hardware.mixed_precision=bf16", f"train.max_grad_norm={CLIP}"],
@@ -90,6 +100,7 @@ if HAS_DEEPSPEED:
         **{f"{stage}_long{end}": [f"hardware={stage}", f"train.max_grad_norm={CLIP}", *RESUME]
            for stage in ("zero1", "zero2") for end in ("", RESUMED)},
         "zero3": [*ZERO3, f"train.max_grad_norm={CLIP}"],
+        f"zero3{REF_MODEL}": [*ZERO3, f"train.max_grad_norm={CLIP}"],
         "zero3_long": [*ZERO3, f"train.max_grad_norm={CLIP}", *RESUME],
         "zero3_long_resumed": [*ZERO3, f"train.max_grad_norm={CLIP}", *RESUME],
         "zero3_noclip": [*ZERO3, "train.max_grad_norm=null"],
@@ -103,6 +114,8 @@ RESUMES = [name.removesuffix(RESUMED) for name in RUNS if name.endswith(RESUMED)
 FULL_DISKS = [name for name in RUNS if name.endswith(FULL_DISK)]
 HOLDS = re.compile(r"this process holds ([\d,]+) of ([\d,]+) parameter elements")
 STEPS = re.compile(r"its optimizer steps ([\d,]+) of ([\d,]+) trainable elements")
+REFERENCE = re.compile(r"; reference: this process holds ([\d,]+) of ([\d,]+) frozen parameter elements \(\d+%\), "
+                       r"([\d,]+) bytes")
 
 
 def _number(text: str) -> int:
@@ -155,8 +168,10 @@ def _run_all(runs: dict[str, dict], env: dict[str, str]) -> dict[str, str]:
         cfg = OmegaConf.create(container)
         loads: list[tuple[str, object]] = []
         try:
+            strategy = build(cfg.hardware)
             with _watching_loads(loads):
-                loop.train(cfg, build(cfg.hardware), run_folder.prepare(Path(cfg.output_dir), cfg.get("resume")))
+                loop.train(cfg, strategy, run_folder.prepare(Path(cfg.output_dir), cfg.get("resume")))
+            described[f"share:{name}"] = strategy.frozen_share()  # predicted; the line says what it holds
         except UserError as error:
             described[f"error:{name}"] = str(error)
         finally:
@@ -179,8 +194,13 @@ def runs(tmp_path_factory) -> tuple[Path, dict[int, dict[str, str]]]:
         return [f"resume={root / name.removesuffix(RESUMED) / 'checkpoints' / 'step_00000002'}"] if name.endswith(
             RESUMED) else []
 
+    def reference_model(name: str) -> list[str]:  # the ddp run, which runs first, wrote its final/ by then
+        return ["algo/reference=model", f"algo.reference.name_or_path={root / 'ddp' / 'final'}"] if name.endswith(
+            REF_MODEL) else []
+
     containers = {name: OmegaConf.to_container(
-        compose_config(*COMMON, *overrides, *resume(name), f"model.tiny.cache_dir={root / 'cache'}",
+        compose_config(*COMMON, *overrides, *resume(name), *reference_model(name),
+                       f"model.tiny.cache_dir={root / 'cache'}",
                        output_dir=root / name), resolve=True) for name, overrides in RUNS.items()}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="sharded", rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.1,
@@ -202,7 +222,8 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def _reference(name: str) -> str:
-    return "ddp_noclip" if name.endswith("_noclip") else "ddp"
+    """The DDP run that the sharded run `name` must equal."""
+    return next((f"ddp{end}" for end in ("_noclip", REF_MODEL) if name.endswith(end)), "ddp")
 
 
 # --- (a) the partitioning is real ------------------------------------------------------------------------------
@@ -223,6 +244,45 @@ def test_each_process_holds_its_share(name, runs):
             assert trainable == whole and 0.45 <= stepped / trainable <= 0.55, line
     for rank in (0, 1):  # DDP claims no sharding: the patterns above cannot match a replica's line
         assert not HOLDS.search(described[rank]["ddp"])
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("name", ["ddp", f"ddp{REF_MODEL}"] + SHARDED + BF16)
+def test_each_process_holds_its_share_of_the_reference(name, runs):
+    """FSDP2 and ZeRO-3 shard the DPO reference (algo/reference=copy, or =model) like the policy: each process holds
+    half of its parameters; DDP and ZeRO-1/2 a whole copy. The strategy's prediction (frozen_share, for the memory
+    preflight) is what the process then holds, and the start-up line says it with the bytes."""
+    _, described = runs
+    for rank in (0, 1):
+        line = described[rank][name]
+        here, whole, size = map(_number, REFERENCE.search(line).groups())
+        assert whole == 18_656, line
+        if name.startswith(("fsdp", "zero3")):
+            assert 0.45 <= here / whole <= 0.55, line
+        else:
+            assert here == whole, line
+        assert described[rank][f"share:{name}"] == pytest.approx(here / whole, abs=0.05), line
+        # DeepSpeed's bf16 keeps the model in bf16, the reference too; FSDP2 keeps fp32 and computes in bf16
+        assert size == here * (2 if name == "zero3_bf16" else 4), line
+
+
+FIRST_LOSS_TOLERANCE = 1e-6  # relative, float32: sharding may reorder sums (seen: 0.0, bit-identical, on CPU)
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("name", [name for name in SHARDED if name.startswith(("fsdp", "zero3"))])
+def test_a_sharded_reference_gives_the_unsharded_first_step_loss(name, runs):
+    """The first step's loss and implicit rewards (which read the reference's log-probabilities) under FSDP2 and
+    ZeRO-3, whose reference is sharded, equal DDP's with a whole reference, within float32 rounding. With
+    algo/reference=model the reference differs from the policy (the loss is far from log 2), so a reference that
+    computed something else would show."""
+    root, _ = runs
+    first, expected = (next(r for r in _metrics(root / run) if "train/loss" in r) for run in (name, _reference(name)))
+    assert first["step"] == expected["step"] == 1
+    for key in ("train/loss", "train/rewards/chosen", "train/rewards/rejected"):
+        assert first[key] == pytest.approx(expected[key], rel=FIRST_LOSS_TOLERANCE, abs=1e-7), key
+    if name.endswith(REF_MODEL):
+        assert abs(expected["train/loss"] - math.log(2)) > 0.01 and abs(expected["train/rewards/chosen"]) > 0.01
 
 
 # --- (b) the same training as DDP ------------------------------------------------------------------------------
@@ -406,6 +466,16 @@ def test_options_build_and_start_two_cpu_processes_without_gpu(option):
     if not torch.cuda.is_available():
         assert strategy.processes_per_node() == 2  # num_processes: null means 2 on a machine without GPU
     assert build(compose_config(f"hardware={option}", "hardware.num_processes=3").hardware).processes_per_node() == 3
+
+
+@pytest.mark.parametrize("option, share", [("cpu_ddp", 1.0), ("fsdp", 0.5), ("zero1", 1.0), ("zero2", 1.0),
+                                           ("zero3", 0.5)])
+def test_each_option_predicts_the_share_of_a_frozen_model_each_process_holds(option, share):
+    if option.startswith("zero") and not HAS_DEEPSPEED:
+        pytest.skip("DeepSpeed not installed")
+    assert build(compose_config(f"hardware={option}", "hardware.num_processes=2").hardware).frozen_share() == share
+    if share < 1:
+        assert build(compose_config(f"hardware={option}", "hardware.num_processes=4").hardware).frozen_share() == 0.25
 
 
 @needs_deepspeed

@@ -40,7 +40,7 @@ def _first(policy: Policy, reference, beta: float = 0.1):
     policy.model.train()
     loss, _ = algo.loss(policy.model, batch)
     with torch.no_grad():
-        ref = algo.reference.logps(algo.ref_model, policy.model, batch)
+        ref = algo.reference.logps(batch, algo.ref_model, policy.model)
     return algo, batch, loss, ref
 
 
@@ -103,7 +103,7 @@ def test_adapter_off_reference_gives_copys_first_loss_exactly_and_the_base_once_
     _trained_adapter(policy)
     loss, _ = algo.loss(policy.model, batch)
     with torch.no_grad():
-        assert torch.equal(algo.reference.logps(None, policy.model, batch), base)  # the adapter is off: the base
+        assert torch.equal(algo.reference.logps(batch, None, policy.model), base)  # the adapter is off: the base
     assert abs(loss.item() - math.log(2)) > 1e-3
     assert all(p.requires_grad == ("lora_" in n) for n, p in policy.model.named_parameters())
 
@@ -137,7 +137,7 @@ def test_a_second_adapter_from_a_previous_run_is_the_reference(tmp_path):
     independent = PeftModel.from_pretrained(tiny.build().model, str(adapter)).eval()  # eval: no LoRA dropout
     with torch.no_grad():
         assert torch.allclose(ref, completion_stats(independent, batch).logps, atol=1e-6, rtol=0)
-        off = AdapterOff().logps(None, policy.model, batch)
+        off = AdapterOff().logps(batch, None, policy.model)
     assert (ref - off).abs().max() > 1e-2  # the trained adapter really differs from the base
     trained = {n for n, p in policy.model.named_parameters() if p.requires_grad}
     assert trained and all(".default." in n for n in trained)  # the reference adapter stays frozen

@@ -112,7 +112,7 @@ def test_disable_dropout_also_turns_off_attention_dropout_read_from_the_config()
     assert policy.model.config.attention_dropout == 0.0
 
 
-@pytest.mark.parametrize("option", ["copy", "model", "shared_layers", "none"])
+@pytest.mark.parametrize("option", ["copy", "model", "shared_layers", "precomputed", "none"])
 def test_each_reference_option_composes_and_builds(option, tmp_path):
     from hydra.utils import instantiate
 

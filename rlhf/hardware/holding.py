@@ -1,0 +1,40 @@
+"""Counting what one process holds of a model, however a strategy partitions it (whole, FSDP2 DTensors, ZeRO-3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def local_numel(tensor: torch.Tensor) -> int:
+    """Elements this process stores for `tensor`: its own shard for a DTensor (FSDP2) or a ZeRO-3 parameter."""
+    if hasattr(tensor, "ds_tensor"):  # DeepSpeed ZeRO-3 parameter: its partition, and the whole when it stays
+        # gathered (ds_persist: fewer elements than stage3_param_persistence_threshold)
+        return tensor.ds_tensor.numel() + (tensor.ds_numel if getattr(tensor, "ds_persist", False) else 0)
+    if hasattr(tensor, "to_local"):  # DTensor
+        return tensor.to_local().numel()
+    return tensor.numel()
+
+
+def global_numel(tensor: torch.Tensor) -> int:
+    """Elements of the whole `tensor`, however it is partitioned (a DTensor reports its global shape)."""
+    return getattr(tensor, "ds_numel", None) or tensor.numel()
+
+
+@dataclass(frozen=True)
+class FrozenHolding:
+    """What one process holds of a frozen model (:meth:`DataParallel.prepare_frozen`): its parameter elements
+    here and in the whole model, and the bytes of those here."""
+
+    local_elements: int
+    total_elements: int
+    local_bytes: int
+
+    @property
+    def share(self) -> float:
+        return self.local_elements / max(self.total_elements, 1)
+
+    def __str__(self) -> str:
+        return (f"this process holds {self.local_elements:,} of {self.total_elements:,} frozen parameter elements "
+                f"({self.share:.0%}), {self.local_bytes:,} bytes")

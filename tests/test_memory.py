@@ -1,0 +1,121 @@
+"""The memory preflight (rlhf/memory.py): optimizer state measured per optimizer, what sharding divides, the
+reference's own bytes, the activation estimate against what autograd really keeps, and the measured peak."""
+
+from __future__ import annotations
+
+import functools
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from lion_pytorch import Lion
+
+from rlhf.algos.base import completion_stats
+from rlhf.memory import (
+    MB,
+    PeakMemory,
+    activation_bytes,
+    held_bytes,
+    measured_plan,
+    optimizer_bytes_per_parameter,
+    unique_tensors,
+)
+from rlhf.models.reference import FrozenCopy, SharedLayers
+from rlhf.models.tiny import TinySpec
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (functools.partial(torch.optim.AdamW, lr=1e-3), 8.0),  # two float32 moments
+    (functools.partial(torch.optim.SGD, lr=1e-3), 0.0),
+    (functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9), 4.0),
+    (functools.partial(Lion, lr=1e-4), 4.0),  # one float32 moment
+    (functools.partial(bnb.optim.Adam8bit, lr=1e-3), 2.0),  # two 8-bit moments (+ block scales)
+])
+def test_optimizer_state_is_measured_per_parameter(make, expected):
+    assert optimizer_bytes_per_parameter(make) == pytest.approx(expected, abs=0.07)
+
+
+def test_an_optimizer_that_cannot_step_here_is_unknown_not_zero():
+    def broken(params):
+        raise RuntimeError("CUDA only")
+    assert optimizer_bytes_per_parameter(broken) is None
+
+
+def _tiny(layers: int = 3):
+    torch.manual_seed(0)
+    return TinySpec(hidden_size=32, num_layers=layers, num_heads=2, intermediate_size=64, warm_start_steps=0).build()
+
+
+def test_plan_counts_each_part_and_sharding_divides_what_it_shards():
+    model = _tiny().model
+    weights = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    reference = FrozenCopy()(model)
+    whole = measured_plan(model, {"reference": reference}, 8.0, frozenset(), processes=2, activations=100)
+    assert (whole.weights, whole.gradients, whole.frozen, whole.activations) == (
+        weights, sum(p.numel() * 4 for p in model.parameters()), weights, 100)
+    assert whole.optimizer == 2 * whole.gradients  # 8 bytes against 4 per parameter
+    sharded = measured_plan(model, {"reference": reference}, 8.0, frozenset({"weights", "gradients", "optimizer"}),
+                            2, 100)
+    assert (sharded.weights, sharded.gradients, sharded.optimizer) == (
+        whole.weights // 2, whole.gradients // 2, whole.optimizer // 2)
+    zero1 = measured_plan(model, {}, 8.0, frozenset({"optimizer"}), 2, 0)
+    assert (zero1.weights, zero1.optimizer, zero1.frozen) == (whole.weights, whole.optimizer // 2, 0)
+    assert whole.total == sum([whole.weights, whole.gradients, whole.optimizer, whole.frozen, whole.activations])
+
+
+def test_shared_layers_count_only_the_layers_the_reference_does_not_share():
+    model = _tiny().model
+    copy_bytes = measured_plan(model, {"reference": FrozenCopy()(model)}, 0.0, frozenset(), 1, 0).frozen
+    all_gradients = measured_plan(model, {}, 0.0, frozenset(), 1, 0).gradients
+    shared = SharedLayers(num_shared_layers=2)(model)
+    layer_bytes = held_bytes(unique_tensors(model.model.layers[0]))
+    assert measured_plan(model, {"reference": shared}, 0.0, frozenset(), 1, 0).frozen == copy_bytes - 2 * layer_bytes
+    # frozen layers train no more: no gradient, no optimizer state
+    assert measured_plan(model, {}, 8.0, frozenset(), 1, 0).gradients == all_gradients - 2 * layer_bytes
+
+
+def _saved_bytes(model, batch) -> int:
+    """Bytes of the tensors autograd keeps for the backward pass (each storage once, parameters left out)."""
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        completion_stats(model, batch)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(size for pointer, size in saved.items() if pointer not in parameters)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_estimate_is_close_to_what_autograd_keeps(checkpointing):
+    policy = _tiny(layers=4)
+    model = policy.model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    sequences, tokens = 16, 48
+    ids = torch.randint(3, 200, (sequences, tokens))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": torch.ones_like(ids)}
+    kept = _saved_bytes(model, batch)
+    estimate = activation_bytes(model.config, sequences, tokens, 4, checkpointing)
+    if checkpointing:  # autograd keeps each layer's input; the estimate adds the layer recomputed in the backward
+        assert kept < estimate < 4 * kept, (estimate, kept)
+    else:
+        assert 0.67 * kept < estimate < 1.5 * kept, (estimate, kept)
+
+
+def test_checkpointing_makes_the_estimate_smaller():
+    config = _tiny().model.config
+    assert activation_bytes(config, 8, 64, 4, True) < activation_bytes(config, 8, 64, 4, False) / 1.5
+
+
+def test_peak_memory_sees_a_large_allocation_and_starts_over_for_each_run():
+    first = PeakMemory(torch.device("cpu"))
+    block = torch.ones(64 * MB // 4)  # 64 MB
+    block.add_(1)
+    assert first.mb() > 60
+    del block
+    second = PeakMemory(torch.device("cpu"))  # a second run in this process does not inherit the first's peak
+    assert second.mb() < 30
