@@ -150,7 +150,7 @@ ALL_OPTIMIZERS = ["adamw", "adam8bit", "lion", "sgd"]
 def _overrides(hardware: str, peft: str, reference: str, optimizer: str, dtype: str) -> list[str]:
     extra = ["peft.quant_storage=bfloat16", "peft.compute_dtype=bfloat16"] if peft == "qlora" else []
     return [f"hardware={hardware}", *GPU, f"peft={peft}", *extra, f"algo/reference={reference}",
-            f"optimizer={optimizer}", f"model.dtype={dtype}", "optimizer.momentum=0.9" if optimizer == "sgd" else ""]
+            f"optimizer={optimizer}", f"model.dtype={dtype}", *(["optimizer.momentum=0.9"] if optimizer == "sgd" else [])]
 
 
 def predict(markdown: bool) -> None:
