@@ -25,6 +25,7 @@ import torch
 
 from rlhf.errors import UserError
 from rlhf.hardware.sharded import Sharded
+from rlhf.models.quantize import has_8bit_weights
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,14 @@ class FSDP2(Sharded):
         """Shard a frozen model like the policy (each layer, then the whole), in the policy's mixed precision. It
         never runs a backward, so every unit, the root included, frees its gathered parameters right after its
         forward (``reshard_after_forward=True`` whatever the policy's setting: FSDP2 leaves the root gathered after
-        the forward only when this is left unset)."""
+        the forward only when this is left unset). A model with 8-bit weights (``algo/reference=int8``) stays whole
+        on every process, as :class:`~rlhf.hardware.base.DataParallel` keeps it: FSDP2 loses the scales that
+        bitsandbytes keeps beside each 8-bit matrix (measured: the forward fails), and 8 bits whole are already a
+        quarter of a float32 copy."""
+        if has_8bit_weights(module):
+            log.info("hardware=fsdp keeps the 8-bit reference whole on every process (FSDP2 cannot shard "
+                     "bitsandbytes' 8-bit weights)")
+            return super(Sharded, self)._place_frozen(module)
         self._shard(module, reshard_after_forward=True)
         return module
 

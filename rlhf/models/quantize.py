@@ -104,3 +104,8 @@ def is_quantized(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
                 or any(type(p).__module__.startswith("bitsandbytes") for p in model.parameters()))
 
+
+
+def has_8bit_weights(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds bitsandbytes' 8-bit weights (``Int8Params``, LLM.int8())."""
+    return any(type(p).__name__ == "Int8Params" for p in model.parameters())

@@ -4,6 +4,7 @@ merged model, and the combinations refused before anything loads."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -142,6 +143,11 @@ def test_a_second_adapter_from_a_previous_run_is_the_reference(tmp_path):
     trained = {n for n, p in policy.model.named_parameters() if p.requires_grad}
     assert trained and all(".default." in n for n in trained)  # the reference adapter stays frozen
     assert SecondAdapter(str(adapter)).memory_bytes(policy.model) == (adapter / "adapter_model.safetensors").stat().st_size
+    # The same as a user runs it: the reference's path defaults to peft.init_from; the first step's loss is log 2.
+    train(compose_config(*FAST, "peft=lora", f"peft.init_from={adapter}", "algo/reference=ref_adapter",
+                         "train.max_steps=1", "train.eval_at_start=false", output_dir=tmp_path / "dpo"))
+    first = json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 INT8_TOLERANCE = 1e-3  # |first-step loss of int8 - copy's| at beta=0.1, 5x the largest measured (2e-4; README)
@@ -155,6 +161,27 @@ def test_int8_reference_gives_copys_first_loss_within_the_stated_tolerance():
     assert abs(with_int8.item() - with_copy.item()) < INT8_TOLERANCE
     assert 0 < (ref_int8 - ref_copy).abs().max().item() < 0.05  # close, not equal (measured up to 0.02 nats)
     assert Int8().memory_bytes(policy.model) < 0.5 * NoAdapter().memory_bytes(policy.model)
+
+
+def test_dpo_runs_with_the_int8_reference_on_the_embedded_default(tmp_path):
+    from rlhf import train
+
+    final = train(compose_config(*FAST, "algo/reference=int8", output_dir=tmp_path / "run"))
+    assert math.isfinite(final["train/loss"]) and (tmp_path / "run" / "final" / "model.safetensors").exists()
+
+
+def test_fsdp_keeps_an_8bit_reference_whole():
+    """FSDP2 would shard bitsandbytes' 8-bit matrices without their scales (the forward then fails, measured on 2
+    CPU processes): an 8-bit frozen model is placed whole, as DataParallel places it, without a process group."""
+    from types import SimpleNamespace
+
+    from rlhf.hardware.fsdp import FSDP2
+
+    strategy = FSDP2(device="cpu", num_processes=2)
+    strategy.accelerator = SimpleNamespace(device=torch.device("cpu"))
+    reference = Int8()(_tiny(hidden=64).model)
+    assert strategy._place_frozen(reference) is reference
+    assert type(reference.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Params"
 
 
 # --- the run: final/, merged/, refusals ----------------------------------------------------------------------------
