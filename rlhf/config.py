@@ -12,6 +12,8 @@ types it and the fix for:
   ``[0.1,0.2]``), and a value outside its range: the target's own :func:`rlhf.validate.limits`, or for optimizers
   and schedulers the limits their group shares (:data:`GROUP_LIMITS`, from :mod:`rlhf.optim`);
 - NaN or infinity anywhere; ``model.dtype=float16`` on a CPU; a ``resume_changes`` that is not a list of keys.
+- a reference strategy that needs the policy's LoRA adapter (``algo/reference=adapter``, ``ref_adapter``) with
+  ``peft=none``.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ def _check_data_columns(container: dict) -> None:
 
 
 def _check_peft(container: dict) -> None:
-    """The peft option against the reference strategy and the hardware, before anything loads
+    """The peft option against the reference strategy, before anything loads
     (:func:`rlhf.models.adapters.check_combination`)."""
     from rlhf.models.adapters import check_combination
 
@@ -175,8 +177,7 @@ def _check_peft(container: dict) -> None:
         return get_object(node["_target_"]) if isinstance(node, dict) and "_target_" in node else None
 
     algo = container.get("algo") if isinstance(container.get("algo"), dict) else {}
-    check_combination(target(container.get("peft")), target(algo.get("reference")), target(container.get("hardware")),
-                      container.get("hardware") or {}, container.get("peft") or {}, container.get("model") or {})
+    check_combination(target(container.get("peft")), target(algo.get("reference")))
 
 
 def _with_option_defaults(shared: dict[str, validate.Range] | None, group: str,

@@ -242,14 +242,12 @@ class QLoRA(LoRA):
         return int(quantized * per_weight) + rest + 4 * self.trainable_parameters(model)
 
 
-def check_combination(adapter: type | None, reference: type | None, hardware: type | None,
-                      hardware_values: Mapping[str, Any], peft_values: Mapping[str, Any],
-                      model_values: Mapping[str, Any]) -> None:
-    """Refuse, before anything loads, the combinations of ``peft``, ``algo/reference`` and ``hardware`` that cannot
-    work (the classes the config names, and their values): a reference strategy that needs an adapter with
-    ``peft=none``."""
-    adapts = getattr(adapter, "adapts", False)
-    if getattr(reference, "needs_adapter", False) and not adapts:
+def check_combination(adapter: type | None, reference: type | None) -> None:
+    """Refuse, before anything loads, what cannot work with the ``peft`` option the config names (``adapter``, its
+    class; ``reference``, the ``algo/reference`` strategy's class): a reference strategy that needs the policy's
+    adapter (:attr:`rlhf.models.reference.Reference.needs_adapter`) with ``peft=none``. Every ``hardware`` option
+    ran with ``lora`` and ``qlora`` on CPU processes (README, "LoRA and QLoRA"), so none is refused."""
+    if getattr(reference, "needs_adapter", False) and not getattr(adapter, "adapts", False):
         option = getattr(reference, "option", reference.__name__)
         raise UserError(f"algo/reference={option} uses the policy's LoRA adapter, but peft=none: the policy has no "
                         "adapter. Fix: peft=lora (or peft=qlora), or algo/reference=copy.")
