@@ -66,8 +66,21 @@ def _known_head(values: Mapping[str, Any], where: str) -> None:
                         f"model.head=causal_lm, or peft=none")
 
 
+def adapter_folder_check(key: str) -> Callable[[Mapping[str, Any], str], None]:
+    """A check across arguments (:func:`rlhf.validate.limits`): the adapter folder named by ``key``, when set, holds
+    ``adapter_config.json``; refused before anything loads."""
+    def check(values: Mapping[str, Any], where: str) -> None:
+        folder = values.get(key)
+        if isinstance(folder, str) and not (Path(os.path.expanduser(folder)) / "adapter_config.json").is_file():
+            raise UserError(f"{where}.{key}={folder}: no adapter_config.json there (looked in "
+                            f"{Path(os.path.expanduser(folder)).absolute()}). Fix: the final/ folder of a run with "
+                            "peft=lora.")
+    return check
+
+
 @limits(
     _known_head,
+    adapter_folder_check("init_from"),
     r=Range(ge=1, integer=True, meaning="the adapter's rank; 8-64 is common", fix=16),
     alpha=Range(gt=0, meaning="the adapter's scale is alpha / r (alpha / sqrt(r) with use_rslora)", fix=32),
     dropout=Range(ge=0, lt=1, meaning="dropout on the adapter's input", fix=0.05),
@@ -103,9 +116,7 @@ class LoRA(NoAdapter):
                                else [str(name) for name in target_modules])
         self.init_from, self.merge, self.head = init_from, merge, head
         self._load_base: Callable[[], torch.nn.Module] | None = None
-        if init_from is not None and not (Path(os.path.expanduser(init_from)) / "adapter_config.json").is_file():
-            raise UserError(f"peft.init_from={init_from}: no adapter_config.json there. Fix: the final/ folder of a "
-                            "run with peft=lora (or peft.init_from=null for a fresh adapter).")
+        adapter_folder_check("init_from")({"init_from": init_from}, "peft")
 
     def config(self, model: torch.nn.Module):
         from peft import LoraConfig

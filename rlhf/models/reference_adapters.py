@@ -22,7 +22,9 @@ from torch import Tensor
 
 from rlhf.algos.base import completion_stats
 from rlhf.errors import UserError
+from rlhf.models.adapters import adapter_folder_check
 from rlhf.models.reference import Reference
+from rlhf.validate import limits
 
 REFERENCE_ADAPTER = "reference"  # the second adapter's name in the PEFT model ("default" is the trained one)
 
@@ -61,6 +63,7 @@ class AdapterOff(Reference):
         return 0
 
 
+@limits(adapter_folder_check("path"))
 class SecondAdapter(Reference):
     """The reference is the policy's base with a second LoRA adapter, loaded frozen from ``path`` (e.g. the SFT
     adapter the policy starts from, ``peft.init_from``): for DPO after an adapter-trained SFT, where switching the
@@ -83,11 +86,8 @@ class SecondAdapter(Reference):
             raise UserError("algo/reference=ref_adapter needs the adapter to use as the reference. Fix: "
                             "peft.init_from=<run dir>/final (the policy starts from it, and it is the reference), or "
                             "algo.reference.path=<folder with adapter_config.json>.")
-        folder = Path(os.path.expanduser(self.path))
-        if not (folder / "adapter_config.json").is_file():
-            raise UserError(f"algo.reference.path={self.path}: no adapter_config.json there (looked in "
-                            f"{folder.absolute()}). Fix: the final/ folder of a run with peft=lora.")
-        return folder
+        adapter_folder_check("path")({"path": self.path}, "algo.reference")
+        return Path(os.path.expanduser(self.path))
 
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> None:
         model = peft_model(policy, "ref_adapter")

@@ -208,10 +208,9 @@ def test_merge_writes_a_plain_model_that_computes_what_the_adapter_did(tmp_path)
 def test_an_adapter_reference_without_an_adapter_is_refused_before_anything_loads(option):
     from rlhf.config import check_config
 
-    extra = ["algo.reference.path=/nowhere"] if option == "ref_adapter" else []
     with pytest.raises(UserError, match=f"algo/reference={option} uses the policy's LoRA adapter, but peft=none.*"
                                         "Fix: peft=lora"):
-        check_config(compose_config("algo=dpo", f"algo/reference={option}", *extra))
+        check_config(compose_config("algo=dpo", f"algo/reference={option}"))
 
 
 @pytest.mark.parametrize("option", ["none", "lora", "qlora"])
@@ -329,3 +328,12 @@ def test_zero_loads_a_quantized_base_non_strictly(monkeypatch):
     for module in (plain, four_bit):
         ZeRO(stage=2).load_state(Engine(module), None, Path("/unused"))
     assert calls == [True, False]
+
+
+@pytest.mark.parametrize(("reference", "key"), [("adapter", "peft.init_from"), ("ref_adapter", "algo.reference.path")])
+def test_an_adapter_folder_without_an_adapter_is_refused_before_anything_loads(reference, key, tmp_path):
+    from rlhf.config import check_config
+
+    overrides = ["peft=lora", f"algo/reference={reference}", f"{key}={tmp_path}"]
+    with pytest.raises(UserError, match=f"{key}={tmp_path}: no adapter_config.json there .*Fix: the final/ folder"):
+        check_config(compose_config(*overrides))
