@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate.utils import set_seed
 from omegaconf import DictConfig
 
@@ -120,8 +121,11 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     value_bytes = 2 if precision == "bf16" else next(model.parameters()).element_size()
     activations = activation_bytes(model.config, sequences, tokens, value_bytes,
                                    checkpointing=bool(model_cfg.get("gradient_checkpointing", False)))
-    return measured_plan(model, algo.frozen, optimizer_bytes_per_parameter(make_optimizer),
-                         strategy.sharded_state(), strategy.accelerator.num_processes, activations)
+    precision = strategy.stored_precision()
+    trainable = next((p for p in model.parameters() if p.requires_grad), None)
+    state_dtype = precision.optimizer_dtype or (trainable.dtype if trainable is not None else torch.float32)
+    return measured_plan(model, algo.frozen, optimizer_bytes_per_parameter(make_optimizer, state_dtype),
+                         strategy.sharded_state(), strategy.accelerator.num_processes, activations, precision)
 
 
 def _check_context(max_length: int | None, config) -> None:

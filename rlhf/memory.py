@@ -19,9 +19,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rlhf.hardware.holding import global_numel, local_numel
+from rlhf.hardware.holding import StoredPrecision, global_numel, local_numel
 
 MB = 2**20
+AS_LOADED = StoredPrecision()  # the state stored as the model was loaded (data parallel)
 PROBE_SHAPE = (256, 256)  # a matrix above bitsandbytes' min_8bit_size (4096), so 8-bit states are 8-bit
 
 
@@ -103,21 +104,28 @@ def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, 
 
 
 def plan(weights: int, trainable: int, gradient_width: int, frozen: int, optimizer_bytes: float | None,
-         sharded: frozenset[str], processes: int, activations: int) -> MemoryPlan:
+         sharded: frozenset[str], processes: int, activations: int, precision: StoredPrecision = AS_LOADED,
+         parameters: int = 0) -> MemoryPlan:
     """The preflight's prediction for one process, from counts: the policy's ``weights`` in bytes (whole), its
     ``trainable`` parameter elements with gradients of ``gradient_width`` bytes, the ``frozen`` models' bytes on
     this process (already its share), the optimizer's bytes per trainable element, what the strategy splits over
-    ``processes`` (``sharded``: of ``weights``, ``gradients``, ``optimizer``), and the activation estimate."""
+    ``processes`` (``sharded``: of ``weights``, ``gradients``, ``optimizer``), and the activation estimate.
+    ``precision``: how the strategy stores the state (e.g. DeepSpeed's bf16 weights of all ``parameters`` and a
+    float32 master copy, which counts with the optimizer)."""
     def share(part: str, total: float) -> int:
         return int(total / processes) if part in sharded else int(total)
 
+    if precision.weight_bytes is not None:
+        weights, gradient_width = parameters * precision.weight_bytes, precision.weight_bytes
+    optimizer = trainable * ((optimizer_bytes or 0.0) + precision.master_bytes)
     return MemoryPlan(weights=share("weights", weights), gradients=share("gradients", trainable * gradient_width),
-                      optimizer=share("optimizer", trainable * (optimizer_bytes or 0.0)), frozen=int(frozen),
+                      optimizer=share("optimizer", optimizer), frozen=int(frozen),
                       activations=int(activations))
 
 
 def measured_plan(model: torch.nn.Module, frozen: dict[str, torch.nn.Module], optimizer_bytes: float | None,
-                  sharded: frozenset[str], processes: int, activations: int) -> MemoryPlan:
+                  sharded: frozenset[str], processes: int, activations: int,
+                  precision: StoredPrecision = AS_LOADED) -> MemoryPlan:
     """:func:`plan` from the objects of a run: ``model`` the policy before the hardware strategy wrapped it,
     ``frozen`` the algorithm's frozen models as the strategy placed them (their local shards count; tensors shared
     with the policy do not)."""
@@ -127,7 +135,8 @@ def measured_plan(model: torch.nn.Module, frozen: dict[str, torch.nn.Module], op
                 trainable=sum(global_numel(p) for p in trainable),
                 gradient_width=trainable[0].element_size() if trainable else 0,
                 frozen=sum(held_bytes(unique_tensors(m), skip=policy_ids) for m in frozen.values() if m is not None),
-                optimizer_bytes=optimizer_bytes, sharded=sharded, processes=processes, activations=activations)
+                optimizer_bytes=optimizer_bytes, sharded=sharded, processes=processes, activations=activations,
+                precision=precision, parameters=sum(global_numel(p) for p in model.parameters()))
 
 
 def _status_kib(field: str) -> int | None:

@@ -115,6 +115,7 @@ def predict_one(architecture: str, overrides: list[str], checkpointing: bool, ca
     import torch
 
     from rlhf.config import build
+    from rlhf.hardware.holding import StoredPrecision
     from rlhf.memory import activation_bytes, optimizer_bytes_per_parameter, plan
     from rlhf.models.loading import DTYPES
     from tests.conftest import compose_config
@@ -128,13 +129,17 @@ def predict_one(architecture: str, overrides: list[str], checkpointing: bool, ca
     model = cache[key]
     trainable = adapter.trainable_parameters(model)
     width = 4 if adapter.adapts else torch.finfo(dtype).bits // 8  # adapters are kept in float32
-    optimizer_bytes = optimizer_bytes_per_parameter(build(cfg.optimizer, _convert_="all"),
-                                                    torch.float32 if adapter.adapts else dtype)
+    precision = strategy.stored_precision()
+    if adapter.quantizes:  # a 4-bit base stays 4-bit: only the master copy and the states' dtype apply
+        precision = StoredPrecision(master_bytes=precision.master_bytes, optimizer_dtype=precision.optimizer_dtype)
+    state_dtype = precision.optimizer_dtype or (torch.float32 if adapter.adapts else dtype)
+    optimizer_bytes = optimizer_bytes_per_parameter(build(cfg.optimizer, _convert_="all"), state_dtype)
     value_bytes = 2 if cfg.hardware.mixed_precision == "bf16" or dtype != torch.float32 else 4
-    return plan(weights=adapter.memory_bytes(model), trainable=trainable, gradient_width=width,
-                frozen=int(reference.memory_bytes(model) * strategy.frozen_share()),
+    frozen = reference.memory_bytes(model) * strategy.frozen_share(quantized=reference.quantized)
+    return plan(weights=adapter.memory_bytes(model), trainable=trainable, gradient_width=width, frozen=int(frozen),
                 optimizer_bytes=optimizer_bytes, sharded=strategy.sharded_state(), processes=strategy.processes(),
-                activations=activation_bytes(model.config, GPU_SEQUENCES, GPU_TOKENS, value_bytes, checkpointing))
+                activations=activation_bytes(model.config, GPU_SEQUENCES, GPU_TOKENS, value_bytes, checkpointing),
+                precision=precision, parameters=sum(p.numel() for p in model.parameters()))
 
 
 GPU = ["hardware.device=cuda", "hardware.num_processes=2", "hardware.mixed_precision=bf16"]

@@ -28,7 +28,7 @@ from accelerate.state import AcceleratorState
 from rlhf.errors import UserError
 from rlhf.files import save_safetensors, save_torch
 from rlhf.hardware.frozen import is_trainable_only, load_trainable, save_trainable
-from rlhf.hardware.holding import FrozenHolding, global_numel, local_numel
+from rlhf.hardware.holding import FrozenHolding, StoredPrecision, global_numel, local_numel
 from rlhf.metrics import any_process
 from rlhf.validate import limits
 
@@ -205,12 +205,17 @@ class DataParallel:
             local_bytes=sum(local_numel(p) * p.element_size() for p in params))
         return placed
 
-    def frozen_share(self) -> float:
+    def frozen_share(self, quantized: bool = False) -> float:
         """The fraction of a frozen model's parameters (elements and bytes) each process holds once
         :meth:`prepare_frozen` has placed it, predicted before anything is built (for the memory preflight): 1.0
         here, every process a whole copy; 1/processes where the strategy shards it (FSDP2, ZeRO-3). The measured
-        value, after the fact: :attr:`frozen_held`."""
+        value, after the fact: :attr:`frozen_held`. ``quantized``: the frozen model keeps 8-bit weights."""
         return 1.0
+
+    def stored_precision(self) -> StoredPrecision:
+        """How the policy's state is stored beside what was loaded (for the memory preflight): data parallel
+        trains the parameters as loaded, with optimizer states in their dtype."""
+        return StoredPrecision()
 
     def _place_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
         """A whole copy on this process's device, its forward under the same autocast as the policy's

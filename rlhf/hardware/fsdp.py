@@ -130,9 +130,9 @@ class FSDP2(Sharded):
         self._shard(module, reshard_after_forward=True)
         return module
 
-    def frozen_share(self) -> float:
-        """Each process holds 1/processes of a frozen model (:meth:`_place_frozen`)."""
-        return 1.0 / self.processes()
+    def frozen_share(self, quantized: bool = False) -> float:
+        """Each process holds 1/processes of a frozen model (:meth:`_place_frozen`); one with 8-bit weights whole."""
+        return 1.0 if quantized else 1.0 / self.processes()
 
     def _policy(self, output_dtype: torch.dtype | None = None):
         """FSDP2's mixed precision: for bf16, parameters gathered and used in bf16, gradients reduced in fp32

@@ -23,6 +23,17 @@ def global_numel(tensor: torch.Tensor) -> int:
 
 
 @dataclass(frozen=True)
+class StoredPrecision:
+    """How a strategy stores the policy's state, where it differs from the model as loaded (the memory preflight):
+    ``weight_bytes`` per parameter (None: as loaded), ``master_bytes`` per trainable parameter of a float32 master
+    copy, and the dtype of the optimizer's states (None: the parameters')."""
+
+    weight_bytes: int | None = None
+    master_bytes: int = 0
+    optimizer_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
 class FrozenHolding:
     """What one process holds of a frozen model (:meth:`DataParallel.prepare_frozen`): its parameter elements
     here and in the whole model, and the bytes of those here."""

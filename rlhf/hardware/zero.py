@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.errors import UserError
 from rlhf.hardware.base import FP16_REASON, free_port
-from rlhf.hardware.holding import global_numel
+from rlhf.hardware.holding import StoredPrecision, global_numel
 from rlhf.hardware.sharded import Sharded, name_deepspeed_accelerator
 from rlhf.models.quantize import is_quantized
 from rlhf.validate import limits
@@ -218,11 +218,18 @@ class ZeRO(Sharded):
         engine.eval()  # DeepSpeed's engine returns None here, not itself
         return engine
 
-    def frozen_share(self) -> float:
+    def frozen_share(self, quantized: bool = False) -> float:
         """Stage 3: 1/processes of a frozen model (a little more in fact: parameters under
         ``param_persistence_threshold`` stay whole on every process; the measured share is in :attr:`frozen_held`);
         stages 1 and 2: a whole copy."""
         return 1.0 / self.processes() if self.stage == 3 else 1.0
+
+    def stored_precision(self) -> StoredPrecision:
+        """With ``mixed_precision=bf16`` DeepSpeed keeps the model in bf16 and a float32 master copy of the weights
+        in its optimizer, whose states are then float32 (both split like the optimizer state)."""
+        if self.mixed_precision == "bf16":
+            return StoredPrecision(weight_bytes=2, master_bytes=4, optimizer_dtype=torch.float32)
+        return StoredPrecision()
 
     @contextlib.contextmanager
     def accumulate(self, model, sync: bool) -> Iterator[None]:

@@ -53,6 +53,8 @@ class Reference:
     # Whether it works on the policy's LoRA adapter (peft=lora/qlora): refused with peft=none before anything loads
     # (rlhf.models.adapters.check_combination).
     needs_adapter: bool = False
+    # Whether its model keeps 8-bit weights (a sharding strategy may keep such a model whole: frozen_share).
+    quantized: bool = False
 
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module | None:
         """The frozen reference model built from the initial ``policy`` (None: no model during training)."""
@@ -205,6 +207,8 @@ class Int8(Reference):
         trust_remote_code: run code the Hub repository ships (only repositories you trust).
         threshold: LLM.int8()'s outlier threshold (``llm_int8_threshold``).
     """
+
+    quantized = True
 
     def __init__(self, name_or_path: str | None = None, dtype: str = "float32", revision: str | None = None,
                  trust_remote_code: bool = False, threshold: float = 6.0) -> None:
