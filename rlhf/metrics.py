@@ -58,10 +58,18 @@ def window_means(state: TrainState, prefix: str, accelerator) -> dict[str, float
             if sums[f"weight:{key}"] > 0}
 
 
-@torch.no_grad()
 def evaluate(model, algo, loader, accelerator) -> dict[str, float]:
     """Mean of the algorithm's evaluation metrics over the held-out split (row-weighted, summed over processes).
-    ``loader`` yields ``(batch, rows)``: see :func:`rlhf.data.loaders.eval_loader`."""
+    ``loader`` yields ``(batch, rows)``: see :func:`rlhf.data.loaders.eval_loader`. It leaves the random number
+    generators as it found them (a loader's iterator draws a seed), so that training after it does not depend on
+    when it ran: ``train.eval_every_steps`` may change on a resume without changing the training."""
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return _evaluate(model, algo, loader, accelerator)
+
+
+@torch.no_grad()
+def _evaluate(model, algo, loader, accelerator) -> dict[str, float]:
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     rows_seen = 0.0

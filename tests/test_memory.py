@@ -119,3 +119,16 @@ def test_peak_memory_sees_a_large_allocation_and_starts_over_for_each_run():
     del block
     second = PeakMemory(torch.device("cpu"))  # a second run in this process does not inherit the first's peak
     assert second.mb() < 30
+
+
+def test_a_strategy_that_stores_bf16_weights_and_a_float32_master_copy_counts_them():
+    from rlhf.hardware import ZeRO
+    from rlhf.hardware.holding import StoredPrecision
+    from rlhf.memory import plan
+
+    precision = ZeRO(stage=3, mixed_precision="bf16").stored_precision()
+    assert precision == StoredPrecision(weight_bytes=2, master_bytes=4, optimizer_dtype=torch.float32)
+    assert ZeRO(stage=3).stored_precision() == StoredPrecision()
+    stored = plan(weights=4000, trainable=1000, gradient_width=4, frozen=0, optimizer_bytes=8.0,
+                  sharded=frozenset({"optimizer"}), processes=2, activations=0, precision=precision, parameters=1000)
+    assert (stored.weights, stored.gradients, stored.optimizer) == (2000, 2000, (8 + 4) * 1000 // 2)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlhf.hardware import free_port
-from rlhf.metrics import any_process, sum_over_processes, window_means
+from rlhf.metrics import any_process, evaluate, sum_over_processes, window_means
 from rlhf.state import TrainState
 
 
@@ -18,6 +18,7 @@ class _Processes:
     """What the helpers use of an Accelerator, over a gloo process group."""
 
     device = torch.device("cpu")
+    is_main_process = True
 
     def __init__(self, world: int) -> None:
         self.num_processes = world
@@ -66,3 +67,20 @@ def test_one_process_returns_its_own_values():
     state.window_sums.update({"loss": 3.0})
     state.window_weights.update({"loss": 2.0})
     assert window_means(state, "train/", one) == {"train/loss": 1.5}
+
+
+class _Scores:
+    """An algorithm whose held-out metric is the batch's mean."""
+
+    def evaluate(self, model, batch):
+        return {"mean": batch["x"].float().mean()}
+
+
+def test_evaluation_leaves_the_random_numbers_of_training_as_they_were():
+    loader = torch.utils.data.DataLoader([{"x": torch.tensor(i)} for i in range(8)], batch_size=4, shuffle=True)
+    rows = ((batch, len(batch["x"])) for batch in loader)  # drawing the loader's seed uses torch's generator
+    model = torch.nn.Linear(1, 1)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    assert evaluate(model, _Scores(), rows, _Processes(1)) == {"eval/mean": 3.5}
+    assert torch.equal(torch.get_rng_state(), before)
