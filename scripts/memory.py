@@ -97,6 +97,7 @@ ARCHITECTURES = {
 }
 GPU_SEQUENCES, GPU_TOKENS = 2, 1024  # one preference pair of 1024 tokens per micro-batch
 GPU_GB, GPU_RESERVED_GB = 24, 1.5  # an A10/A5000/RTX 4090; the CUDA context, NCCL buffers and fragmentation
+HEADROOM = 0.9  # a setup "fits" when its prediction is under 90% of what is usable: predictions are estimates
 
 
 def meta_model(architecture: str, dtype):
@@ -154,6 +155,8 @@ ALL_OPTIMIZERS = ["adamw", "adam8bit", "lion", "sgd"]
 
 def _overrides(hardware: str, peft: str, reference: str, optimizer: str, dtype: str) -> list[str]:
     extra = ["peft.quant_storage=bfloat16", "peft.compute_dtype=bfloat16"] if peft == "qlora" else []
+    if reference == "int8":  # its unquantized layers (embeddings, norms, head) in the policy's dtype
+        extra.append(f"algo.reference.dtype={dtype}")
     return [f"hardware={hardware}", *GPU, f"peft={peft}", *extra, f"algo/reference={reference}",
             f"optimizer={optimizer}", f"model.dtype={dtype}", *(["optimizer.momentum=0.9"] if optimizer == "sgd" else [])]
 
@@ -179,8 +182,9 @@ def fits(markdown: bool) -> None:
     cache: dict = {}
     budget = GPU_GB - GPU_RESERVED_GB
     print(f"\n**Phi-2 (2.7B) on two {GPU_GB} GB GPUs: what fits** (predicted; {budget} GB usable per GPU after "
-          f"{GPU_RESERVED_GB} GB for the CUDA context and buffers; one pair of {GPU_TOKENS} tokens per micro-batch; "
-          "the optimizers that fit, with AdamW's predicted GB per GPU)\n")
+          f"{GPU_RESERVED_GB} GB for the CUDA context and buffers; a setup fits when predicted under {HEADROOM:.0%} of "
+          f"that, {HEADROOM * budget:.2f} GB; one pair of {GPU_TOKENS} tokens per micro-batch; the optimizers that "
+          "fit, with AdamW's predicted GB per GPU)\n")
     print("| hardware | peft | reference | bf16 weights, checkpointing | bf16 weights, no checkpointing | "
           "fp32 weights, checkpointing |")
     print("|---|---|---|---|---|---|")
@@ -191,7 +195,7 @@ def fits(markdown: bool) -> None:
                 sizes = {optimizer: predict_one("Phi-2 (2.7B)", _overrides(hardware, peft, reference, optimizer,
                                                                           dtype), checkpointing, cache).total / 2**30
                          for optimizer in ALL_OPTIMIZERS}
-                fitting = [optimizer for optimizer, size in sizes.items() if size <= budget]
+                fitting = [optimizer for optimizer, size in sizes.items() if size <= HEADROOM * budget]
                 cells.append(f"{', '.join(fitting) or 'none'} ({sizes['adamw']:.1f})")
             print(f"| `{hardware}` | `{peft}` | `{reference}` | " + " | ".join(cells) + " |")
 
