@@ -15,6 +15,7 @@ def _drop_kernels_notice(record: _logging.LogRecord) -> bool:
 _logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_drop_kernels_notice)
 
 from rlhf import config as _config  # noqa: E402,F401  (registers the config resolvers)
+from rlhf import logging as _logging_sinks  # noqa: E402,F401  (registers rlhf.sweep_group, the W&B group of a sweep)
 from rlhf import slurm as _slurm  # noqa: E402,F401  (registers the launcher resolvers: rlhf.slurm_cpus, ...)
 from rlhf.launch import train  # noqa: E402
 

@@ -1,5 +1,6 @@
-"""Where a run's record goes: metric sinks (every run writes ``metrics.jsonl`` in its run folder; other sinks add
-to that) and the run's log lines in ``<run dir>/train.log`` (:func:`log_file`)."""
+"""Where a run's record goes: metric sinks (:class:`Loggers`: every run writes ``metrics.jsonl`` in its run folder;
+W&B and TensorBoard add to that, one or several at once) and the run's log lines in ``<run dir>/train.log``
+(:func:`log_file`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ import json
 import logging
 import math
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 from rlhf.errors import UserError
 
@@ -74,8 +80,73 @@ class JsonlLogger:
         pass
 
 
-class WandbLogger(JsonlLogger):
-    """``metrics.jsonl`` plus Weights & Biases. Runs offline (synced later with ``wandb sync``) when no API key
+class Loggers:
+    """The run's metric sinks as one: ``metrics.jsonl`` always (the ``JsonlLogger`` among ``loggers``, else one
+    with its defaults), first, then the others in the order given (``logger=[wandb,tensorboard]``)."""
+
+    def __init__(self, loggers: list[Any]) -> None:
+        jsonl = [one for one in loggers if isinstance(one, JsonlLogger)]
+        self.jsonl = jsonl[0] if jsonl else JsonlLogger()
+        self.loggers = [self.jsonl] + [one for one in loggers if not isinstance(one, JsonlLogger)]
+
+    @property
+    def filename(self) -> str:
+        return self.jsonl.filename
+
+    def start(self, run_dir: str, config: dict[str, Any], resume_step: int | None = None) -> None:
+        for one in self.loggers:
+            one.start(run_dir, config, resume_step)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for one in self.loggers:
+            one.log(metrics, step)
+
+    def finish(self) -> None:
+        for one in self.loggers:
+            one.finish()
+
+
+class TensorBoardLogger:
+    """Scalars for TensorBoard (``torch.utils.tensorboard``) in ``<run dir>/<folder>``, and the resolved config as
+    text (tab TEXT): ``tensorboard --logdir <run dir or sweep folder>``.
+
+    A new run in a folder starts a new record (the folder's earlier event files are removed, as ``metrics.jsonl``
+    starts anew). A run resumed from the checkpoint of step N writes a new event file that begins with TensorBoard's
+    purge mark at step N+1: TensorBoard hides the values the stopped attempt logged after its checkpoint, and shows
+    the resumed run's in their place (the stopped attempt's event file itself keeps them; ``metrics.jsonl`` is the
+    record without them).
+
+    Args:
+        folder: the event files' folder inside the run folder.
+    """
+
+    def __init__(self, folder: str = "tensorboard") -> None:
+        self.folder = folder
+        self.writer = None
+
+    def start(self, run_dir: str, config: dict[str, Any], resume_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        path = Path(run_dir) / self.folder
+        if resume_step is None:
+            shutil.rmtree(path, ignore_errors=True)
+        self.writer = SummaryWriter(log_dir=str(path), purge_step=None if resume_step is None else resume_step + 1)
+        text = OmegaConf.to_yaml(OmegaConf.create(config))
+        self.writer.add_text("config", "".join("    " + line + "\n" for line in text.splitlines()),  # Markdown code
+                             global_step=resume_step or 0)
+        self.writer.flush()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()  # on disk as metrics.jsonl is: a killed run keeps what it logged
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """Weights & Biases (beside ``metrics.jsonl``, which :class:`Loggers` always writes). Runs offline (synced later with ``wandb sync``) when no API key
     is configured, so it works without network; see :func:`wandb_mode` for which mode wins.
 
     Args:
@@ -83,6 +154,8 @@ class WandbLogger(JsonlLogger):
         entity: W&B team or user (``None``: your default).
         name: run name (``None``: the run folder's name).
         tags: run tags.
+        group: the W&B group, which W&B's run table groups by; ``conf/logger/wandb.yaml`` sets it to the sweep's
+            folder (``hydra.sweep.dir``) for the points of a multirun (:func:`sweep_group`), else none.
         mode: ``online``, ``offline`` or ``disabled``; ``None``: ``WANDB_MODE`` if set, else online if an API key
             is set, else offline.
         rewind: on resume, rewind the W&B run to the checkpoint's step (W&B's ``resume_from``, a preview feature
@@ -93,16 +166,17 @@ class WandbLogger(JsonlLogger):
     """
 
     def __init__(self, project: str = "rlhf", entity: str | None = None, name: str | None = None,
-                 tags: list[str] | None = None, mode: str | None = None, rewind: bool = False) -> None:
-        super().__init__()
+                 tags: list[str] | None = None, group: str | None = None, mode: str | None = None,
+                 rewind: bool = False) -> None:
         self.project, self.entity, self.name, self.tags, self.mode = project, entity, name, tags, mode
+        self.group = group
         self.rewind = rewind
         self.run = None
 
     def start(self, run_dir: str, config: dict[str, Any], resume_step: int | None = None) -> None:
         import wandb
 
-        super().start(run_dir, config, resume_step)
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
         # The run's W&B id lives in the run folder: a resumed run continues the same W&B run.
         id_file = Path(run_dir) / "wandb_run_id.txt"
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else uuid.uuid4().hex[:8]
@@ -116,10 +190,9 @@ class WandbLogger(JsonlLogger):
         else:
             where = {"id": run_id, "resume": "allow"}
         self.run = wandb.init(project=self.project, entity=self.entity, name=self.name or Path(run_dir).name,
-                              tags=self.tags, config=config, dir=run_dir, mode=mode, **where)
+                              tags=self.tags, group=self.group, config=config, dir=run_dir, mode=mode, **where)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        super().log(metrics, step)
         self.run.log(metrics, step=step)
 
     def finish(self) -> None:
@@ -142,3 +215,17 @@ def wandb_mode(configured: str | None) -> str:
 def _has_netrc_key() -> bool:
     netrc = Path(os.path.expanduser("~/.netrc"))
     return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def sweep_group(limit: int = 128) -> str | None:
+    """``${rlhf.sweep_group:}``: the sweep's folder (``hydra.sweep.dir`` as configured, at most ``limit``
+    characters, W&B's limit for a group) in a point of a multirun sweep, under any launcher; else None."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    folder = str(HydraConfig.get().sweep.dir)
+    if len(folder) <= limit:
+        return folder
+    return "..." + folder[-(limit - 3):]  # the end names the sweep
+
+
+OmegaConf.register_new_resolver("rlhf.sweep_group", sweep_group, replace=True)

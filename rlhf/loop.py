@@ -26,7 +26,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from rlhf import checkpoint, resume_check, run_folder, signals
 from rlhf.built_run import BuiltRun, build_run
 from rlhf.config import build
-from rlhf.logging import log_file
+from rlhf.logging import Loggers, log_file
 from rlhf.memory import PeakMemory
 from rlhf.metrics import any_process, evaluate, max_over_processes, window_means
 from rlhf.nonfinite import CAUSES, NonFinite, skip_or_stop
@@ -54,10 +54,10 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
             state = checkpoint.load(resume, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
                                     algo=run.algo, strategy=strategy, accelerator=accelerator)
             log.info("resumed from %s: step %d, epoch %d", resume, state.step, state.epoch)
-        logger = build(cfg.logger)
+        logger = Loggers([build(node) for node in (cfg.get("logger") or {}).values()])  # metrics.jsonl and the list
         if accelerator.is_main_process:
             if resume is not None:  # a resume from an older checkpoint of this folder: its newer ones go aside
-                run_folder.set_aside_newer(run_dir, state.step, getattr(logger, "filename", "metrics.jsonl"))
+                run_folder.set_aside_newer(run_dir, state.step, logger.filename)
             run_folder.clear_previous_results(run_dir)
             logger.start(str(run_dir), OmegaConf.to_container(cfg, resolve=True),
                          resume_step=state.step if resume is not None else None)

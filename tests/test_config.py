@@ -35,6 +35,7 @@ from rlhf import hub, train
 from rlhf.config import build, check_config, check_fields
 from rlhf.data.source import DataSource
 from rlhf.errors import UserError
+from rlhf.logging import Loggers
 from rlhf.models.loading import DTYPES, load_policy
 from rlhf.optim import schedule
 from rlhf.settings import TrainSettings
@@ -131,7 +132,7 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
             assert strategy.start().device.type in ("cpu", "cuda")
     elif group == "logger":
         tmp_path.mkdir(parents=True, exist_ok=True)
-        logger = instantiate(node)
+        logger = Loggers([instantiate(one) for one in node.values()])  # as the loop builds them
         logger.start(str(tmp_path), {"a": 1})
         logger.log({"train/loss": 1.5}, step=3)
         logger.finish()

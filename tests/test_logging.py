@@ -6,7 +6,7 @@ import pytest
 
 from rlhf import logging as rlhf_logging
 from rlhf.errors import UserError
-from rlhf.logging import WandbLogger, wandb_mode
+from rlhf.logging import Loggers, WandbLogger, wandb_mode
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_the_logger_starts_wandb_offline_when_wandb_mode_says_so_despite_a_key(n
     monkeypatch.setattr(wandb, "init", fake_init)
     monkeypatch.setenv("WANDB_API_KEY", "secret-key-never-used-online")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    logger = WandbLogger(project="p")
+    logger = Loggers([WandbLogger(project="p")])  # as the loop builds logger=wandb: metrics.jsonl too
     logger.start(str(tmp_path / "run"), {"seed": 0})
     logger.log({"train/loss": 1.0}, step=1)
     logger.finish()
