@@ -184,8 +184,8 @@ class WandbLogger:
         mode = wandb_mode(self.mode)
         if resume_step is not None and self.rewind:
             if mode != "online":
-                raise UserError(f"logger.rewind=true needs W&B online (the mode is {mode}): W&B rewinds a run on its "
-                                "server. Fix: log in (wandb login) and drop WANDB_MODE, or logger.rewind=false.")
+                raise UserError(f"logger.wandb.rewind=true needs W&B online (the mode is {mode}): W&B rewinds a run on its "
+                                "server. Fix: log in (wandb login) and drop WANDB_MODE, or logger.wandb.rewind=false.")
             where = {"resume_from": f"{run_id}?_step={resume_step}"}  # W&B's rewind: history cut back to the step
         else:
             where = {"id": run_id, "resume": "allow"}
@@ -200,7 +200,7 @@ class WandbLogger:
 
 
 def wandb_mode(configured: str | None) -> str:
-    """The W&B mode of a run: ``logger.mode`` when set, else the environment's ``WANDB_MODE`` (so that
+    """The W&B mode of a run: ``logger.wandb.mode`` when set, else the environment's ``WANDB_MODE`` (so that
     ``WANDB_MODE=offline`` keeps a machine with ``WANDB_API_KEY`` in its environment off the network), else online
     when an API key is configured (``WANDB_API_KEY`` or ``~/.netrc``), else offline."""
     if configured:

@@ -1,4 +1,4 @@
-"""Which W&B mode a run gets: logger.mode, then WANDB_MODE, then online only when an API key is configured."""
+"""Which W&B mode a run gets: logger.wandb.mode, then WANDB_MODE, then online only when an API key is configured."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def test_a_resumed_run_continues_the_same_wandb_run(no_wandb_env, monkeypatch, t
 
 
 def test_a_resumed_wandb_run_continues_its_id_or_rewinds_to_the_checkpoint_step(no_wandb_env, monkeypatch, tmp_path):
-    """Default: the same W&B id, resume="allow". logger.rewind=true: W&B's rewind to the checkpoint's step
+    """Default: the same W&B id, resume="allow". logger.wandb.rewind=true: W&B's rewind to the checkpoint's step
     (resume_from="<id>?_step=<N>", and no id/resume beside it), online only, refused otherwise with the fix."""
     import wandb
 
@@ -124,5 +124,5 @@ def test_a_resumed_wandb_run_continues_its_id_or_rewinds_to_the_checkpoint_step(
     assert calls[2]["resume_from"] == f"{run_id}?_step=20" and "id" not in calls[2] and "resume" not in calls[2]
     WandbLogger(project="p", mode="online", rewind=True).start(str(tmp_path / "new"), {})  # a new run: nothing to rewind
     assert "resume_from" not in calls[3]
-    with pytest.raises(UserError, match="logger.rewind=true needs W&B online"):
+    with pytest.raises(UserError, match="logger.wandb.rewind=true needs W&B online"):
         WandbLogger(project="p", mode="offline", rewind=True).start(run, {}, resume_step=20)
