@@ -52,7 +52,26 @@ def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
             found = _option_problem(top, value, folder)
             if found:
                 return found
+        elif known[top] == "group" and "." in key:
+            found = _nested_option_problem(top, key, value, folder)
+            if found:
+                return found
     return None
+
+
+def _nested_option_problem(group: str, key: str, value: str, folder: Path | None) -> str | None:
+    """``logger.mode=offline`` where the group's options sit under their own names (``# @package logger.wandb``,
+    so that several can be chosen at once): name the key with the option in it."""
+    folder = folder or validate.conf_dir()
+    options = group_options(group, folder)
+    nested = [o for o in options if f"# @package {group}.{o}\n" in (folder / group / f"{o}.yaml").read_text()]
+    field = key.split(".")[1]
+    if not options or len(nested) < len(options) or field in options:
+        return None
+    having = [o for o in options if re.search(rf"^{re.escape(field)}:", (folder / group / f"{o}.yaml").read_text(), re.M)]
+    example = f"{group}.{having[0]}.{key.split('.', 1)[1]}={value}" if having else f"{group}.<option>.{field}=..."
+    return (f"{key}: each {group} option sits under its own key ({group}.<option>.<field>), so that several can be "
+            f"chosen at once ({group}=[a,b]). Fix: {example}.")
 
 
 def _option_problem(group: str, value: str, folder: Path | None) -> str | None:

@@ -386,6 +386,10 @@ def test_a_missing_local_model_is_refused_before_anything_loads(tmp_path):
     (["hardware=zzz"], "hardware=zzz: conf/hardware/ has no option 'zzz' (options: auto, "),
     (["algo=dpo", "optimizer=lion", "hydra.run.dir=x", "+foo=1", "experiment=null", "--cfg", "job", "seed=1"], None),
     (["--config-name=other", "optimiser=lion"], None),  # another primary config: Hydra's business
+    (["logger=wandb", "logger.mode=offline"], "logger.mode: each logger option sits under its own key "
+                                              "(logger.<option>.<field>), so that several can be chosen at once "
+                                              "(logger=[a,b]). Fix: logger.wandb.mode=offline."),
+    (["logger=[wandb,tensorboard]", "logger.wandb.mode=offline", "optimizer.lr=0.1"], None),
 ])
 def test_the_command_line_is_checked_before_hydra(args, message):
     found = command_line.problem(args, CONF)
