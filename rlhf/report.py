@@ -173,7 +173,8 @@ class Report:
 
 
 def run_name(run: Run) -> str:
-    """A multirun job's number (``3`` of ``3_optimizer=lion,...``: the values are columns), else the folder's name."""
+    """A multirun job's number (``3`` of ``3_optimizer=lion,...``: the values are columns), else the folder's name
+    (:func:`build` keeps whole names where numbers would repeat)."""
     number, _, rest = run.path.name.partition("_")
     return number if number.isdigit() and rest else run.path.name
 
@@ -184,19 +185,21 @@ def build(runs: Sequence[Run], metrics: Sequence[str] | None = None, now: float 
     metrics = list(metrics) if metrics else default_metrics(runs)
     keys = differing([run.config for run in runs]) if len(runs) > 1 else []
     names = short_names(keys)
+    short = [run_name(run) for run in runs]
+    unique = len(set(short)) == len(short)
     rows = []
-    for run in runs:
+    for run, name in zip(runs, short):
         flat, lines = flatten(run.config), log_lines(run)
         state = status(run, now)
-        rows.append(Row(run_name(run), {names[key]: flat.get(key, "") for key in keys}, state,
+        rows.append(Row(name if unique else run.path.name, {names[key]: flat.get(key, "") for key in keys}, state,
                         figures(run, metrics, lines), [run], why(lines) if state == CRASHED else ""))
     return Report(rows, keys, names, metrics)
 
 
 def aggregate_seeds(report: Report) -> Report:
     """Runs whose differing values are the same but for ``seed`` folded into one row each: every figure's mean over
-    the runs that have it, and its standard deviation (:attr:`Row.spread`, over two or more); the status counts
-    the runs by status."""
+    the group's finished runs that have it (over all its runs where none finished), and its standard deviation
+    (:attr:`Row.spread`, over two or more); the status counts the runs by status."""
     keys = [key for key in report.keys if key != "seed"]
     groups: dict[tuple, list[Row]] = {}
     for row in report.rows:
@@ -204,8 +207,9 @@ def aggregate_seeds(report: Report) -> Report:
     rows = []
     for members in groups.values():
         figures_, spread = {}, {}
+        counted = [row for row in members if row.status == FINISHED] or members
         for column in report.figure_columns:
-            values = [row.figures[column] for row in members if row.figures.get(column) is not None]
+            values = [row.figures[column] for row in counted if row.figures.get(column) is not None]
             values = [value for value in values if math.isfinite(value)]
             figures_[column] = statistics.fmean(values) if values else None
             if len(values) > 1:
@@ -268,7 +272,8 @@ def text(report: Report) -> str:
 
 
 def label(row: Row) -> str:
-    return ", ".join(f"{key}={value}" for key, value in row.values.items()) or row.name
+    """The row's differing values (those it has), or its name."""
+    return ", ".join(f"{key}={value}" for key, value in row.values.items() if value != "") or row.name
 
 
 def plot_curves(report: Report, metrics: Sequence[str], path: Path) -> None:
@@ -283,7 +288,8 @@ def plot_curves(report: Report, metrics: Sequence[str], path: Path) -> None:
     names = list(dict.fromkeys(metric.partition("/")[2] or metric for metric in metrics))
     columns = min(len(names), 3)
     grid = (math.ceil(len(names) / columns), columns)
-    figure, axes = plt.subplots(*grid, figsize=(5.5 * grid[1], 3.8 * grid[0]), squeeze=False)
+    figure, axes = plt.subplots(*grid, figsize=(5.5 * grid[1], 3.2 * grid[0] + 0.3 * len(report.rows) + 0.5),
+                                squeeze=False, layout="constrained")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for panel, name in zip(axes.flat, names):
         for index, row in enumerate(report.rows):
@@ -297,11 +303,13 @@ def plot_curves(report: Report, metrics: Sequence[str], path: Path) -> None:
                         labelled = True
         panel.set_title(f"{name} (solid: train, dashed: held-out)", fontsize=9)
         panel.set_xlabel("step")
-        if panel.has_data():
-            panel.legend(fontsize=7)
     for panel in list(axes.flat)[len(names):]:
         panel.set_visible(False)
-    figure.tight_layout()
+    legend = {}  # label -> line, over every panel (a run may lack a metric)
+    for panel in axes.flat:
+        legend.update(zip(*reversed(panel.get_legend_handles_labels())))
+    if legend:
+        figure.legend(legend.values(), legend.keys(), loc="outside lower center", fontsize=8)
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
