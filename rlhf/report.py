@@ -47,8 +47,8 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
 
 def differing(configs: Sequence[dict[str, Any]]) -> list[str]:
     """The flattened keys whose values are not the same in every config (a key some lack counts as differing), in
-    the order they first appear."""
-    flats = [flatten(config) for config in configs]
+    the order they first appear; an empty config (a run folder without ``.hydra/``) takes no part."""
+    flats = [flatten(config) for config in configs if config]
     keys = list(dict.fromkeys(key for flat in flats for key in flat))
     return [key for key in keys if key not in IGNORED
             and len({repr(flat.get(key, "<absent>")) for flat in flats}) > 1]
@@ -78,15 +78,17 @@ def lower_is_better(metric: str) -> bool:
     return "loss" in metric
 
 
-def status(run: Run, now: float | None = None) -> str:
-    """finished (summary.json), running (a process holds the run's lock, or metrics.jsonl changed in the last
-    :data:`FRESH_S` seconds: a process on another machine), else crashed."""
+def status(run: Run, lines: list[tuple[datetime, str, str]], now: float | None = None) -> str:
+    """finished (summary.json), running (a process holds the run's lock; or, with no error in train.log (its
+    ``lines``), metrics.jsonl changed in the last :data:`FRESH_S` seconds: a process on another machine), else
+    crashed."""
     where = run.status
-    if where == Status.FINISHED:
-        return FINISHED
+    if where in (Status.FINISHED, Status.RUNNING):
+        return FINISHED if where == Status.FINISHED else RUNNING
     metrics = run.path / "metrics.jsonl"
     recent = metrics.is_file() and (now if now is not None else time.time()) - metrics.stat().st_mtime < FRESH_S
-    return RUNNING if where == Status.RUNNING or recent else CRASHED
+    failed = any(level in ("ERROR", "CRITICAL") for _, level, _ in lines)
+    return RUNNING if recent and not failed else CRASHED
 
 
 def log_lines(run: Run) -> list[tuple[datetime, str, str]]:
@@ -190,7 +192,7 @@ def build(runs: Sequence[Run], metrics: Sequence[str] | None = None, now: float 
     rows = []
     for run, name in zip(runs, short):
         flat, lines = flatten(run.config), log_lines(run)
-        state = status(run, now)
+        state = status(run, lines, now)
         rows.append(Row(name if unique else run.path.name, {names[key]: flat.get(key, "") for key in keys}, state,
                         figures(run, metrics, lines), [run], why(lines) if state == CRASHED else ""))
     return Report(rows, keys, names, metrics)

@@ -48,6 +48,8 @@ def sweep(tmp_path_factory) -> Path:
     (folder / "crashed" / "train.log").write_text(
         "[2026-01-01 10:00:00,000][rlhf.built_run][INFO] - run dir: x\n"
         "[2026-01-01 10:00:07,500][rlhf][ERROR] - error: out of memory | try a smaller batch\n")
+    shutil.copytree(folder / "crashed", folder / "crashed_now")  # written just now, but its log has an error
+    shutil.rmtree(folder / "crashed_now" / ".hydra")  # and no config: it makes no value differ
     an_hour_ago = time.time() - 3600
     os.utime(folder / "crashed" / "metrics.jsonl", (an_hour_ago, an_hour_ago))
     return folder
@@ -63,7 +65,8 @@ def test_each_row_holds_the_runs_own_metrics_and_the_values_that_differ(sweep):
     assert made.value_columns[:3] == ["seed", "optimizer", "lr"]  # from config.yaml: the group's lr shows too
     assert "momentum" in made.value_columns and "betas" in made.value_columns  # SGD's and Lion's own options
     rows = {row.name: row for row in made.rows}
-    assert list(rows) == ["0", "1", "2", "3", "crashed", "running"]
+    assert list(rows) == ["0", "1", "2", "3", "crashed", "crashed_now", "running"]
+    assert rows.pop("crashed_now").status == "crashed"
     assert [rows[n].values["optimizer"] for n in "0123"] == ["SGD", "SGD", "Lion", "Lion"]
     assert [rows[n].values["seed"] for n in "0123"] == [0, 1, 0, 1] and rows["crashed"].values["seed"] == 2
     assert rows["running"].values["lr"] == 0.01
@@ -98,7 +101,7 @@ def test_report_files_and_seed_aggregation(sweep, tmp_path, monkeypatch, capsys)
     assert png.read_bytes().startswith(PNG) and png.stat().st_size > 10_000
     header, *rows = list(csv.reader(table_csv.open()))
     assert header[:4] == ["run", "seed", "optimizer", "lr"] and header[-2:] == ["status", "note"]
-    assert [row[0] for row in rows] == ["0", "1", "2", "3", "crashed", "running"]
+    assert [row[0] for row in rows] == ["0", "1", "2", "3", "crashed", "crashed_now", "running"]
     column = header.index("eval/loss end")
     assert [float(row[column]) for row in rows[:4]] == [run.last("eval/loss") for run in runs[:4]]  # exact
     text = md.read_text()
@@ -106,11 +109,11 @@ def test_report_files_and_seed_aggregation(sweep, tmp_path, monkeypatch, capsys)
     assert "out of memory \\| try a smaller batch |\n" in text and text.count("\n") == 2 + len(rows)
 
     folded = report.aggregate_seeds(made)
-    assert [row.values["optimizer"] for row in folded.rows] == ["SGD", "Lion", "SGD"]
+    assert [row.values["optimizer"] for row in folded.rows] == ["SGD", "Lion", "", "SGD"]  # "": no config
     assert "seed" not in folded.value_columns
-    sgd, lion, running = folded.rows
-    assert (sgd.name, sgd.status, lion.status, running.status) == (
-        "3 seeds (0,1,2)", "2 finished, 1 crashed", "2 finished", "1 running")
+    sgd, lion, no_config, running = folded.rows
+    assert (sgd.name, sgd.status, lion.status, no_config.status, running.status) == (
+        "3 seeds (0,1,2)", "2 finished, 1 crashed", "2 finished", "1 crashed", "1 running")
     for row, members in ((sgd, runs[:2]), (lion, runs[2:4])):  # the crashed run does not count in the mean
         ends = [run.last("eval/rewards/accuracies") for run in members]
         assert row.figures["eval/rewards/accuracies end"] == statistics.fmean(ends)
@@ -124,7 +127,7 @@ def test_report_files_and_seed_aggregation(sweep, tmp_path, monkeypatch, capsys)
     first = header.index("eval/loss @0")
     assert header[:3] == ["run", "optimizer", "lr"] and header[first:first + 3] == [
         "eval/loss @0", "eval/loss @0 std", "eval/loss end"] and "eval/exact_match end" not in header
-    assert len(rows) == 3 and (out / "report.png").read_bytes().startswith(PNG)
+    assert len(rows) == 4 and (out / "report.png").read_bytes().startswith(PNG)
     code, _, _ = script("compare_runs", *(run.path for run in runs[2:4]), "--csv", monkeypatch=monkeypatch, capsys=capsys)
     assert code == 0 and (sweep / "report.png").is_file()  # the folder that holds the runs given
 
@@ -136,4 +139,4 @@ def test_short_names_and_flattening():
                                          "betas": [0.9, 0.99]}}) == {
         "optimizer": "SGD", "optimizer.lr": 1.0, "optimizer.betas": "[0.9, 0.99]"}
     assert report.differing([{"a": 1, "b": {"c": 2}, "output_dir": "x"}, {"a": 1, "b": {"c": 3}, "output_dir": "y"},
-                             {"a": 1, "b": {"c": 2}, "d": 0}]) == ["b.c", "d"]
+                             {"a": 1, "b": {"c": 2}, "d": 0}, {}]) == ["b.c", "d"]
