@@ -140,3 +140,12 @@ def test_short_names_and_flattening():
         "optimizer": "SGD", "optimizer.lr": 1.0, "optimizer.betas": "[0.9, 0.99]"}
     assert report.differing([{"a": 1, "b": {"c": 2}, "output_dir": "x"}, {"a": 1, "b": {"c": 3}, "output_dir": "y"},
                              {"a": 1, "b": {"c": 2}, "d": 0}, {}]) == ["b.c", "d"]
+
+
+def test_job_numbers_name_the_rows_unless_they_repeat(tmp_path):
+    from tests.test_results import make_run
+
+    runs = find([make_run(tmp_path / "a" / "0_x=1"), make_run(tmp_path / "a" / "1_x=2")])
+    assert [row.name for row in report.build(runs).rows] == ["0", "1"]
+    runs = find([make_run(tmp_path / "b" / "0_x=1"), tmp_path / "a"])
+    assert [row.name for row in report.build(runs).rows] == ["0_x=1", "0_x=1", "1_x=2"]
