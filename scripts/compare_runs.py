@@ -1,50 +1,60 @@
-"""Print a side-by-side table of the runs of a multirun (or of any run folders).
+"""The comparison report of a sweep (or of any run folders): a table, the curves as a PNG, Markdown and CSV.
 
-    python scripts/compare_runs.py outputs/multirun/2026-11-22/12-32-13
-    python scripts/compare_runs.py outputs/multirun/<date>/<time> --metrics eval/rewards/accuracies eval/exact_match
+    python scripts/compare_runs.py outputs/multirun/<date>/<time>
+    python scripts/compare_runs.py outputs/multirun/<date>/<time> --seeds --metrics eval/loss eval/exact_match
 
-Each row is one run: the overrides that distinguish it (from .hydra/overrides.yaml) and its final metrics
-(from summary.json). Columns default to the held-out metrics; --csv writes the table as CSV instead.
+One row per run: the config values that differ between the runs (from each run's .hydra/config.yaml), each
+held-out metric at step 0, at the end and at its best (with the step), the final train loss, tokens/s, peak memory,
+wall time and the status (finished, running, crashed: crashed runs show what they logged and the last error of
+their train.log). Written to --out (default: the sweep folder) as report.md, report.csv and report.png; the table is
+printed too. --seeds folds runs that differ only in `seed` into mean ± std. The logic is rlhf/report.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 from pathlib import Path
 
+from rlhf import report
 from rlhf.errors import UserError
-from rlhf.results import find
+from rlhf.results import find, is_run_folder
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", type=Path, help="multirun folders or run folders")
-    parser.add_argument("--metrics", nargs="*", help="metric names to show (default: every eval/* metric)")
-    parser.add_argument("--csv", action="store_true", help="write CSV to stdout")
+    parser.add_argument("paths", nargs="+", type=Path, help="multirun (sweep) folders or run folders")
+    parser.add_argument("--metrics", nargs="+", help="held-out metrics to show (default: eval/loss and the "
+                        "accuracy-like eval/* metrics the runs logged: exact match, accuracies, win rate)")
+    parser.add_argument("--plot", nargs="+", metavar="METRIC", help="metrics to plot, train and held-out curves "
+                        "of each name (default: train/loss and the --metrics)")
+    parser.add_argument("--seeds", action="store_true", help="one row per group of runs that differ only in seed: "
+                        "mean ± std")
+    parser.add_argument("--out", type=Path, help="folder for report.md, report.csv, report.png (default: the sweep "
+                        "folder, or the folder that holds the run folders given)")
+    parser.add_argument("--csv", action="store_true", help="print the table as CSV instead of aligned text")
     args = parser.parse_args()
     try:
-        loaded = [(run.path, run.override_values, run.final) for run in find(args.paths) if run.final is not None]
+        runs = find(args.paths)
+        if not runs:
+            raise UserError(f"no run folders under {', '.join(map(str, args.paths))}. Fix: give a multirun's folder "
+                            "(outputs/multirun/<date>/<time>) or run folders.")
+        made = report.build(runs, args.metrics)
+        if args.seeds:
+            made = report.aggregate_seeds(made)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    if not loaded:
-        print(f"no finished runs (folders with summary.json) under {[str(p) for p in args.paths]}", file=sys.stderr)
-        return 1
-    # Only overrides that differ between runs tell them apart.
-    keys = sorted({k for _, o, _ in loaded for k in o})
-    varying = [k for k in keys if len({o.get(k) for _, o, _ in loaded}) > 1] or keys
-    metrics = args.metrics or sorted({k for _, _, m in loaded for k in m if k.startswith("eval/")})
-    header = ["run", *varying, *metrics]
-    rows = [[run.name, *(o.get(k, "") for k in varying), *(f"{m[k]:.4g}" if k in m else "" for k in metrics)]
-            for run, o, m in loaded]
     if args.csv:
-        csv.writer(sys.stdout).writerows([header, *rows])
-        return 0
-    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
-    for line in [header, ["-" * w for w in widths], *rows]:
-        print("  ".join(str(x).ljust(w) for x, w in zip(line, widths)))
+        csv.writer(sys.stdout).writerows(report.csv_rows(made))
+    else:
+        print(report.text(made), end="")
+    sweeps = [path for path in args.paths if not is_run_folder(path)]
+    out = args.out or (sweeps[0] if len(sweeps) == 1 else Path(os.path.commonpath([run.path.parent for run in runs])))
+    written = report.write(made, out, args.plot)
+    print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
     return 0
 
 
