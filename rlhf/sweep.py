@@ -6,8 +6,8 @@ sweepers that read it (``hydra.sweeper.direction: ${objective.direction}``): the
 :func:`check_objective` refuses, with the rest of the config and before any run or sweep starts, a metric that the
 run does not produce: the metrics a run reports at its end are the algorithm's held-out metrics, declared by its
 class (``Algorithm.eval_metrics``: every evaluation reports them, whatever the batch or option; a test holds each
-class to its list), as ``eval/<name>`` and, averaged over the last training steps, ``train/<name>``, plus the loop's
-own :data:`LOOP_METRICS`.
+class to its list), as ``eval/<name>``, plus the loop's own :data:`LOOP_METRICS`. Training metrics (``train/*``) are
+not among them: a run whose logged steps were all skipped (non-finite) or that trains no step has none.
 
 Failing points. In a sweep (``-m``), a point that fails (a :class:`~rlhf.errors.UserError`, a non-finite stop, an
 exception in the run) is recorded in its folder, ``failed.json`` (:data:`FAILED`: the error's type and message),
@@ -33,13 +33,13 @@ log = logging.getLogger(__name__)
 
 FAILED = "failed.json"  # in a failed point's run folder: {"error": <type>, "message": <message>}
 DIRECTIONS = ("minimize", "maximize")
-LOOP_METRICS = ("train/lr", "perf/peak_mem_mb")  # every run's final metrics have these, whatever the algorithm
+LOOP_METRICS = ("perf/peak_mem_mb",)  # every run's final metrics have these, whatever the algorithm
 
 
 def produced_metrics(algo_class: type) -> list[str]:
     """The final metrics every run of `algo_class` reports (see the module docstring)."""
     names = getattr(algo_class, "eval_metrics", ())
-    return [*(f"eval/{n}" for n in names), *(f"train/{n}" for n in names), *LOOP_METRICS]
+    return [*(f"eval/{n}" for n in names), *LOOP_METRICS]
 
 
 def check_objective(container: dict) -> None:
