@@ -20,11 +20,12 @@ from rlhf.errors import UserError  # noqa: E402
 from rlhf.launch import hydra_overrides_for_this_rank, run  # noqa: E402
 from rlhf.run_folder import remove_if_never_started, resume_overrides  # noqa: E402
 from rlhf.signals import Stopped, hand_over, install  # noqa: E402
-from rlhf.slurm import for_the_sweep, in_submitit_job, log_to_the_run_folder_from_the_first_node_only  # noqa: E402
+from rlhf.slurm import log_to_the_run_folder_from_the_first_node_only  # noqa: E402
+from rlhf.sweep import FailedPoint, failed_points, in_a_sweep, objective_value, record_failure  # noqa: E402
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> float | None:
+def main(cfg: DictConfig) -> float | FailedPoint | None:
     install()  # for the life of this process (a Slurm job enters here; `python train.py` did so before composing)
     log_to_the_run_folder_from_the_first_node_only()
     try:
@@ -41,19 +42,19 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(130)
     except UserError as error:  # a problem with the input: one message, no traceback
         logging.getLogger("rlhf").error("error: %s", error)
+        if in_a_sweep():  # recorded in the point's folder; the sweep goes on to its other points
+            return record_failure(cfg.output_dir, error)
         remove_if_never_started(cfg.output_dir)  # a folder made for a run that stopped before training
-        if in_submitit_job():  # launcher=slurm or submitit_local: Hydra hands the error to the sweep
-            raise
         sys.exit(1)
     except Exception as error:
-        if not in_submitit_job():
+        if not in_a_sweep():
             raise
-        logging.getLogger("rlhf").exception("the run failed")  # the job's own traceback: Hydra keeps none
-        raise for_the_sweep(error) from None
+        logging.getLogger("rlhf").exception("the run failed")  # the point's own traceback, in its train.log
+        return record_failure(cfg.output_dir, error)
     # The run is complete: a time-limit warning (Slurm's USR2) arriving now has nothing left to save, and must not
     # end the finished job as FAILED while it exits (measured: USR2 during exit kills the process).
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    return metrics.get("eval/loss")
+    return objective_value(cfg, metrics)
 
 
 def resume_command(run_dir) -> str:
@@ -73,3 +74,5 @@ if __name__ == "__main__":
     sys.argv += hydra_overrides_for_this_rank()  # under torchrun, only rank 0 writes .hydra/ and train.log
     sys.argv[1:] = resume_overrides(sys.argv[1:])  # hydra.run.dir=<run> resume=auto: the run's own overrides
     main()
+    if failed_points():  # a sweep's points that failed were counted, and summed up in one line (rlhf.sweep)
+        sys.exit(1)

@@ -12,6 +12,7 @@ types it and the fix for:
   ``[0.1,0.2]``), and a value outside its range: the target's own :func:`rlhf.validate.limits`, or for optimizers
   and schedulers the limits their group shares (:data:`GROUP_LIMITS`, from :mod:`rlhf.optim`);
 - NaN or infinity anywhere; ``model.dtype=float16`` on a CPU; a ``resume_changes`` that is not a list of keys.
+- an ``objective`` whose metric the run does not report (:func:`rlhf.sweep.check_objective`);
 - a reference strategy that needs the policy's LoRA adapter (``algo/reference=adapter``, ``ref_adapter``) with
   ``peft=none``.
 """
@@ -33,7 +34,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlhf import optim, validate
+from rlhf import optim, sweep, validate
 from rlhf.errors import UserError
 from rlhf.settings import TOP_LEVEL_LIMITS, TrainSettings
 
@@ -154,6 +155,7 @@ def check_config(cfg: DictConfig) -> None:
     validate.check_resume_changes(container)
     _check_data_columns(container)
     _check_peft(container)
+    sweep.check_objective(container)
 
 
 def _check_data_columns(container: dict) -> None:

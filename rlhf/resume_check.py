@@ -36,11 +36,11 @@ log = logging.getLogger(__name__)
 DATA = "tokenized_data"  # the fingerprint's name in the record, in messages and in resume_changes
 
 # What cannot change the optimization, so a resume may change it freely: where the run writes and reports
-# (output_dir, logger, hydra, launcher), how it was started (resume, resume_changes), when it logs, evaluates and
+# (output_dir, logger, hydra, launcher, objective), how it was started (resume, resume_changes), when it logs, evaluates and
 # saves (evaluation runs in eval mode and draws no random number), and where its processes run. A key below one of
 # these is excluded with it.
 NOT_OPTIMIZING = (
-    "output_dir", "resume", "resume_changes", "logger", "hydra", "launcher",
+    "output_dir", "resume", "resume_changes", "logger", "hydra", "launcher", "objective",
     "train.log_every_steps", "train.eval_every_steps", "train.eval_at_start", "train.eval_batch_size",
     "train.save_every_steps", "train.keep_last", "train.save_final", "train.empty_cache_every_steps",
     "hardware.timeout_s", "hardware.threads_per_process", "hardware.rdzv_endpoint", "hardware.node_rank",

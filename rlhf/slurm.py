@@ -18,11 +18,9 @@ The launcher is built once, from the config without the sweep's own overrides, s
 gets the same resources. A sweep over the hardware itself (``hardware=cpu,cpu_ddp``) would hand every point the
 resources of the default hardware; the resolvers refuse it and say to run one sweep per hardware option.
 
-A failing job: Hydra catches the run's exception inside the job and hands it, pickled, to the sweep, which raises it
-where the sweep was started (after every job has ended). ``train.py`` therefore re-raises a :class:`UserError` in
-a submitit job instead of exiting (an exit would read as a crash, reported ~40 s later with the job's whole stderr),
-logs the traceback of any other error there (Hydra keeps none), and raises :func:`for_the_sweep` of it: the error
-itself, or a plain ``RuntimeError`` with its type and message when it would not survive pickling.
+A failing job (a user error, an exception in the run) is recorded in its run folder and counted by the sweep's
+closing line (:mod:`rlhf.sweep`), as under the local launcher; a job whose process dies (out of memory, a
+segfault) is reported by submitit, where the sweep was started.
 
 Several machines (``hardware=multinode hardware.num_nodes=N``): the job asks for N nodes, one task each; every task
 runs the Hydra job, takes its node rank from ``SLURM_NODEID`` and meets the others at the first node of the job on a
@@ -40,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
 import subprocess
 from typing import Any
@@ -151,18 +148,6 @@ def log_to_the_run_folder_from_the_first_node_only() -> None:
 def in_submitit_job() -> bool:
     """True inside a job started by submitit (launcher=slurm or submitit_local)."""
     return "SUBMITIT_EXECUTOR" in os.environ
-
-
-def for_the_sweep(error: Exception) -> Exception:
-    """`error` if it survives the trip to the sweep (pickled in the job, unpickled where the sweep runs), else a
-    RuntimeError with its type and message (e.g. an exception whose constructor takes other arguments)."""
-    try:
-        import cloudpickle
-
-        pickle.loads(cloudpickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__module__}.{type(error).__qualname__}: {error}")
 
 
 def largest_node_cpus(partition: str | None) -> int | None:

@@ -125,19 +125,6 @@ def test_the_command_line_shows_the_slurm_config_without_slurm(tmp_path):
     assert (launcher_cfg.cpus_per_task, launcher_cfg.tasks_per_node, launcher_cfg.nodes) == (2, 1, 1)
 
 
-class _TwoArgumentError(Exception):
-    def __init__(self, what: str, code: int) -> None:
-        super().__init__(f"{what} failed with code {code}")  # pickles, but does not unpickle: args != (what, code)
-
-
-def test_a_jobs_error_reaches_the_sweep_as_itself_or_as_a_plain_error():
-    error = UserError("data.path=x.jsonl: no such file")
-    assert rlhf.slurm.for_the_sweep(error) is error
-    plain = rlhf.slurm.for_the_sweep(_TwoArgumentError("rank 1", 9))
-    assert type(plain) is RuntimeError
-    assert str(plain) == "tests.test_launchers._TwoArgumentError: rank 1 failed with code 9"
-
-
 def test_each_node_of_a_multinode_slurm_job_derives_its_rank_and_the_rendezvous(monkeypatch):
     """In a Slurm job that submitit started (one task per node): the node rank is SLURM_NODEID, the rendezvous is
     the job's first host (from Slurm's compressed node list) on a port derived from the job id, the same on every

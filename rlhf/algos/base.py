@@ -51,6 +51,9 @@ class Algorithm:
     """
 
     columns: tuple[str, ...] = ()  # the columns each row must have (rlhf.data checks them): text, or typed (label)
+    # The names of evaluate()'s metrics that every held-out evaluation reports, whatever the batch or option (one
+    # that depends on them is left out): what a sweep's objective may name (rlhf.sweep), as eval/<name>.
+    eval_metrics: tuple[str, ...] = ("loss",)
     optional_columns: tuple[str, ...] = ()  # typed columns passed on where the data has them (a reward's margin)
 
     @property

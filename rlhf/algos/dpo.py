@@ -47,6 +47,8 @@ class DPO(ReferenceRegularized):
     """
 
     columns = ("prompt", "chosen", "rejected")
+    eval_metrics = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                    "logps/chosen", "logps/rejected", "exact_match")  # and nll_loss with nll_weight
 
     def __init__(
         self,

@@ -66,6 +66,8 @@ class Reward(Algorithm):
     """
 
     columns = ("prompt", "chosen", "rejected")
+    eval_metrics = ("loss", "accuracy", "margin", "mean_reward", "min_reward", "max_reward", "rewards/chosen",
+                    "rewards/rejected")
     optional_columns = (MARGIN,)  # a data file's numeric margin column reaches tokenize (rlhf.data)
 
     def __init__(self, head: str = "sequence_classification", center_rewards_coefficient: float = 0.0,
