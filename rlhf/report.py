@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import math
 import re
 import statistics
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.results import Run, Status
+from rlhf.sweep import FAILED
 
 FINISHED, RUNNING, CRASHED = "finished", "running", "crashed"
 IGNORED = ("output_dir", "resume", "resume_changes")  # differ by run folder or by attempt, not by setting
@@ -83,6 +85,8 @@ def status(run: Run, lines: list[tuple[datetime, str, str]], now: float | None =
     ``lines``), metrics.jsonl changed in the last :data:`FRESH_S` seconds: a process on another machine), else
     crashed."""
     where = run.status
+    if (run.path / FAILED).is_file() and where != Status.RUNNING:  # a sweep point that failed: the run said why
+        return CRASHED
     if where in (Status.FINISHED, Status.RUNNING):
         return FINISHED if where == Status.FINISHED else RUNNING
     metrics = run.path / "metrics.jsonl"
@@ -107,8 +111,16 @@ def wall_time_s(run: Run, lines: list[tuple[datetime, str, str]]) -> float | Non
     return end.stat().st_mtime - start.stat().st_mtime if start.is_file() and end.is_file() else None
 
 
-def why(lines: list[tuple[datetime, str, str]]) -> str:
-    """The last error (or, failing that, warning) of ``train.log``, on one line: what ended a crashed run."""
+def why(lines: list[tuple[datetime, str, str]], folder: Path | None = None) -> str:
+    """What ended a crashed run: the reason a failed sweep point recorded (``failed.json`` in ``folder``), else the
+    last error (or, failing that, warning) of ``train.log``, on one line."""
+    record = folder / FAILED if folder is not None else None
+    if record is not None and record.is_file():
+        try:
+            failure = json.loads(record.read_text())
+            return f"{failure['error']}: {failure['message']}".replace("\n", " ")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     for level in ("ERROR", "CRITICAL", "WARNING"):
         found = [message for _, lvl, message in lines if lvl == level]
         if found:
@@ -194,7 +206,7 @@ def build(runs: Sequence[Run], metrics: Sequence[str] | None = None, now: float 
         flat, lines = flatten(run.config), log_lines(run)
         state = status(run, lines, now)
         rows.append(Row(name if unique else run.path.name, {names[key]: flat.get(key, "") for key in keys}, state,
-                        figures(run, metrics, lines), [run], why(lines) if state == CRASHED else ""))
+                        figures(run, metrics, lines), [run], why(lines, run.path) if state == CRASHED else ""))
     return Report(rows, keys, names, metrics)
 
 

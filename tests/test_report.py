@@ -149,3 +149,17 @@ def test_job_numbers_name_the_rows_unless_they_repeat(tmp_path):
     assert [row.name for row in report.build(runs).rows] == ["0", "1"]
     runs = find([make_run(tmp_path / "b" / "0_x=1"), tmp_path / "a"])
     assert [row.name for row in report.build(runs).rows] == ["0_x=1", "0_x=1", "1_x=2"]
+
+
+def test_a_failed_sweep_point_is_crashed_with_the_reason_it_recorded(tmp_path):
+    from rlhf.results import Run
+    from rlhf.sweep import FAILED
+
+    run = tmp_path / "0_algo.beta=5"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "eval/loss": 0.69}\n')  # written just now: not stale
+    (run / "train.log").write_text("")
+    (run / FAILED).write_text(json.dumps({"error": "NonFinite", "message": "step 3: the loss is nan"}))
+    lines = report.log_lines(Run(run))
+    assert report.status(Run(run), lines) == "crashed"
+    assert report.why(lines, run) == "NonFinite: step 3: the loss is nan"
