@@ -21,7 +21,7 @@ from rlhf.config import build
 from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
 from rlhf.errors import UserError
 from rlhf.hardware import global_numel
-from rlhf.memory import MemoryPlan, activation_bytes, measured_plan, optimizer_bytes_per_parameter
+from rlhf.memory import MemoryPlan, PeakMemory, activation_bytes, measured_plan, optimizer_bytes_per_parameter
 from rlhf.models.adapters import NoAdapter
 from rlhf.optim import param_groups, schedule
 from rlhf.resume_check import data_fingerprint, record
@@ -53,7 +53,7 @@ class BuiltRun:
     resume_record: dict[str, Any]  # what each checkpoint records for resumes (config.json, rlhf.resume_check)
     memory: MemoryPlan  # the preflight: what one process is predicted to hold (rlhf.memory)
     adapter: Any  # the peft option (rlhf.models.adapters): writes final/merged/ after final/
-    peak: Any = None  # rlhf.memory.PeakMemory: the measured peak (set by the loop, which starts it before building)
+    peak: PeakMemory  # the measured peak, counted from just before anything of the run was built
 
     def describe(self) -> None:
         """Log what is about to happen: the folder, the hardware, the batch arithmetic, the model's size."""
@@ -75,6 +75,7 @@ class BuiltRun:
 def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     """Build every component of ``cfg`` on the started ``strategy`` (its Accelerator exists)."""
     accelerator = strategy.accelerator
+    peak = PeakMemory(accelerator.device)  # before anything of the run is built
     settings = TrainSettings(**cfg.train)  # checked with the rest of the config, before any process started
     accumulation = settings.accumulation_steps(accelerator.num_processes)
     set_seed(cfg.seed)
@@ -99,7 +100,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)
     # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
     make_optimizer = build(cfg.optimizer, _convert_="all")  # plain lists (betas): checkpoints load weights-only
-    memory = preflight(model, algo, tokenized["train"], make_optimizer, strategy, settings, cfg.model)
+    memory = preflight(model, algo, tokenized["train"], make_optimizer, strategy, settings)
     model, optimizer, training = strategy.prepare(model, lambda m: make_optimizer(param_groups(m)), training)
     max_steps = settings.steps(len(training), accumulation)
     scheduler = schedule(build(cfg.scheduler), optimizer, max_steps)
@@ -107,10 +108,10 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
                     training, evaluation, accumulation, max_steps,
                     rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows,
                     resume_record=record(cfg, strategy, fingerprint), memory=memory,
-                    adapter=adapter)
+                    adapter=adapter, peak=peak)
 
 
-def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: TrainSettings, model_cfg) -> MemoryPlan:
+def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: TrainSettings) -> MemoryPlan:
     """The memory preflight (:mod:`rlhf.memory`) of this run, for one process: the activations are estimated for a
     micro-batch of the longest rows (of the first 1000), as the algorithm collates them."""
     sample = rows.select(range(min(len(rows), 1000)))
@@ -120,7 +121,7 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     precision = strategy.mixed_precision
     value_bytes = 2 if precision == "bf16" else next(model.parameters()).element_size()
     activations = activation_bytes(model.config, sequences, tokens, value_bytes,
-                                   checkpointing=bool(model_cfg.get("gradient_checkpointing", False)))
+                                   checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)))
     precision = strategy.stored_precision()
     trainable = next((p for p in model.parameters() if p.requires_grad), None)
     state_dtype = precision.optimizer_dtype or (trainable.dtype if trainable is not None else torch.float32)

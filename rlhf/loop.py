@@ -27,7 +27,6 @@ from rlhf import checkpoint, resume_check, run_folder, signals
 from rlhf.built_run import BuiltRun, build_run
 from rlhf.config import build
 from rlhf.logging import Loggers, log_file
-from rlhf.memory import PeakMemory
 from rlhf.metrics import any_process, evaluate, max_over_processes, window_means
 from rlhf.nonfinite import CAUSES, NonFinite, skip_or_stop
 from rlhf.signals import Stopped, catch_stop_signals
@@ -44,9 +43,7 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
     run_dir = Path(cfg.output_dir)
     accelerator = strategy.start(seed=cfg.seed)
     with log_file(run_dir, accelerator.is_main_process), catch_stop_signals() as stop:
-        peak = PeakMemory(accelerator.device)  # before anything of the run is built
         run = build_run(cfg, strategy, run_dir)
-        run.peak = peak
         run.describe()
         state = TrainState()
         if resume is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from rlhf.hardware.holding import StoredPrecision, global_numel, local_numel
+from rlhf.models.quantize import quantized_bytes
 
 MB = 2**20
 AS_LOADED = StoredPrecision()  # the state stored as the model was loaded (data parallel)
@@ -131,7 +132,7 @@ def measured_plan(model: torch.nn.Module, frozen: dict[str, torch.nn.Module], op
     with the policy do not)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     policy_ids = {id(t) for t in unique_tensors(model)}
-    return plan(weights=held_bytes(unique_tensors(model), local=False),
+    return plan(weights=quantized_bytes(model),
                 trainable=sum(global_numel(p) for p in trainable),
                 gradient_width=trainable[0].element_size() if trainable else 0,
                 frozen=sum(held_bytes(unique_tensors(m), skip=policy_ids) for m in frozen.values() if m is not None),

@@ -57,7 +57,7 @@ def measure_one(overrides: list[str], folder: Path) -> dict:
             "seconds": time.perf_counter() - start}
 
 
-def measure(markdown: bool) -> None:
+def measure() -> None:
     print(f"Measured on {cpu_name()}, {os.cpu_count()} CPU(s), one thread; {versions()}. The embedded model at "
           f"hidden size 512 ({' '.join(LARGER[:4])}), DPO, 8 pairs per micro-batch, 3 steps, `hardware=cpu`. "
           "MB per process; measured: peak resident set above the process's size before the run was built.\n")
@@ -114,14 +114,15 @@ def predict_one(architecture: str, overrides: list[str], checkpointing: bool, ca
     """The preflight's prediction (rlhf.memory.plan) for one process of the setup ``overrides`` describes (the
     repository's own config groups: hardware, optimizer, peft, algo/reference, model.dtype)."""
     import torch
+    from hydra import compose, initialize_config_dir
 
     from rlhf.config import build
     from rlhf.hardware.holding import StoredPrecision
     from rlhf.memory import activation_bytes, optimizer_bytes_per_parameter, plan
     from rlhf.models.loading import DTYPES
-    from tests.conftest import compose_config
 
-    cfg = compose_config(*overrides)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "output_dir=unused"])
     dtype = DTYPES[cfg.model.dtype]
     adapter, reference, strategy = build(cfg.peft), build(cfg.algo.reference), build(cfg.hardware)
     key = (architecture, cfg.model.dtype)
@@ -145,23 +146,25 @@ def predict_one(architecture: str, overrides: list[str], checkpointing: bool, ca
 
 GPU = ["hardware.device=cuda", "hardware.num_processes=2", "hardware.mixed_precision=bf16"]
 HARDWARE = ["ddp", "zero2", "zero3", "fsdp"]
-SETUPS = [  # (peft, reference): the combinations the config check accepts
-    ("none", "copy"), ("none", "int8"), ("none", "precomputed"),
-    ("lora", "copy"), ("lora", "adapter"), ("lora", "precomputed"),
-    ("qlora", "adapter"), ("qlora", "precomputed"),
+# (peft, reference, their extra overrides): the combinations the config check accepts. QLoRA stores its 4-bit
+# weights and computes in bf16 (what ZeRO-3 and FSDP need, per PEFT's docs); int8 keeps its unquantized layers
+# (embeddings, norms, head) in the policy's dtype.
+QLORA = ["peft.quant_storage=bfloat16", "peft.compute_dtype=bfloat16"]
+INT8 = ["algo.reference.dtype=${model.dtype}"]
+SETUPS = [
+    ("none", "copy", []), ("none", "int8", INT8), ("none", "precomputed", []),
+    ("lora", "copy", []), ("lora", "adapter", []), ("lora", "precomputed", []),
+    ("qlora", "adapter", QLORA), ("qlora", "precomputed", QLORA),
 ]
 ALL_OPTIMIZERS = ["adamw", "adam8bit", "lion", "sgd"]
 
 
-def _overrides(hardware: str, peft: str, reference: str, optimizer: str, dtype: str) -> list[str]:
-    extra = ["peft.quant_storage=bfloat16", "peft.compute_dtype=bfloat16"] if peft == "qlora" else []
-    if reference == "int8":  # its unquantized layers (embeddings, norms, head) in the policy's dtype
-        extra.append(f"algo.reference.dtype={dtype}")
-    return [f"hardware={hardware}", *GPU, f"peft={peft}", *extra, f"algo/reference={reference}",
-            f"optimizer={optimizer}", f"model.dtype={dtype}", *(["optimizer.momentum=0.9"] if optimizer == "sgd" else [])]
+def _overrides(hardware: str, peft: str, reference: str, extra: list[str], optimizer: str, dtype: str) -> list[str]:
+    return [f"hardware={hardware}", *GPU, f"peft={peft}", f"algo/reference={reference}", *extra,
+            f"optimizer={optimizer}", f"model.dtype={dtype}"]
 
 
-def predict(markdown: bool) -> None:
+def predict() -> None:
     """Predicted GB per GPU for a 0.5B and a 7B model, 2 GPUs, by hardware x (peft, reference) x optimizer."""
     cache: dict = {}
     for architecture in ("Qwen2.5-0.5B", "Llama-2-7B"):
@@ -171,13 +174,13 @@ def predict(markdown: bool) -> None:
         print("| hardware | peft | reference | " + " | ".join(ALL_OPTIMIZERS) + " |")
         print("|---|---|---|" + "---:|" * len(ALL_OPTIMIZERS))
         for hardware in HARDWARE:
-            for peft, reference in SETUPS:
-                cells = [predict_one(architecture, _overrides(hardware, peft, reference, optimizer, "bfloat16"),
+            for peft, reference, extra in SETUPS:
+                cells = [predict_one(architecture, _overrides(hardware, peft, reference, extra, optimizer, "bfloat16"),
                                      True, cache).total / 2**30 for optimizer in ALL_OPTIMIZERS]
                 print(f"| `{hardware}` | `{peft}` | `{reference}` | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
 
 
-def fits(markdown: bool) -> None:
+def fits() -> None:
     """For Phi-2 (2.7B) on two 24 GB GPUs: which setups fit, in bf16 and in fp32 weights."""
     cache: dict = {}
     budget = GPU_GB - GPU_RESERVED_GB
@@ -189,10 +192,10 @@ def fits(markdown: bool) -> None:
           "fp32 weights, checkpointing |")
     print("|---|---|---|---|---|---|")
     for hardware in HARDWARE:
-        for peft, reference in SETUPS:
+        for peft, reference, extra in SETUPS:
             cells = []
             for dtype, checkpointing in (("bfloat16", True), ("bfloat16", False), ("float32", True)):
-                sizes = {optimizer: predict_one("Phi-2 (2.7B)", _overrides(hardware, peft, reference, optimizer,
+                sizes = {optimizer: predict_one("Phi-2 (2.7B)", _overrides(hardware, peft, reference, extra, optimizer,
                                                                           dtype), checkpointing, cache).total / 2**30
                          for optimizer in ALL_OPTIMIZERS}
                 fitting = [optimizer for optimizer, size in sizes.items() if size <= HEADROOM * budget]
@@ -205,11 +208,11 @@ def main() -> None:
     parser.add_argument("what", choices=["measure", "predict", "fits", "all"])
     args = parser.parse_args()
     if args.what in ("measure", "all"):
-        measure(markdown=True)
+        measure()
     if args.what in ("predict", "all"):
-        predict(markdown=True)
+        predict()
     if args.what in ("fits", "all"):
-        fits(markdown=True)
+        fits()
 
 
 if __name__ == "__main__":

@@ -132,3 +132,28 @@ def test_a_strategy_that_stores_bf16_weights_and_a_float32_master_copy_counts_th
     stored = plan(weights=4000, trainable=1000, gradient_width=4, frozen=0, optimizer_bytes=8.0,
                   sharded=frozenset({"optimizer"}), processes=2, activations=0, precision=precision, parameters=1000)
     assert (stored.weights, stored.gradients, stored.optimizer) == (2000, 2000, (8 + 4) * 1000 // 2)
+
+
+def test_the_preflight_of_a_run_counts_gradient_checkpointing_as_the_model_has_it():
+    import types
+
+    import datasets
+
+    from rlhf.algos.dpo import DPO
+    from rlhf.built_run import preflight
+    from rlhf.hardware import DataParallel
+
+    policy = _tiny()
+    algo = DPO()
+    algo.setup(policy.model, policy.tokenizer)
+    rows = datasets.Dataset.from_list([algo.tokenize({"prompt": "abcdef=", "chosen": "fedcba", "rejected": "abcdef"},
+                                                     policy.tokenizer)] * 4)
+    strategy = DataParallel(device="cpu")
+    strategy.accelerator = types.SimpleNamespace(num_processes=1)
+    settings = types.SimpleNamespace(per_device_batch_size=4)  # what the preflight reads of train:
+    make_optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    whole = preflight(policy.model, algo, rows, make_optimizer, strategy, settings)
+    policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = preflight(policy.model, algo, rows, make_optimizer, strategy, settings)
+    assert whole.activations == activation_bytes(policy.model.config, 8, len(rows[0]["chosen_input_ids"]), 4, False)
+    assert checkpointed.activations < whole.activations and checkpointed.weights == whole.weights

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rlhf.errors import UserError
-from rlhf.models.quantize import quantized_bytes
+from rlhf.models.quantize import DTYPE_NAMES, quantized_bytes
 from rlhf.validate import Range, limits
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def _linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:
 
 
 QUANT_TYPES = ("nf4", "fp4")
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = tuple(DTYPE_NAMES)
 
 
 def _known_quantization(values: Mapping[str, Any], where: str) -> None:

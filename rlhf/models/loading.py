@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -19,10 +18,10 @@ from transformers import (
 
 from rlhf import hub
 from rlhf.errors import UserError
-from rlhf.models.quantize import load_quantized, quantized_copy
+from rlhf.models.quantize import DTYPE_NAMES, load_quantized, quantized_copy
 from rlhf.validate import limits
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = DTYPE_NAMES  # model.dtype names -> torch dtypes (one table, shared with the quantized loaders)
 
 
 @dataclass(frozen=True)
