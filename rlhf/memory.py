@@ -52,11 +52,10 @@ def unique_tensors(module: torch.nn.Module) -> Iterable[torch.Tensor]:
     yield from module.buffers()
 
 
-def held_bytes(tensors: Iterable[torch.Tensor], local: bool = True, skip: set[int] | None = None) -> int:
-    """Bytes of ``tensors``: this process's shard (``local``) or the whole tensor; tensors whose id is in ``skip``
-    (e.g. layers a reference shares with the policy) are not counted."""
-    count = local_numel if local else global_numel
-    return sum(count(t) * t.element_size() for t in tensors if skip is None or id(t) not in skip)
+def held_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
+    """Bytes this process stores of ``tensors`` (its shard of a sharded one); tensors whose id is in ``skip`` (e.g.
+    layers a reference shares with the policy) are not counted."""
+    return sum(local_numel(t) * t.element_size() for t in tensors if skip is None or id(t) not in skip)
 
 
 def optimizer_bytes_per_parameter(make_optimizer: Callable[[list], torch.optim.Optimizer],
