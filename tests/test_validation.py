@@ -307,6 +307,18 @@ def test_held_out_sizes_that_are_a_fraction_or_a_count_are_accepted():
     accepted("data.eval_size=0.5", "data.eval_size=3", "seed=4294967295")
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["data.evaluate_on=validation"], "data.evaluate_on=validation needs validation rows, and data.validation_size is "
+                                      "null. Fix: data.validation_size=0.5"),
+    (["data.evaluate_on=test"], "data.evaluate_on=test is not a split a run evaluates on. Fix: "
+                                "data.evaluate_on=held_out"),
+    (["data.validation_size=0"], "data.validation_size=0 must be > 0"),
+    (["data.validation_size=2.5"], "data.validation_size=2.5 is neither a fraction of the held-out rows"),
+])
+def test_the_validation_split_is_checked_before_anything_loads(overrides, message):
+    assert refused(*overrides).startswith(message)
+
+
 def test_a_run_folder_below_a_file_or_where_nothing_can_be_written_is_refused(tmp_path):
     """Tried for real, so it holds for root too (CI): below a regular file, a file itself, and /proc, where not
     even root can make a folder. Nothing is left behind by the try."""

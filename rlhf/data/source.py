@@ -75,10 +75,32 @@ def _fraction_or_count(values: dict, where: str) -> None:
                         f"{max(1, round(size))} (rows)")
 
 
+EVALUATE_ON = ("held_out", "validation")  # the split that a run's evaluations score (data.evaluate_on)
+
+
+def _validation(values: dict, where: str) -> None:
+    """``evaluate_on`` is one of :data:`EVALUATE_ON`; ``validation`` needs ``validation_size`` rows."""
+    evaluate_on, size = values.get("evaluate_on", "held_out"), values.get("validation_size")
+    if evaluate_on not in EVALUATE_ON:
+        raise UserError(f"{where}.evaluate_on={show(evaluate_on)} is not a split a run evaluates on. Fix: "
+                        f"{where}.evaluate_on=held_out (the figures to report) or {where}.evaluate_on=validation "
+                        f"(to choose settings; with {where}.validation_size)")
+    if evaluate_on == "validation" and size is None:
+        raise UserError(f"{where}.evaluate_on=validation needs validation rows, and {where}.validation_size is null. "
+                        f"Fix: {where}.validation_size=0.5 (half of the held-out rows score a search; the other "
+                        "half, the figures reported)")
+    if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 1 and not float(size).is_integer():
+        raise UserError(f"{where}.validation_size={show(size)} is neither a fraction of the held-out rows (< 1) nor "
+                        f"a whole count of rows (>= 1). Fix: {where}.validation_size=0.5")
+
+
 @limits(
     _fraction_or_count,
+    _validation,
     paths.check_path,
     eval_size=Range(gt=0, meaning="rows held out when data.eval_split is null: a fraction (< 1) or a count", fix=0.05),
+    validation_size=Range(gt=0, meaning="held-out rows set aside to choose settings on (a fraction (< 1) or a "
+                          "count); null for none", fix=0.5),
     max_train_rows=Range(ge=1, integer=True, meaning="training rows used at most; null for all", fix="null"),
     seed=Range(ge=0, lt=2**32, integer=True, meaning="which rows are held out", fix=0),
 )
@@ -97,6 +119,14 @@ class DataSource:
         max_train_rows: use at most this many training rows (``None``: all).
         seed: shuffles the held-out selection.
         task: the generated task used when ``path`` is ``None``.
+        validation_size: held-out rows set aside as a validation split (a fraction of the held-out split if < 1,
+            else a count), drawn with ``seed``; ``None``: none. They are taken from the held-out split, not from
+            the training rows, so that the training rows (and the embedded model's warm start, which learns from
+            the task's training strings) are the same whichever split a run scores, and neither split is ever
+            trained on. The held-out split is then what remains.
+        evaluate_on: the split every evaluation of the run scores: ``"held_out"`` (the figures to report) or
+            ``"validation"`` (to choose settings by: a search). Honest selection scores a search with
+            ``validation`` and reports fresh runs of the chosen settings with ``held_out``; the two share no row.
         on_bad_row: what a bad row (a missing, null, empty or wrongly typed field; a conversation with an unknown
             role or no content; ``chosen`` identical to ``rejected``) does: ``"error"`` stops before training with
             one message naming the file, the row (counted from 1; in a CSV file, after the header), the column and
@@ -117,12 +147,16 @@ class DataSource:
         seed: int = 0,
         task: ReverseTask | None = None,
         on_bad_row: str = "error",
+        validation_size: float | None = None,
+        evaluate_on: str = "held_out",
     ) -> None:
         if path is None and task is None:
             raise UserError("data: set data.path=<file or hub dataset> (or use data=reverse for the embedded task)")
         self.path, self.name, self.split, self.eval_split = path, name, split, eval_split
         self.eval_size, self.max_train_rows, self.seed, self.task = eval_size, max_train_rows, seed, task
         self.on_bad_row = check_on_bad_row(on_bad_row)
+        self.validation_size, self.evaluate_on = validation_size, evaluate_on
+        _validation({"validation_size": validation_size, "evaluate_on": evaluate_on}, "data")
         self.skipped_rows = 0
 
     @staticmethod
@@ -231,8 +265,9 @@ class DataSource:
         `optional` columns a file has)."""
         if self.path is None:
             splits = self.task.load(columns)
-            return DatasetDict({k: v.add_column(ROW_COLUMN, [Origin(f"the embedded task ({k} split)").label(i + 1)
-                                                             for i in range(len(v))]) for k, v in splits.items()})
+            return self._scored(DatasetDict({
+                k: v.add_column(ROW_COLUMN, [Origin(f"the embedded task ({k} split)").label(i + 1) for i in range(len(v))])
+                for k, v in splits.items()}))
         train = self._read_split(self.split, columns, optional)
         if self.eval_split is not None:
             evaluation = self._read_split(self.eval_split, columns, optional)
@@ -252,7 +287,23 @@ class DataSource:
                     f"data.eval_size: a fraction such as 0.05, or a count below {len(train)}.")
             parts = train.train_test_split(test_size=size, seed=self.seed)
             train, evaluation = parts["train"], parts["test"]
-        return DatasetDict({"train": train, "eval": evaluation})
+        return self._scored(DatasetDict({"train": train, "eval": evaluation}))
+
+    def _scored(self, splits: DatasetDict) -> DatasetDict:
+        """`splits` with ``eval`` the split this run scores: with ``validation_size``, the held-out rows are parted
+        into validation and held-out rows (by ``seed``), and ``eval`` is the part ``evaluate_on`` names."""
+        if self.validation_size is None:
+            return splits
+        held_out = splits["eval"]
+        size = self.validation_size if self.validation_size < 1 else int(self.validation_size)
+        validation = math.ceil(size * len(held_out)) if size < 1 else size
+        if validation >= len(held_out):
+            raise UserError(f"data.validation_size={show(self.validation_size)} sets aside {validation} of the "
+                            f"{len(held_out)} held-out rows, leaving none to report on. Fix: data.validation_size=0.5 "
+                            "(half of them), or hold out more rows")
+        parts = held_out.train_test_split(test_size=validation, seed=self.seed)
+        scored = parts["test"] if self.evaluate_on == "validation" else parts["train"]
+        return DatasetDict({"train": splits["train"], "eval": scored})
 
     def load(self, columns: Sequence[str], tokenizer, optional: Sequence[str] = ()) -> DatasetDict:
         """Train/eval splits with the columns `columns` (text rendered with the chat template where rows are

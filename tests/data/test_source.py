@@ -39,6 +39,33 @@ def test_embedded_task_is_used_without_a_path():
     assert (len(splits["train"]), len(splits["eval"])) == (10, 3)
 
 
+@pytest.mark.parametrize("source", ["task", "file"])
+def test_validation_rows_are_part_of_the_held_out_split_and_never_scored_with_the_held_out_figures(source, tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ROWS))
+
+    def load(**kwargs):
+        if source == "task":
+            return DataSource(task=ReverseTask(num_train=30, num_eval=20), **kwargs).load(("prompt", "completion"),
+                                                                                          byte_tokenizer())
+        return DataSource(path=str(path), eval_size=8, **kwargs).load(("prompt", "chosen", "rejected"), byte_tokenizer())
+
+    whole, held_out = load(), load(validation_size=0.25)
+    validation = load(validation_size=0.25, evaluate_on="validation")
+    rows = {name: {r["prompt"] for r in splits["eval"]} for name, splits in
+            (("whole", whole), ("held_out", held_out), ("validation", validation))}
+    assert rows["held_out"].isdisjoint(rows["validation"]) and rows["held_out"] | rows["validation"] == rows["whole"]
+    assert len(rows["validation"]) == -(-len(rows["whole"]) // 4)  # a quarter, rounded up
+    # the training rows do not depend on which split a run scores
+    assert whole["train"]["prompt"] == held_out["train"]["prompt"] == validation["train"]["prompt"]
+
+
+def test_a_validation_split_that_leaves_no_held_out_row_is_refused():
+    with pytest.raises(UserError, match=r"data.validation_size=3 sets aside 3 of the 3 held-out rows, leaving none"):
+        DataSource(task=ReverseTask(num_train=10, num_eval=3), validation_size=3).load(("prompt", "completion"),
+                                                                                     byte_tokenizer())
+
+
 def test_a_saved_dataset_dict_folder_loads_with_its_own_eval_split(tmp_path):
     from datasets import Dataset, DatasetDict
 
