@@ -328,13 +328,83 @@ def plot_curves(report: Report, metrics: Sequence[str], path: Path) -> None:
     plt.close(figure)
 
 
-def write(report: Report, out: Path, plot_metrics: Sequence[str] | None = None) -> list[Path]:
-    """``report.md``, ``report.csv`` and ``report.png`` in ``out``; returns their paths. (A search's figure of the
-    objective against each searched parameter goes beside them, from here.)"""
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def searched_parameters(report: Report) -> tuple[list[str], list[str]]:
+    """The axes of a search and the columns naming its series: a differing value that is a number in every row
+    that has it (not ``seed``) is searched where it takes two or more values among rows that agree on everything
+    that is not a number (``lr`` within ``optimizer=SGD``; not ``weight_decay``, which only follows the optimizer);
+    the series are named by the fewest non-number columns that tell them apart (``optimizer``)."""
+    seed = report.names.get("seed")
+    present = {c: [row.values[c] for row in report.rows if row.values[c] != ""] for c in report.value_columns}
+    numbers = [c for c in report.value_columns if c != seed and present[c] and all(map(is_number, present[c]))]
+    others = [c for c in report.value_columns if c != seed and c not in numbers]
+    groups: dict[tuple, list[Row]] = {}
+    for row in report.rows:
+        groups.setdefault(tuple(repr(row.values[c]) for c in others), []).append(row)
+    searched = [c for c in numbers if any(len({row.values[c] for row in rows} - {""}) > 1 for rows in groups.values())]
+    naming = next(([c] for c in others if len({repr(rows[0].values[c]) for rows in groups.values()}) == len(groups)),
+                  others)
+    return searched, naming
+
+
+def plot_objective(report: Report, metric: str, path: Path) -> bool:
+    """``metric``'s final value against each searched parameter (:func:`searched_parameters`), one panel each, one
+    line per combination of the other values (``optimizer``, the other searched parameters); a log axis where the
+    values span 10x or more. Runs without the value (crashed) are left out. False (nothing written) when nothing
+    was searched."""
+    columns, naming = searched_parameters(report)
+    if not columns:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(columns), figsize=(5.5 * len(columns), 3.8), squeeze=False,
+                                layout="constrained")
+    for panel, column in zip(axes.flat, columns):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for row in report.rows:
+            x, y = row.values[column], row.figures.get(f"{metric} end")
+            if is_number(x) and y is not None and math.isfinite(y):
+                name = ", ".join(f"{c}={row.values[c]}" for c in [*naming, *(c for c in columns if c != column)]
+                                 if row.values[c] != "")
+                series.setdefault(name or metric, []).append((x, y))
+        for name, points in series.items():
+            panel.plot(*zip(*sorted(points)), marker="o", label=name)
+        xs = [x for points in series.values() for x, _ in points]
+        if xs and min(xs) > 0 and max(xs) >= 10 * min(xs):
+            panel.set_xscale("log")
+        panel.set_xlabel(column)
+        panel.set_ylabel(f"{metric} (end)")
+        panel.set_title(f"{metric} against {column}", fontsize=9)
+        if len(series) > 1:
+            panel.legend(fontsize=7)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def objective_of(runs: Sequence[Run]) -> str | None:
+    """The ``objective.metric`` that every one of `runs` names (what a search optimized), else None."""
+    metrics = {str(((run.config or {}).get("objective") or {}).get("metric")) for run in runs}
+    return metrics.pop() if len(metrics) == 1 and "None" not in metrics else None
+
+
+def write(report: Report, out: Path, plot_metrics: Sequence[str] | None = None,
+          objective: str | None = None) -> list[Path]:
+    """``report.md``, ``report.csv`` and ``report.png`` in ``out``, and with an `objective` metric ``objective.png``
+    where the runs searched a number (:func:`plot_objective`); returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     md, table_csv, png = (out / name for name in FILES)
     md.write_text(markdown(report))
     with table_csv.open("w", newline="") as file:
         csv.writer(file).writerows(csv_rows(report))
     plot_curves(report, plot_metrics or ["train/loss", *report.metrics], png)
-    return [md, table_csv, png]
+    written = [md, table_csv, png]
+    if objective and plot_objective(report, objective, out / "objective.png"):
+        written.append(out / "objective.png")
+    return written

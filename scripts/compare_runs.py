@@ -7,7 +7,8 @@ One row per run: the config values that differ between the runs (from each run's
 held-out metric at step 0, at the end and at its best (with the step), the final train loss, tokens/s, peak memory,
 wall time and the status (finished, running, crashed: crashed runs show what they logged and the last error of
 their train.log). Written to --out (default: the sweep folder) as report.md, report.csv and report.png; the table is
-printed too. --seeds folds runs that differ only in `seed` into mean ± std. The logic is rlhf/report.py.
+printed too. Where the runs searched a number (a learning rate...), objective.png plots their `objective.metric`
+against it, one line per value of the rest (the optimizer...). --seeds folds runs that differ only in `seed` into mean ± std. The logic is rlhf/report.py.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def main() -> int:
         if not runs:
             raise UserError(f"no run folders under {', '.join(map(str, args.paths))}. Fix: give a multirun's folder "
                             "(outputs/multirun/<date>/<time>) or run folders.")
-        made = report.build(runs, args.metrics)
+        objective = report.objective_of(runs)  # what the runs' search optimized: plotted against what it searched
+        metrics = args.metrics and [*args.metrics, *([objective] if objective not in args.metrics else [])]
+        made = report.build(runs, metrics if objective else args.metrics)
         if args.seeds:
             made = report.aggregate_seeds(made)
     except UserError as error:
@@ -53,7 +56,7 @@ def main() -> int:
         print(report.text(made), end="")
     sweeps = [path for path in args.paths if not is_run_folder(path)]
     out = args.out or (sweeps[0] if len(sweeps) == 1 else Path(os.path.commonpath([run.path.parent for run in runs])))
-    written = report.write(made, out, args.plot)
+    written = report.write(made, out, args.plot, objective=objective)
     print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
     return 0
 

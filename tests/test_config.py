@@ -270,6 +270,18 @@ def test_launcher_builds_its_hydra_launcher_which_takes_every_field(option, tmp_
         assert executor.parameters["gpus_per_node"] == params["gpus_per_node"]
 
 
+def _selection_points(sweeper: dict, objective) -> list[dict[str, str]]:
+    """Every search job of a select-then-confirm sweep, and the confirm jobs of its first searched point."""
+    from rlhf.search import Study, as_overrides, grid
+
+    study = Study.plan(sweeper["compare"], sweeper["search"], objective)
+    searched = [[*p.compared, *p.overrides, *as_overrides(sweeper["select_on"])] for p in study.search]
+    study.search[0].value = 0.0
+    confirmed = [[*p.compared, *p.overrides] for p in study.plan_confirm(as_overrides(sweeper["confirm_on"]))]
+    assert len(confirmed) == len(grid(as_overrides(sweeper["confirm_on"])))
+    return [{o.partition("=")[0]: o for o in job} for job in [*searched, *confirmed]]
+
+
 def _sweep_points(params: dict) -> list[dict[str, str]]:
     """Every job of a sweep over `params` (hydra.sweeper.params) as {key: override}, as Hydra's basic sweeper makes
     them: each comma-separated (or range/choice) value of each key, all combinations."""
@@ -286,7 +298,10 @@ def _sweep_points(params: dict) -> list[dict[str, str]]:
 def test_experiment_checks_and_builds_every_sweep_point_and_trains_the_first(option, tmp_path):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         full = compose("config", overrides=[f"experiment={option}", "output_dir=unused"], return_hydra_config=True)
-    if full.hydra.mode == RunMode.MULTIRUN:
+    if full.hydra.mode == RunMode.MULTIRUN and "compare" in full.hydra.sweeper:  # select_then_confirm
+        points = _selection_points(OmegaConf.to_container(full.hydra.sweeper), full.objective)
+        assert len(points) > 1, f"experiment={option} is a multirun of one job"
+    elif full.hydra.mode == RunMode.MULTIRUN:
         points = _sweep_points(OmegaConf.to_container(full.hydra.sweeper.params))
         assert len(points) > 1, f"experiment={option} is a multirun of one job"
     else:

@@ -163,3 +163,23 @@ def test_a_failed_sweep_point_is_crashed_with_the_reason_it_recorded(tmp_path):
     lines = report.log_lines(Run(run))
     assert report.status(Run(run), lines) == "crashed"
     assert report.why(lines, run) == "NonFinite: step 3: the loss is nan"
+
+
+def test_the_searched_parameters_are_the_numbers_that_vary_among_runs_alike_in_everything_else(tmp_path):
+    """``lr`` is searched within each optimizer; ``weight_decay`` only follows the optimizer; ``seed`` is never an
+    axis; the series are named by the optimizer alone. The objective's figure is written from them."""
+    def row(optimizer, lr, weight_decay, seed, value):
+        values = {"optimizer": optimizer, "lr": lr, "weight_decay": weight_decay, "seed": seed}
+        return report.Row(f"{optimizer}{lr}{seed}", values, report.FINISHED, {"eval/exact_match end": value}, [])
+
+    rows = [row("SGD", lr, 0.0, seed, lr) for lr in (0.01, 0.1) for seed in (0, 1)]
+    rows += [row("Lion", lr, 0.1, 0, lr * 100) for lr in (1e-5, 1e-4)]
+    keys = ["optimizer._target_", "optimizer.lr", "optimizer.weight_decay", "seed"]
+    made = report.Report(rows, keys, dict(zip(keys, ["optimizer", "lr", "weight_decay", "seed"])),
+                         ["eval/exact_match"])
+    assert report.searched_parameters(made) == (["lr"], ["optimizer"])
+    written = report.write(made, tmp_path, plot_metrics=["eval/exact_match"], objective="eval/exact_match")
+    assert (tmp_path / "objective.png") in written and (tmp_path / "objective.png").stat().st_size > 10_000
+    one_lr = report.Report([r for r in rows if r.values["lr"] in (0.01, 1e-5)], keys, made.names, made.metrics)
+    assert report.searched_parameters(one_lr)[0] == []  # nothing searched: no objective figure
+    assert not report.plot_objective(one_lr, "eval/exact_match", tmp_path / "none.png")

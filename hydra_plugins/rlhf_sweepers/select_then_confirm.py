@@ -1,0 +1,99 @@
+"""Hydra's plugin for ``hydra/sweeper=select_then_confirm``: search on validation rows, then confirm each choice with
+fresh runs on the held-out rows (the logic and its documentation: ``rlhf/search.py``).
+
+Hydra instantiates sweepers from the ``hydra_plugins`` package only, and imports every module here when it starts:
+this one imports nothing heavy at the top.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+class SelectThenConfirm(Sweeper):
+    """Args (``hydra.sweeper.*``):
+        compare: values searched and confirmed each on its own, e.g. ``optimizer=sgd,adamw`` (null: one search).
+        search: the grid of every compared value (``"optimizer.lr=0.01,0.1"``), or one per value keyed by the
+            compared value (``{sgd: ..., adamw: ...}``).
+        select_on: ``{key: value}`` of every search job (``{data.evaluate_on: validation, seed: 0}``).
+        confirm_on: ``{key: value}`` of the confirm jobs; a sweep value gives one job each (``{data.evaluate_on:
+            held_out, seed: "1,2,3"}``).
+        max_batch_size: jobs launched at once at most (null: each stage in one batch).
+    """
+
+    def __init__(self, compare: str | None = None, search: Any = None, select_on: Any = None, confirm_on: Any = None,
+                 max_batch_size: int | None = None) -> None:
+        from rlhf.search import as_overrides
+
+        super().__init__()
+        self.compare, self.search = compare, search
+        self.select_on, self.confirm_on = as_overrides(select_on), as_overrides(confirm_on)
+        self.max_batch_size = max_batch_size
+        self.config: DictConfig | None = None
+        self.launcher = None
+        self.hydra_context: HydraContext | None = None
+        self.jobs = 0
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
+                                                                task_function=task_function, config=config)
+
+    def _launch(self, stage: str, points: list, arguments: list[str], extra: list[str]) -> list[JobReturn]:
+        """Run ``points`` (each a :class:`rlhf.search.Point`) into ``<sweep dir>/<stage>/``; fill in their folders
+        and values. ``extra``: overrides of every job of the stage."""
+        from rlhf.config import short_name
+        from rlhf.search import outcome
+
+        constant = {o for o in [*self.select_on, *self.confirm_on] if "," not in o}  # the same in a whole stage
+
+        def place(point) -> str:  # <stage>/<job number>_<its own values>: e.g. search/3_optimizer=sgd,optimizer.lr=0.1
+            name = short_name(",".join(o for o in [*point.compared, *point.overrides] if o not in constant) or stage)
+            return f"hydra.sweep.subdir='{stage}/${{hydra.job.num}}_{name}'"
+
+        jobs = [[*arguments, *p.compared, *p.overrides, *extra, place(p)] for p in points]
+        self.validate_batch_is_legal(jobs)  # an unknown key: Hydra's message before anything runs
+        size = self.max_batch_size or len(jobs) or 1
+        returns: list[JobReturn] = []
+        for start in range(0, len(jobs), size):
+            returns += self.launcher.launch(jobs[start:start + size], initial_job_idx=self.jobs)
+            self.jobs += len(jobs[start:start + size])
+        for point, job_return in zip(points, returns):
+            output_dir = OmegaConf.select(job_return.hydra_cfg or {}, "hydra.runtime.output_dir")
+            point.folder = str(Path(output_dir).relative_to(Path(self.config.hydra.sweep.dir).resolve())
+                               if output_dir else "")
+            point.value, point.reason = outcome(job_return)
+        return returns
+
+    def sweep(self, arguments: list[str]) -> Any:
+        from rlhf.errors import UserError
+        from rlhf.search import Study, check_arguments, write
+
+        assert self.config is not None and self.launcher is not None
+        try:
+            check_arguments(arguments)
+            study = Study.plan(self.compare, self.search, OmegaConf.to_container(self.config.objective, resolve=True))
+        except UserError as error:  # one message before anything runs, as for any bad input
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(1) from None
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        results = self._launch("search", study.search, arguments, self.select_on)
+        results += self._launch("confirm", study.plan_confirm(self.confirm_on), arguments, [])
+        written = write(study, sweep_dir)
+        log.info("selection: %s", ", ".join(str(p) for p in written[:2]))
+        print((sweep_dir / "selection.md").read_text(), end="")
+        return results
