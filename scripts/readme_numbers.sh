@@ -11,10 +11,15 @@ for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
       $PY scripts/seeds.py --seeds 0-4 --markdown --name readme-main ;;
-    optimizers)  # "Comparing optimizers": one job per optimizer, seed 0
+    optimizers)  # "A fair optimizer comparison": each optimizer at its searched learning rate, 3 seeds (~10 min)
       rm -rf $OUT/optimizers
-      $PY train.py -m algo=dpo optimizer=sgd,adam8bit,lion hydra.sweep.dir=$OUT/optimizers >/dev/null 2>&1
-      $PY scripts/compare_runs.py $OUT/optimizers --metrics eval/rewards/accuracies eval/exact_match eval/logps/chosen ;;
+      /usr/bin/time -f "wall %e s" $PY train.py experiment=optimizer_comparison hydra.sweep.dir=$OUT/optimizers 2>&1 \
+        | grep -E "^wall|points (failed|finished)" || true
+      cat $OUT/optimizers/selection.md
+      $PY scripts/compare_runs.py $OUT/optimizers/confirm --seeds --metrics eval/exact_match eval/rewards/accuracies \
+        --out $OUT/optimizers/confirm 2>/dev/null
+      cp $OUT/optimizers/confirm/report.png docs/optimizer_comparison.png
+      cp $OUT/optimizers/search/objective.png docs/optimizer_search.png ;;
     sft_dpo)  # "SFT, then DPO from the SFT model": SFT, plain DPO and DPO + NLL from it, seed 0
       rm -rf $OUT/sft $OUT/dpo $OUT/rpo
       $PY train.py algo=sft hydra.run.dir=$OUT/sft >/dev/null 2>&1
