@@ -1,0 +1,129 @@
+"""Sweep points whose process dies, under the submitit launchers (``launcher=submitit_local``, ``launcher=slurm``).
+
+Each point of such a sweep runs in a process of its own. A point that fails by an exception is recorded by the
+point itself (:mod:`rlhf.sweep`); one whose process dies (the out-of-memory killer's SIGKILL, a segfault, a Slurm
+job cancelled or out of time) leaves no result, and Hydra's submitit launcher then raises submitit's
+``UncompletedJobError`` while it collects the batch's results: the whole sweep ended there, with a traceback, no
+closing line, and its later batches never launched. :class:`DeadPointsFail` collects the results job by job
+instead: a job that ended without a result becomes a failed point, its ``failed.json`` (:data:`rlhf.sweep.FAILED`)
+written by the sweep's process in the point's run folder with the reason (the job's state and the last line of its
+error log), and handed to Hydra as a :class:`~rlhf.sweep.FailedPoint`, as a point that failed by an exception is:
+the sweep goes on, :class:`~rlhf.sweep.SweepSummary` counts it in its closing line, and ``train.py`` exits 1.
+
+The launchers themselves are in ``hydra_plugins/rlhf_launchers.py`` (Hydra builds a launcher only from a class of
+the ``hydra_plugins`` package); this module holds what they do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlhf.sweep import FailedPoint, record_failure
+
+log = logging.getLogger(__name__)
+_HEALTHY_STATES = ("FINISHED", "COMPLETED", "UNKNOWN")  # submitit's local jobs read FINISHED whatever the task's end
+
+
+class ProcessDied(RuntimeError):
+    """A sweep point's process ended without a result (recorded as the ``error`` of its ``failed.json``)."""
+
+
+def last_log_line(text: str, limit: int = 300) -> str:
+    """The last line of a log that says something: progress bars (``\\r``) and blank lines are skipped."""
+    lines = [line.strip() for line in text.replace("\r", "\n").splitlines()]
+    said = [line for line in lines if line and not line.startswith(("training:", "evaluating:", "formatting:",
+                                                                    "tokenizing:"))]
+    line = said[-1] if said else ""
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def death_reason(job: Any) -> str:
+    """Why a submitit job left no result, from what submitit knows: its state and its error log."""
+    state = str(job.state)
+    said = f" (job state {state})" if state.upper() not in _HEALTHY_STATES else ""
+    try:
+        log = job.stderr() or ""
+        where = str(job.paths.stderr)
+    except OSError:
+        log, where = "", "unknown"
+    line = last_log_line(log)
+    tail = f"; the last line of its log: {line!r}" if line else ""
+    return (f"the process ended without a result{said}: killed (out of memory?), crashed (a segfault?) or "
+            f"stopped{tail}; its log: {where}")
+
+
+class _Collected:
+    """A submitted job whose ``results()`` returns a failed point, instead of raising, when the job left no
+    result."""
+
+    def __init__(self, job: Any, launcher: Any, overrides: Sequence[str], job_num: int) -> None:
+        self.job, self.launcher, self.overrides, self.job_num = job, launcher, list(overrides), job_num
+        if getattr(launcher, "_EXECUTOR", None) == "local":  # on this machine a result is written before the
+            job._results_timeout_s = 1  # job ends: no need for the 15 s submitit waits for a slow shared disk
+
+    def results(self) -> list:
+        from submitit.core.utils import UncompletedJobError
+
+        try:
+            return self.job.results()
+        except UncompletedJobError:
+            return [self.launcher.failed_point(self.overrides, self.job_num, death_reason(self.job))]
+
+
+class DeadPointsFail:
+    """Mixin for Hydra's submitit launchers: a job that ends without a result is a failed point of the sweep
+    (see the module docstring); every other job's result is collected as before."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
+        with self._collecting():
+            return super().launch(job_overrides, initial_job_idx)  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def _collecting(self) -> Iterator[None]:
+        """The plugin builds its executor as ``submitit.AutoExecutor`` and reads each job's results in turn: for
+        this launch, its jobs are wrapped so that a dead one reads as a failed point."""
+        import submitit
+
+        launcher, stock = self, submitit.AutoExecutor
+
+        class Executor(stock):  # type: ignore[misc,valid-type]
+            def map_array(self, fn: Any, *iterable: Sequence[Any]) -> list:
+                jobs = super().map_array(fn, *iterable)
+                overrides, nums = iterable[0], iterable[2]  # the plugin's arguments: overrides, dir key, job number
+                return [_Collected(job, launcher, o, n) for job, o, n in zip(jobs, overrides, nums)]
+
+        submitit.AutoExecutor = Executor
+        try:
+            yield
+        finally:
+            submitit.AutoExecutor = stock
+
+    def failed_point(self, overrides: Sequence[str], job_num: int, reason: str) -> Any:
+        """Record the point in its run folder (as the job would have named it) and return its JobReturn: completed,
+        with a :class:`FailedPoint` for a value, as a point that failed by an exception returns (a failed
+        JobReturn would make Hydra's sweeper raise, ending the sweep)."""
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.utils import JobReturn, JobStatus
+        from omegaconf import OmegaConf, open_dict
+
+        config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))  # type: ignore[attr-defined]
+        with open_dict(config.hydra.job):
+            config.hydra.job.num = job_num
+            config.hydra.job.id = f"job_id_for_{job_num}"
+        before = HydraConfig.instance().cfg
+        HydraConfig.instance().set_config(config)  # as Hydra's run_job has it when it names the folder
+        try:
+            folder = Path(str(OmegaConf.select(config, "hydra.sweep.dir"))) / str(
+                OmegaConf.select(config, "hydra.sweep.subdir"))
+        finally:
+            HydraConfig.instance().cfg = before
+        failed: FailedPoint = record_failure(folder.absolute(), ProcessDied(reason))
+        log.error("point %s: %s", folder.name, reason)
+        returned = JobReturn(overrides=list(overrides), working_dir=str(folder.absolute()),
+                             task_name=str(config.hydra.job.name), status=JobStatus.COMPLETED)
+        returned.return_value = failed
+        return returned
