@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,19 @@ class DeadPointsFail:
     (see the module docstring); every other job's result is collected as before."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
+        self._travel_by_value()
         with self._collecting():
             return super().launch(job_overrides, initial_job_idx)  # type: ignore[misc]
+
+    def _travel_by_value(self) -> None:
+        """Each job unpickles this launcher. Its class lives in ``hydra_plugins/`` beside ``train.py``, which a job
+        started from another working directory cannot import: the class is pickled whole (its bases, in the
+        installed packages, by name)."""
+        import cloudpickle  # submitit's own pickler
+
+        module = sys.modules.get(type(self).__module__)
+        if module is not None and hasattr(cloudpickle, "register_pickle_by_value"):  # cloudpickle >= 2
+            cloudpickle.register_pickle_by_value(module)
 
     @contextlib.contextmanager
     def _collecting(self) -> Iterator[None]:
