@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,12 +34,19 @@ class ProcessDied(RuntimeError):
     """A sweep point's process ended without a result (recorded as the ``error`` of its ``failed.json``)."""
 
 
+_PROGRESS = re.compile(r"^\w[\w ]*:\s+\d+%\|.*\]")  # a progress bar (tqdm), up to its closing "]"
+_TROUBLE = re.compile(r"error|killed|fatal|signal|oom", re.IGNORECASE)
+
+
 def last_log_line(text: str, limit: int = 300) -> str:
-    """The last line of a log that says something: progress bars (``\\r``) and blank lines are skipped."""
-    lines = [line.strip() for line in text.replace("\r", "\n").splitlines()]
-    said = [line for line in lines if line and not line.startswith(("training:", "evaluating:", "formatting:",
-                                                                    "tokenizing:"))]
-    line = said[-1] if said else ""
+    """The line of a job's error log that tells most why it ended: the last one naming trouble (``srun: error: ...
+    task 0: Killed``, ``Fatal Python error: Segmentation fault``, ``slurmstepd: error: Detected 1 oom_kill event``,
+    an exception), else the last one that says something. Progress bars and blank lines are skipped (text glued
+    after a bar is kept)."""
+    lines = [_PROGRESS.sub("", line).strip() for line in text.replace("\r", "\n").splitlines()]
+    said = [line for line in lines if line]
+    trouble = [line for line in said if _TROUBLE.search(line)]
+    line = (trouble or said or [""])[-1]
     return line if len(line) <= limit else line[:limit] + "..."
 
 

@@ -143,3 +143,19 @@ def test_a_point_whose_process_dies_is_a_failed_point_under_submitit(tmp_path, m
     assert (finished / "summary.json").is_file() and not (finished / FAILED).exists(), out.stderr[-3000:]
     closing = out.stderr.strip().splitlines()[-1]
     assert closing.startswith("1 of 2 points failed: 0_+algo.call=0: the process ended without a result"), closing
+
+
+def test_the_reason_of_a_dead_point_is_the_line_of_its_log_that_names_the_trouble():
+    """What a Slurm job killed at its first step (SIGKILL) left in its error log (measured), a segfault, and a log
+    that names no trouble. Instant."""
+    from rlhf.launchers import last_log_line
+
+    slurm = ("[2026-11-25 04:05:03,759][rlhf.loop][INFO] - step 0: eval/exact_match 0 | eval/loss 5.574\n"
+             "training:   0%|          | 0/3 [00:00<?, ?it/s]srun: error: localhost: task 0: Killed\n"
+             "srun: Force Terminated StepId=2.0\n")
+    assert last_log_line(slurm) == "srun: error: localhost: task 0: Killed"
+    segfault = "step 0: eval/loss 5.574\nFatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n"
+    assert last_log_line(segfault) == "Fatal Python error: Segmentation fault"
+    quiet = "step 0: eval/loss 5.574\rtraining:  33%|###3      | 1/3 [00:01<00:03,  1.52s/it, loss=5.5610]\n\n"
+    assert last_log_line(quiet) == "step 0: eval/loss 5.574"
+    assert last_log_line("") == ""
