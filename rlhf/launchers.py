@@ -6,9 +6,9 @@ job cancelled or out of time) leaves no result, and Hydra's submitit launcher th
 ``UncompletedJobError`` while it collects the batch's results: the whole sweep ended there, with a traceback, no
 closing line, and its later batches never launched. :class:`DeadPointsFail` collects the results job by job
 instead: a job that ended without a result becomes a failed point, its ``failed.json`` (:data:`rlhf.sweep.FAILED`)
-written by the sweep's process in the point's run folder with the reason (the job's state and the last line of its
-error log), and handed to Hydra as a :class:`~rlhf.sweep.FailedPoint`, as a point that failed by an exception is:
-the sweep goes on, :class:`~rlhf.sweep.SweepSummary` counts it in its closing line, and ``train.py`` exits 1.
+written by the sweep's process in the point's run folder with the reason (the job's state and what its error log
+says), and handed to Hydra as a :class:`~rlhf.sweep.FailedPoint`, as a point that failed by an exception is: the
+sweep goes on, :class:`~rlhf.sweep.SweepSummary` counts it in its closing line, and ``train.py`` exits 1.
 
 The launchers themselves are in ``hydra_plugins/rlhf_launchers.py`` (Hydra builds a launcher only from a class of
 the ``hydra_plugins`` package); this module holds what they do.
@@ -55,12 +55,12 @@ def death_reason(job: Any) -> str:
     state = str(job.state)
     said = f" (job state {state})" if state.upper() not in _HEALTHY_STATES else ""
     try:
-        log = job.stderr() or ""
+        text = job.stderr() or ""
         where = str(job.paths.stderr)
     except OSError:
-        log, where = "", "unknown"
-    line = last_log_line(log)
-    tail = f"; the last line of its log: {line!r}" if line else ""
+        text, where = "", "unknown"
+    line = last_log_line(text)
+    tail = f"; its log says: {line!r}" if line else ""
     return (f"the process ended without a result{said}: killed (out of memory?), crashed (a segfault?) or "
             f"stopped{tail}; its log: {where}")
 
