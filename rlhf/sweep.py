@@ -15,7 +15,8 @@ and ``train.py`` hands Hydra a :class:`FailedPoint` instead of ending the proces
 points. A search sweeper counts it as a failed trial (it cannot be read as a number). When the sweep ends,
 :class:`SweepSummary` logs ``N of M points failed: ...``, and ``train.py`` exits with 1. A stop signal or Ctrl-C still
 ends the whole sweep: that is what they ask for. A point that kills its process (out of memory, a segfault) ends an
-in-process (``launcher=local``) sweep; ``launcher=submitit_local`` or ``slurm`` run each point in a process of its own.
+in-process (``launcher=local``) sweep; ``launcher=submitit_local`` or ``slurm`` run each point in a process of its own,
+and record one whose process died as a failed point, from the sweep's process (:mod:`rlhf.launchers`).
 """
 
 from __future__ import annotations

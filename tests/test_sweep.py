@@ -19,7 +19,7 @@ from rlhf.models.reference import FrozenCopy
 from rlhf.models.tiny import TinySpec
 from rlhf.models.tokenizer import byte_tokenizer
 from rlhf.sweep import FAILED, objective_value, produced_metrics
-from tests.conftest import FAST, compose_config
+from tests.conftest import FAST, ROOT, compose_config
 from tests.test_train_cli import run
 
 NAN = ["algo=sft", "algo._target_=tests.nonfinite_loss.NaNAt"]  # every training loss is NaN
@@ -115,3 +115,47 @@ def test_the_sweep_summary_counts_the_failed_json_of_points_run_elsewhere(tmp_pa
     assert capsys.readouterr().err.strip() == "1 of 3 points failed: 1_b: bad value"
     assert sweep.failed_points() == 1
     sweep._failures.clear()
+
+
+@pytest.mark.serial
+def test_a_point_whose_process_dies_is_a_failed_point_under_submitit(tmp_path, monkeypatch):
+    """launcher=submitit_local, one point per batch: point 0 kills its own process (SIGKILL, as the out-of-memory
+    killer does) at its first training step, point 1 (the next batch) trains. Before dead jobs were collected as
+    failed points, submitit's UncompletedJobError ended the sweep after point 0: no closing line, point 1 never
+    launched. Started from another working directory, with the packages (not the repository root) on the path:
+    the jobs still load the launcher, which lives beside train.py. ~25 s (two jobs one after the other)."""
+    path = tmp_path / "path"
+    path.mkdir()
+    for package in ("rlhf", "tests"):
+        (path / package).symlink_to(ROOT / package)
+    monkeypatch.setenv("PYTHONPATH", str(path))
+    sweep_dir = tmp_path / "sweep"
+    out = run("-m", "launcher=submitit_local", "algo=sft", "algo._target_=tests.dying_loss.DieAt", "+algo.call=0,null",
+              "hydra.sweeper.max_batch_size=1", *FAST, f"hydra.sweep.dir={sweep_dir}",
+              "hydra.job.config.override_dirname.exclude_keys=[launcher,algo,algo._target_,"
+              + ",".join(o.split("=")[0] for o in FAST) + "]", cwd=tmp_path)
+    assert out.returncode == 1, out.stderr[-3000:]
+    dead, finished = sweep_dir / "0_+algo.call=0", sweep_dir / "1_+algo.call=null"
+    record = json.loads((dead / FAILED).read_text())
+    assert record["error"] == "ProcessDied", record
+    assert record["message"].startswith("the process ended without a result: killed (out of memory?)"), record
+    assert str(sweep_dir / ".submitit") in record["message"]  # where its log is
+    assert (finished / "summary.json").is_file() and not (finished / FAILED).exists(), out.stderr[-3000:]
+    closing = out.stderr.strip().splitlines()[-1]
+    assert closing.startswith("1 of 2 points failed: 0_+algo.call=0: the process ended without a result"), closing
+
+
+def test_the_reason_of_a_dead_point_is_the_line_of_its_log_that_names_the_trouble():
+    """What a Slurm job killed at its first step (SIGKILL) left in its error log (measured), a segfault, and a log
+    that names no trouble. Instant."""
+    from rlhf.launchers import last_log_line
+
+    slurm = ("[2026-11-25 04:05:03,759][rlhf.loop][INFO] - step 0: eval/exact_match 0 | eval/loss 5.574\n"
+             "training:   0%|          | 0/3 [00:00<?, ?it/s]srun: error: localhost: task 0: Killed\n"
+             "srun: Force Terminated StepId=2.0\n")
+    assert last_log_line(slurm) == "srun: error: localhost: task 0: Killed"
+    segfault = "step 0: eval/loss 5.574\nFatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n"
+    assert last_log_line(segfault) == "Fatal Python error: Segmentation fault"
+    quiet = "step 0: eval/loss 5.574\rtraining:  33%|###3      | 1/3 [00:01<00:03,  1.52s/it, loss=5.5610]\n\n"
+    assert last_log_line(quiet) == "step 0: eval/loss 5.574"
+    assert last_log_line("") == ""
