@@ -143,7 +143,9 @@ class DeadPointsFail:
             HydraConfig.instance().cfg = before
         failed: FailedPoint = record_failure(folder.absolute(), ProcessDied(reason))
         log.error("point %s: %s", folder.name, reason)
-        returned = JobReturn(overrides=list(overrides), working_dir=str(folder.absolute()),
+        with open_dict(config.hydra.runtime):
+            config.hydra.runtime.output_dir = str(folder.absolute())  # where a sweeper finds the point's folder
+        returned = JobReturn(overrides=list(overrides), working_dir=str(folder.absolute()), hydra_cfg=config,
                              task_name=str(config.hydra.job.name), status=JobStatus.COMPLETED)
         returned.return_value = failed
         return returned

@@ -18,7 +18,7 @@ The sweep folder holds ``search/`` and ``confirm/`` (one run folder per job), ``
 ``selection.md`` (each compared value: its searched points and scores, the choice, the confirmed figures as mean ±
 std), and the reports of :mod:`rlhf.report` (``search/report.*`` with ``objective.png``, the objective against each
 searched parameter; ``confirm/report.*``, seeds folded). The Hydra plugin class is
-``hydra_plugins/rlhf_sweepers/select_then_confirm.py``; the logic is here.
+``hydra_plugins/rlhf_sweepers.py``; the logic is here.
 """
 
 from __future__ import annotations
