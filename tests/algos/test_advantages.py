@@ -16,7 +16,7 @@ G = 3
 
 
 def close(actual: torch.Tensor, expected: list, atol: float = 1e-6) -> None:
-    assert torch.allclose(actual.double(), torch.tensor(expected, dtype=torch.float64), atol=atol), actual
+    assert torch.allclose(actual.double(), torch.as_tensor(expected, dtype=torch.float64), atol=atol), actual
 
 
 def sample_std(xs: list[float]) -> float:
