@@ -127,15 +127,13 @@ def kl_penalized_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: floa
 # ---- KL coefficient controllers ----
 
 
-@limits(kl_coef=Range(ge=0, meaning="the KL penalty's coefficient in the reward; 0.05 is common", fix=0.05))
-class FixedKLController:
-    """A constant KL coefficient (TRL's PPO ``kl_coef``); ``update`` changes nothing."""
+class KLController:
+    """The KL coefficient ``value`` of the per-token reward, updated after each rollout; saved in checkpoints."""
 
-    def __init__(self, kl_coef: float = 0.05) -> None:
-        self.value = float(kl_coef)
+    value: float
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        pass
+        """``current_kl``: the mean KL per completion of the last rollout; ``n_steps``: its number of completions."""
 
     def state_dict(self) -> dict[str, Tensor]:
         return {"value": torch.tensor(self.value, dtype=torch.float64)}
@@ -144,10 +142,18 @@ class FixedKLController:
         self.value = float(state["value"].item())
 
 
+@limits(kl_coef=Range(ge=0, meaning="the KL penalty's coefficient in the reward; 0.05 is common", fix=0.05))
+class FixedKLController(KLController):
+    """A constant KL coefficient (TRL's PPO ``kl_coef``); ``update`` changes nothing."""
+
+    def __init__(self, kl_coef: float = 0.05) -> None:
+        self.value = float(kl_coef)
+
+
 @limits(init_kl_coef=Range(gt=0, meaning="the KL coefficient at the start", fix=0.2),
         target=Range(gt=0, meaning="the KL (nats per completion) the controller steers to", fix=6.0),
         horizon=Range(gt=0, meaning="samples over which the coefficient may change by about e^±0.2", fix=10000))
-class AdaptiveKLController(FixedKLController):
+class AdaptiveKLController(KLController):
     """Ziegler et al. 2019 (arXiv:1909.08593, §2.2): ``β ← β (1 + clip(KL/target − 1, −0.2, 0.2) · n / horizon)``.
 
     ``n`` is the number of samples (completions) since the last update; the KL is measured per completion. TRL's
@@ -155,7 +161,7 @@ class AdaptiveKLController(FixedKLController):
     """
 
     def __init__(self, init_kl_coef: float = 0.2, target: float = 6.0, horizon: float = 10000) -> None:
-        super().__init__(init_kl_coef)
+        self.value = float(init_kl_coef)
         self.target, self.horizon = float(target), float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:

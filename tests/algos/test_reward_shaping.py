@@ -4,6 +4,7 @@ against values worked out by hand."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -135,3 +136,13 @@ def test_weighted_rewards_treat_nan_as_not_applicable():
 def test_weighted_rewards_refuse_the_wrong_number_of_weights():
     with pytest.raises(UserError, match="one weight per reward function"):
         R.weighted_rewards(torch.zeros(2, 3), torch.tensor([1.0, 1.0]))
+
+
+@pytest.mark.parametrize("module", ["advantages", "policy_losses", "reward_shaping"])
+def test_declared_limits_name_real_arguments(module):
+    import importlib
+
+    mod = importlib.import_module(f"rlhf.algos.{module}")
+    for name, obj in vars(mod).items():
+        if getattr(obj, "__module__", None) == mod.__name__ and hasattr(obj, "__limits__"):
+            assert set(obj.__limits__) <= set(inspect.signature(obj).parameters), name
