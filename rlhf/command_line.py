@@ -5,11 +5,16 @@ to your config use +optimiser=lion", which leads the user to add a ``+`` and tra
 ``train.py`` calls :func:`check_overrides` with ``sys.argv``; everything else is left to Hydra and to
 :func:`rlhf.config.check_config` once the config is composed (``+key=value``, ``~key``, ``hydra.*``, sweeps
 written with functions such as ``choice(...)``).
+
+It also names the fix when a command line selects a sweeper that comes from an optional extra which is not installed
+(``hydra/sweeper=search``, directly or through an ``experiment=`` preset): Hydra would only say that it cannot find
+the option.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 import sys
 from collections.abc import Sequence
@@ -88,9 +93,68 @@ def _option_problem(group: str, value: str, folder: Path | None) -> str | None:
     return None
 
 
+# Hydra sweepers that an optional extra of the package installs: {option: (the module Hydra finds it in, the extra)}.
+# An option of conf/hydra/sweeper/ that extends one of them (``defaults: [optuna, ...]``) needs the same extra.
+EXTRA_SWEEPERS = {"optuna": ("hydra_plugins.hydra_optuna_sweeper", "search")}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing too
+        return False
+
+
+def _defaults(path: Path) -> list:
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        return []  # Hydra reports a broken file
+    return loaded.get("defaults") or [] if isinstance(loaded, dict) else []
+
+
+def _sweepers(argv: Sequence[str], folder: Path) -> list[tuple[str, str]]:
+    """The sweeper options the command line selects: [(option, where it was selected)]. ``hydra/sweeper=`` on the
+    command line wins over an ``experiment=`` preset's ``override /hydra/sweeper: <option>``."""
+    chosen: list[tuple[str, str]] = []
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key == "hydra/sweeper":
+            chosen = [(value, f"hydra/sweeper={value}")]
+    if chosen:
+        return chosen
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key != "experiment":
+            continue
+        for name in filter(None, (v.strip() for v in value.split(","))):
+            for entry in _defaults(folder / "experiment" / f"{name}.yaml"):
+                for entry_key, option in (entry.items() if isinstance(entry, dict) else ()):
+                    if str(entry_key).split()[-1].strip("/") == "hydra/sweeper":
+                        chosen.append((str(option), f"experiment={name} (hydra/sweeper={option})"))
+    return chosen
+
+
+def missing_extra(argv: Sequence[str], folder: Path | None = None) -> str | None:
+    """The message for a sweeper the command line selects whose optional extra is not installed; None if none."""
+    folder = folder or validate.conf_dir()
+    if folder is None:
+        return None
+    for option, where in _sweepers(argv, folder):
+        bases = [option, *(e for e in _defaults(folder / "hydra" / "sweeper" / f"{option}.yaml") if isinstance(e, str))]
+        for base in bases:
+            if base in EXTRA_SWEEPERS and not _installed(EXTRA_SWEEPERS[base][0]):
+                extra = EXTRA_SWEEPERS[base][1]
+                return (f"{where} needs Hydra's {base} sweeper, which comes with the optional extra [{extra}], not "
+                        f'installed here. Fix: pip install -e ".[{extra}]" (scripts/setup.sh installs it)')
+    return None
+
+
 def check_overrides(argv: Sequence[str]) -> None:
     """Print the message for a bad override in `argv` (``sys.argv[1:]``) and exit 1, before Hydra composes."""
-    message = problem(argv)
+    message = problem(argv) or missing_extra(argv)
     if message:
         print(f"error: {message}", file=sys.stderr)
         sys.exit(1)

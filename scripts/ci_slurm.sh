@@ -3,10 +3,11 @@
 #
 #   bash scripts/ci_slurm.sh          # about 2 minutes on 2 CPUs; exit status 1 with the reason on any failure
 #
-# Starts Slurm with accounting (slurmdbd + MariaDB, so that sacct works: scripts/slurm/start.sh), then runs two
+# Starts Slurm with accounting (slurmdbd + MariaDB, so that sacct works: scripts/slurm/start.sh), then runs three
 # sweeps at once, one per hardware option (a job's CPUs and GPUs are derived from the hardware, once per -m run):
 #   optimizers: optimizer=sgd,adam8bit,lion, one process each (3 jobs, 1 CPU each)
 #   cpu_ddp:    hardware=cpu_ddp, two processes started by the job itself (1 job, 2 CPUs)
+#   search:     a 2-trial Optuna search of the learning rate (hydra/sweeper=search, the [search] extra; 2 jobs at once)
 # Each is a ~20-step run of the embedded default with a small eval. Then it checks that every Slurm job ended
 # COMPLETED (sacct) and that every run folder has metrics.jsonl up to the last step, summary.json and final/ (a
 # Slurm job is COMPLETED even when the run inside failed: Hydra hands the error to the sweep, whose exit status is
@@ -126,7 +127,7 @@ T_START=$(since "$T")
 wait $warm || { tail -n 20 "$OUT/warm_start.log" >&2; fail "building the tiny model failed"; }
 echo "cluster ready in $T_START s; $(sinfo -h -o '%P %D node(s) %c CPUs %T')"
 
-echo "== sweeps: optimizer=sgd,adam8bit,lion (1 process each) and hardware=cpu_ddp (2 processes)"
+echo "== sweeps: optimizer=sgd,adam8bit,lion (1 process each), hardware=cpu_ddp (2 processes), a 2-trial Optuna search"
 T=$(now)
 timeout 900 $PY train.py -m "${LAUNCH[@]}" optimizer=sgd,adam8bit,lion "${RUN[@]}" \
   hydra.sweep.dir="$OUT/optimizers" >"$OUT/optimizers.log" 2>&1 &
@@ -134,9 +135,13 @@ sweep_a=$!
 timeout 900 $PY train.py -m "${LAUNCH[@]}" hardware=cpu_ddp "${RUN[@]}" \
   hydra.sweep.dir="$OUT/cpu_ddp" >"$OUT/cpu_ddp.log" 2>&1 &
 sweep_b=$!
+timeout 900 $PY train.py -m "${LAUNCH[@]}" hydra/sweeper=search hydra.sweeper.n_trials=2 hydra.sweeper.n_jobs=2 \
+  'optimizer.lr=tag(log, interval(1e-5, 1e-3))' "${RUN[@]}" hydra.sweep.dir="$OUT/search" >"$OUT/search.log" 2>&1 &
+sweep_c=$!
 status=0
 wait $sweep_a || { status=$?; tail -n 15 "$OUT/optimizers.log" >&2; echo "ci_slurm: sweep optimizers exited $status" >&2; }
 wait $sweep_b || { status=$?; tail -n 15 "$OUT/cpu_ddp.log" >&2; echo "ci_slurm: sweep cpu_ddp exited $status" >&2; }
+wait $sweep_c || { status=$?; tail -n 15 "$OUT/search.log" >&2; echo "ci_slurm: sweep search exited $status" >&2; }
 T_SWEEP=$(since "$T")
 [[ $status == 0 ]] || fail "a sweep failed (exit $status; 124: timed out): see $OUT/*.log and $OUT/*/.submitit/"
 
@@ -164,7 +169,7 @@ for line in sacct.stdout.split():
     jobs[job] = (state, elapsed, cpus, start[-8:], end[-8:])
 errors = [f"Slurm job {job} ended {v[0]}" for job, v in jobs.items() if v[0] != "COMPLETED"]
 rows = []
-for sweep, expected in (("optimizers", 3), ("cpu_ddp", 1)):
+for sweep, expected in (("optimizers", 3), ("cpu_ddp", 1), ("search", 2)):
     runs = sorted(p.parent.parent for p in (out / sweep).glob("*/.hydra/hydra.yaml"))
     if len(runs) != expected:
         errors.append(f"{sweep}: {len(runs)} run folder(s), expected {expected}")
@@ -188,6 +193,13 @@ for sweep, expected in (("optimizers", 3), ("cpu_ddp", 1)):
         state, elapsed, cpus, start, end = jobs.get(job, ("?",) * 5)
         rows.append((job, state, start, end, elapsed, cpus, str(processes), hydra["runtime"]["choices"]["optimizer"],
                      f"{final.get('eval/loss', float('nan')):.4f}", str(last), name))
+# The search: Optuna's best value is the lowest final eval/loss of its trials (the default objective, minimized).
+results = out / "search" / "optimization_results.yaml"
+losses = [json.loads((p.parent.parent / "summary.json").read_text())["final"]["eval/loss"]
+          for p in (out / "search").glob("*/.hydra/hydra.yaml") if (p.parent.parent / "summary.json").exists()]
+best = yaml.safe_load(results.read_text())["best_value"] if results.exists() else None
+if best is None or not losses or best != min(losses):
+    errors.append(f"search: optimization_results.yaml best_value {best} is not the lowest final eval/loss {losses}")
 head = ("job", "state", "start", "end", "elapsed", "cpus", "procs", "optimizer", "eval/loss", "step", "run folder")
 widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 for r in [head, *rows]:

@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir
 from hydra._internal.callbacks import Callbacks
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import IntervalSweep
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, RunMode
@@ -286,12 +287,17 @@ def _selection_points(sweeper: dict, objective) -> list[dict[str, str]]:
 
 def _sweep_points(params: dict) -> list[dict[str, str]]:
     """Every job of a sweep over `params` (hydra.sweeper.params) as {key: override}, as Hydra's basic sweeper makes
-    them: each comma-separated (or range/choice) value of each key, all combinations."""
+    them: each comma-separated (or range/choice) value of each key, all combinations; a search's interval (Optuna's
+    sweeper) by its two ends."""
     choices = []
     for override in OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()]):
         key = override.get_key_element()
-        values = override.sweep_string_iterator() if override.is_sweep_override() else [
-            override.get_value_element_as_str()]
+        if isinstance(override.value(), IntervalSweep):
+            values = [override.value().start, override.value().end]
+        elif override.is_sweep_override():
+            values = override.sweep_string_iterator()
+        else:
+            values = [override.get_value_element_as_str()]
         choices.append([(override.key_or_group, f"{key}={value}") for value in values])
     return [dict(point) for point in itertools.product(*choices)]
 
