@@ -8,6 +8,8 @@
 #   optimizers: optimizer=sgd,adam8bit,lion, one process each (3 jobs, 1 CPU each)
 #   cpu_ddp:    hardware=cpu_ddp, two processes started by the job itself (1 job, 2 CPUs)
 #   search:     a 2-trial Optuna search of the learning rate (hydra/sweeper=search, the [search] extra; 2 jobs at once)
+#   select:     select_then_confirm: 2 learning rates scored on validation rows, then the better one on the held-out
+#               rows with another seed (2 jobs, then 1)
 # Each is a ~20-step run of the embedded default with a small eval. Then it checks that every Slurm job ended
 # COMPLETED (sacct) and that every run folder has metrics.jsonl up to the last step, summary.json and final/ (a
 # Slurm job is COMPLETED even when the run inside failed: Hydra hands the error to the sweep, whose exit status is
@@ -127,7 +129,7 @@ T_START=$(since "$T")
 wait $warm || { tail -n 20 "$OUT/warm_start.log" >&2; fail "building the tiny model failed"; }
 echo "cluster ready in $T_START s; $(sinfo -h -o '%P %D node(s) %c CPUs %T')"
 
-echo "== sweeps: optimizer=sgd,adam8bit,lion (1 process each), hardware=cpu_ddp (2 processes), a 2-trial Optuna search"
+echo "== sweeps: optimizer=sgd,adam8bit,lion (1 process each), hardware=cpu_ddp (2 processes), a 2-trial Optuna search, select_then_confirm"
 T=$(now)
 timeout 900 $PY train.py -m "${LAUNCH[@]}" optimizer=sgd,adam8bit,lion "${RUN[@]}" \
   hydra.sweep.dir="$OUT/optimizers" >"$OUT/optimizers.log" 2>&1 &
@@ -138,10 +140,15 @@ sweep_b=$!
 timeout 900 $PY train.py -m "${LAUNCH[@]}" hydra/sweeper=search hydra.sweeper.n_trials=2 hydra.sweeper.n_jobs=2 \
   'optimizer.lr=tag(log, interval(1e-5, 1e-3))' "${RUN[@]}" hydra.sweep.dir="$OUT/search" >"$OUT/search.log" 2>&1 &
 sweep_c=$!
+timeout 900 $PY train.py -m "${LAUNCH[@]}" hydra/sweeper=select_then_confirm data.validation_size=0.5 \
+  "hydra.sweeper.search='optimizer.lr=1e-4,3e-4'" "hydra.sweeper.confirm_on.seed='1'" "${RUN[@]}" \
+  hydra.sweep.dir="$OUT/select" >"$OUT/select.log" 2>&1 &
+sweep_d=$!
 status=0
 wait $sweep_a || { status=$?; tail -n 15 "$OUT/optimizers.log" >&2; echo "ci_slurm: sweep optimizers exited $status" >&2; }
 wait $sweep_b || { status=$?; tail -n 15 "$OUT/cpu_ddp.log" >&2; echo "ci_slurm: sweep cpu_ddp exited $status" >&2; }
 wait $sweep_c || { status=$?; tail -n 15 "$OUT/search.log" >&2; echo "ci_slurm: sweep search exited $status" >&2; }
+wait $sweep_d || { status=$?; tail -n 15 "$OUT/select.log" >&2; echo "ci_slurm: sweep select exited $status" >&2; }
 T_SWEEP=$(since "$T")
 [[ $status == 0 ]] || fail "a sweep failed (exit $status; 124: timed out): see $OUT/*.log and $OUT/*/.submitit/"
 
@@ -169,7 +176,7 @@ for line in sacct.stdout.split():
     jobs[job] = (state, elapsed, cpus, start[-8:], end[-8:])
 errors = [f"Slurm job {job} ended {v[0]}" for job, v in jobs.items() if v[0] != "COMPLETED"]
 rows = []
-for sweep, expected in (("optimizers", 3), ("cpu_ddp", 1), ("search", 2)):
+for sweep, expected in (("optimizers", 3), ("cpu_ddp", 1), ("search", 2), ("select/search", 2), ("select/confirm", 1)):
     runs = sorted(p.parent.parent for p in (out / sweep).glob("*/.hydra/hydra.yaml"))
     if len(runs) != expected:
         errors.append(f"{sweep}: {len(runs)} run folder(s), expected {expected}")
@@ -200,6 +207,23 @@ losses = [json.loads((p.parent.parent / "summary.json").read_text())["final"]["e
 best = yaml.safe_load(results.read_text())["best_value"] if results.exists() else None
 if best is None or not losses or best != min(losses):
     errors.append(f"search: optimization_results.yaml best_value {best} is not the lowest final eval/loss {losses}")
+# select_then_confirm: the better learning rate on the validation rows, run again on the held-out rows with seed 1.
+selection = json.loads((out / "select" / "selection.json").read_text()) if (out / "select" / "selection.json").exists() else None
+if selection is None:
+    errors.append("select: no selection.json")
+else:
+    group = selection["compared"]["all"]
+    scored = [p for p in group["search"] if p["value"] is not None]
+    confirm = group["confirm"]
+    if len(scored) != 2 or group["chosen"] != min(scored, key=lambda p: p["value"])["overrides"]:
+        errors.append(f"select: chosen {group['chosen']} is not the lower eval/loss of {scored}")
+    elif len(confirm) != 1 or confirm[0]["value"] != json.loads(
+            (out / "select" / confirm[0]["folder"] / "summary.json").read_text())["final"]["eval/loss"]:
+        errors.append(f"select: the confirm run {confirm} does not hold its run's final eval/loss")
+    else:
+        config = yaml.safe_load((out / "select" / confirm[0]["folder"] / ".hydra" / "config.yaml").read_text())
+        if (config["data"]["evaluate_on"], config["seed"]) != ("held_out", 1):
+            errors.append(f"select: the confirm run scored {config['data']['evaluate_on']} with seed {config['seed']}")
 head = ("job", "state", "start", "end", "elapsed", "cpus", "procs", "optimizer", "eval/loss", "step", "run folder")
 widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 for r in [head, *rows]:

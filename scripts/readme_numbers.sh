@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Regenerate the measured numbers in README.md (a few minutes on 2 CPU cores). Each part prints its table.
-#   bash scripts/readme_numbers.sh [main] [optimizers] [sft_dpo] [hardware]     (default: all four)
+#   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [hardware]     (default: all five)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=outputs/readme
-parts=${*:-main optimizers sft_dpo hardware}
+parts=${*:-main optimizers dpo_search sft_dpo hardware}
 for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
@@ -20,6 +20,16 @@ for part in $parts; do
         --out $OUT/optimizers/confirm 2>/dev/null
       cp $OUT/optimizers/confirm/report.png docs/optimizer_comparison.png
       cp $OUT/optimizers/search/objective.png docs/optimizer_search.png ;;
+    dpo_search)  # "Hyperparameter search": experiment=dpo_search (seed 0), then its best settings on the held-out rows
+      rm -rf $OUT/dpo_search $OUT/dpo_search_final
+      /usr/bin/time -f "search wall %e s" $PY train.py experiment=dpo_search hydra.sweep.dir=$OUT/dpo_search 2>&1 \
+        | grep -E "wall|points (failed|finished)" || true
+      cat $OUT/dpo_search/optimization_results.yaml
+      best=$($PY -c "import yaml,sys; r=yaml.safe_load(open(sys.argv[1])); print(' '.join(f'{k}={v}' for k, v in r['best_params'].items()))" $OUT/dpo_search/optimization_results.yaml)
+      $PY train.py -m algo=dpo $best data.validation_size=0.5 data.evaluate_on=held_out seed=1,2,3 train.max_steps=100 \
+        train.save_every_steps=0 train.save_final=false hydra.sweep.dir=$OUT/dpo_search_final >/dev/null 2>&1
+      $PY scripts/compare_runs.py $OUT/dpo_search_final --seeds --metrics eval/exact_match \
+        --out $OUT/dpo_search_final 2>/dev/null ;;
     sft_dpo)  # "SFT, then DPO from the SFT model": SFT, plain DPO and DPO + NLL from it, seed 0
       rm -rf $OUT/sft $OUT/dpo $OUT/rpo
       $PY train.py algo=sft hydra.run.dir=$OUT/sft >/dev/null 2>&1
@@ -46,6 +56,6 @@ PY
         echo "     $(grep -o 'global batch .*' $OUT/hw-$hw/train.log | head -1); $((SECONDS - start)) s in all"
         $PY scripts/check_run.py $OUT/hw-$hw --min eval/rewards/accuracies=0 --min-of-start eval/exact_match=-1 | sed 's/^/     /'
       done ;;
-    *) echo "unknown part: $part (main, optimizers, sft_dpo, hardware)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, hardware)" >&2; exit 2 ;;
   esac
 done
