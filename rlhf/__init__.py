@@ -19,5 +19,15 @@ from rlhf import logging as _logging_sinks  # noqa: E402,F401  (registers rlhf.s
 from rlhf import slurm as _slurm  # noqa: E402,F401  (registers the launcher resolvers: rlhf.slurm_cpus, ...)
 from rlhf.launch import train  # noqa: E402
 
-__all__ = ["train"]
+__all__ = ["StepTrainer", "train"]
+
+
+def __getattr__(name: str):
+    """``rlhf.StepTrainer`` is imported on first use: it pulls in the loop, the data and model modules, which
+    ``train.py --help`` and a sweep's parent process never need."""
+    if name == "StepTrainer":
+        from rlhf.step_trainer import StepTrainer
+
+        return StepTrainer
+    raise AttributeError(f"module 'rlhf' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -98,14 +98,13 @@ def _train(run: BuiltRun, state: TrainState, record, stop, resume: Path | None) 
             bar.update(1)
             step = state.step
             if step % settings.log_every_steps == 0 or step == run.max_steps:
-                metrics = _window_metrics(run, state, outcome.grad_norm, time.perf_counter() - window_start)
+                metrics = window_metrics(run, state, outcome.grad_norm, time.perf_counter() - window_start)
                 record(metrics, step)
                 if "train/loss" in metrics:
                     bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", refresh=False)
                 log.info("step %d: %s", step, _brief({k: v for k, v in metrics.items() if k.startswith("train/")}))
-                state.window_sums.clear()
-                state.window_weights.clear()
-                state.window_steps, state.window_tokens, window_start = 0, 0, time.perf_counter()
+                state.new_window()
+                window_start = time.perf_counter()
             every = settings.eval_every_steps
             if (every and step % every == 0) or step == run.max_steps:
                 if step == run.max_steps:
@@ -134,11 +133,13 @@ class StepOutcome:
     stop: bool  # a stop signal reached some process: checkpoint and stop after this step
 
 
-def train_step(run: BuiltRun, state: TrainState, batches, stop) -> StepOutcome:
-    """One optimizer step: ``accumulation`` micro-batches, the clip, then the step on every process, or on none
-    when any process saw a non-finite loss or gradient (``train.on_nonfinite``). Advances ``state`` (step, log
-    window) and the schedule, which moves on a skipped step too, so that the run keeps its length."""
-    strategy, model, accum = run.strategy, run.model, run.accumulation
+def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: int | None = None) -> StepOutcome:
+    """One optimizer step: ``accumulation`` micro-batches (default ``run.accumulation``), each from
+    ``batches.next()``, the clip, then the step on every process, or on none when any process saw a non-finite
+    loss or gradient (``train.on_nonfinite``). Advances ``state`` (step, log window) and the schedule, which moves
+    on a skipped step too, so that the run keeps its length. The loop passes the algorithm's batch source;
+    :class:`rlhf.step_trainer.StepTrainer` passes the micro-batches its caller gave."""
+    strategy, model, accum = run.strategy, run.model, accumulation or run.accumulation
     step_metrics, step_tokens, finite = [], 0, True
     for micro in range(accum):
         batch = batches.next()
@@ -175,7 +176,7 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop) -> StepOutcome:
     return StepOutcome(grad_norm, flags["stop"])
 
 
-def _window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, elapsed_s: float) -> dict[str, float]:
+def window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, elapsed_s: float) -> dict[str, float]:
     """The log window's training metrics (means over its steps and every process), speed, lr and counters."""
     processes = run.accelerator.num_processes
     metrics = {**window_means(state, "train/", run.accelerator), "train/lr": run.scheduler.get_last_lr()[0],

@@ -23,6 +23,12 @@ class TrainState:
     window_tokens: int = 0  # non-padding tokens this rank trained on in the log window (for perf/*)
     last: dict[str, float] = field(default_factory=dict)  # the latest metrics of each key (summary.json)
 
+    def new_window(self) -> None:
+        """Start a new log window (after its metrics were written)."""
+        self.window_sums.clear()
+        self.window_weights.clear()
+        self.window_steps, self.window_tokens = 0, 0
+
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {**data, "window_sums": dict(self.window_sums), "window_weights": dict(self.window_weights),
