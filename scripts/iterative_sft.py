@@ -27,8 +27,8 @@ from rlhf import StepTrainer
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="seeds the model's sampling and the prompts drawn")
-    parser.add_argument("--rounds", type=int, default=8, help="generate-filter-train rounds")
-    parser.add_argument("--prompts", type=int, default=64, help="training prompts per round")
+    parser.add_argument("--rounds", type=int, default=12, help="generate-filter-train rounds")
+    parser.add_argument("--prompts", type=int, default=128, help="training prompts per round")
     parser.add_argument("--samples", type=int, default=4, help="completions sampled per prompt")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     parser.add_argument("--batch", type=int, default=32, help="kept rows per optimizer step")
