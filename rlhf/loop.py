@@ -90,6 +90,7 @@ def _train(run: BuiltRun, state: TrainState, record, stop, resume: Path | None) 
     bar = tqdm(total=run.max_steps, initial=state.step, desc="training", dynamic_ncols=True,
                disable=not accelerator.is_main_process or run.max_steps == 0,
                mininterval=0.5 if sys.stderr.isatty() else 15.0)
+    run.model.train()  # a model loaded with from_pretrained comes in eval mode (dropout off); evaluations set it back
     with logging_redirect_tqdm():  # log lines print above the progress bar
         saved, first = None, state.step
         while state.step < run.max_steps:

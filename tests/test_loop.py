@@ -159,3 +159,21 @@ def test_the_device_cache_is_emptied_every_n_steps(fast_config, monkeypatch):
     assert len(steps) == 2  # after steps 2 and 4
     train(fast_config("train.max_steps=5"))
     assert len(steps) == 2  # 0: never
+
+
+def test_every_training_step_runs_in_training_mode_even_without_an_evaluation_first(fast_config, monkeypatch):
+    """A model loaded with from_pretrained (the cached warm start, a Hub model) comes in eval mode: dropout off. The
+    loop puts it in training mode before its first step, not only after an evaluation (train.eval_at_start=false)."""
+    from rlhf.algos.sft import SFT
+
+    modes, loss = [], SFT.loss
+
+    def recording(self, model, batch, **kwargs):
+        if torch.is_grad_enabled():  # a training micro-batch (evaluations run without gradients)
+            modes.append(model.training)
+        return loss(self, model, batch, **kwargs)
+
+    monkeypatch.setattr(SFT, "loss", recording)
+    # a 2-step warm start: the model then comes from the cache through from_pretrained, in eval mode
+    train(fast_config("algo=sft", "model.tiny.warm_start_steps=2", "train.eval_at_start=false", "train.max_steps=2"))
+    assert modes == [True, True], modes
