@@ -38,6 +38,9 @@ from rlhf.validate import Range, limits
         epsilon_high=Range(gt=0, meaning="DAPO's clip-higher upper range (0.28 in the paper); null is epsilon",
                            fix=0.28),
         beta=Range(ge=0, meaning="the weight of the KL to the reference in the loss; 0 holds no reference", fix=0.0),
+        log_completions_every_steps=Range(ge=0, integer=True, meaning="steps between samples.jsonl entries; 0 "
+                                          "is never", fix=50),
+        num_completions_to_print=Range(ge=0, integer=True, meaning="completions written each time", fix=4),
         max_sampling_batches=Range(ge=1, integer=True, meaning="prompt batches dynamic sampling may draw per "
                                    "rollout", fix=4))
 class GRPO(OnlineAlgorithm):
@@ -66,6 +69,9 @@ class GRPO(OnlineAlgorithm):
             weight each (``None``: all 1), and the dataset columns passed to them.
         reference: the :class:`~rlhf.models.reference.Reference` strategy that builds the reference (``beta > 0``).
         disable_dropout: no dropout in policy and reference, as TRL does.
+        log_completions_path, log_completions_every_steps, num_completions_to_print: every N steps (and at the
+            first), the first completions of the step's rollout with their rewards, appended to this JSON-lines
+            file (``samples.jsonl`` in the run folder; ``None``: none).
     """
 
     def __init__(
@@ -94,12 +100,18 @@ class GRPO(OnlineAlgorithm):
         reward_columns: Sequence[str] = (),
         reference: Reference | None = None,
         disable_dropout: bool = True,
+        log_completions_path: str | None = None,
+        log_completions_every_steps: int = 50,
+        num_completions_to_print: int = 4,
     ) -> None:
         self._init_online(temperature=temperature, top_p=top_p, top_k=top_k,
                           max_completion_length=max_completion_length, max_prompt_length=max_prompt_length,
                           num_generations=num_generations, num_iterations=num_iterations,
                           steps_per_generation=steps_per_generation, seed=seed, reward_funcs=reward_funcs,
-                          reward_weights=reward_weights, reward_columns=reward_columns)
+                          reward_weights=reward_weights, reward_columns=reward_columns,
+                          log_completions_path=log_completions_path,
+                          log_completions_every_steps=log_completions_every_steps,
+                          num_completions_to_print=num_completions_to_print)
         self.beta, self.epsilon, self.epsilon_high = beta, epsilon, epsilon_high
         self.scale_rewards, self.loss_type = scale_rewards, loss_type
         self.importance_sampling_level, self.kl_estimator = importance_sampling_level, kl_estimator

@@ -18,6 +18,7 @@ uninterrupted one did, and N processes sample what one process with N accumulati
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -73,11 +74,16 @@ class OnlineAlgorithm(Algorithm):
     reward_funcs: Mapping[str, Callable] = {}
     reward_weights: Sequence[float] | None = None
     reward_columns: Sequence[str] = ()
+    log_completions_path: str | None = None
+    log_completions_every_steps: int = 50
+    num_completions_to_print: int = 4
 
     def _init_online(self, *, temperature: float, top_p: float, top_k: int, max_completion_length: int,
                      max_prompt_length: int | None, num_generations: int, num_iterations: int,
                      steps_per_generation: int, seed: int, reward_funcs: Mapping[str, Callable] | None,
-                     reward_weights: Sequence[float] | None, reward_columns: Sequence[str]) -> None:
+                     reward_weights: Sequence[float] | None, reward_columns: Sequence[str],
+                     log_completions_path: str | None = None, log_completions_every_steps: int = 50,
+                     num_completions_to_print: int = 4) -> None:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
         self.num_generations, self.num_iterations = num_generations, num_iterations
@@ -92,6 +98,10 @@ class OnlineAlgorithm(Algorithm):
         self.optional_columns = self.reward_columns
         self.pad_id, self.eos_id, self.tokenizer = 0, None, None
         self.buffer: dict[str, Any] = {}  # the rollout being served (checkpointed): see Rollouts
+        self.log_completions_path = log_completions_path
+        self.log_completions_every_steps, self.num_completions_to_print = (log_completions_every_steps,
+                                                                           num_completions_to_print)
+        self.last_completions: list[dict[str, Any]] = []  # the latest rollout's texts and rewards (not checkpointed)
 
     # ---- data ----------------------------------------------------------------------------------------------------
     def tokenize(self, row: dict[str, Any], tokenizer) -> dict[str, Any]:
@@ -185,7 +195,23 @@ class OnlineAlgorithm(Algorithm):
         texts = [p for p in prompts["prompts"] for _ in range(num_generations)]
         columns = {c: [v for v in prompts[c] for _ in range(num_generations)] for c in self.reward_columns
                    if c in prompts}
-        return reward_lib.score(self.reward_funcs, self.reward_weights, texts, completions, columns)
+        reward, per_function = reward_lib.score(self.reward_funcs, self.reward_weights, texts, completions, columns)
+        self.last_completions = [{"prompt": p, "completion": c, "reward": float(r),
+                                  **{f"rewards/{name}": float(v) for name, v in zip(self.reward_funcs, values)}}
+                                 for p, c, r, values in zip(texts, completions, reward.tolist(), per_function.tolist())]
+        return reward, per_function
+
+    def write_completions(self, step: int) -> None:
+        """Append the first ``num_completions_to_print`` completions of the latest rollout, with their rewards, to
+        ``log_completions_path`` (``samples.jsonl`` in the run folder) as one JSON line per completion, when
+        ``step`` is a multiple of ``log_completions_every_steps`` (the first step included). Called on the main
+        process only; a resumed run may write a step again."""
+        every = self.log_completions_every_steps
+        if not self.log_completions_path or not every or (step % every and step != 1):
+            return
+        with open(self.log_completions_path, "a") as file:
+            for sample in self.last_completions[:self.num_completions_to_print]:
+                file.write(json.dumps({"step": step, **sample}) + "\n")
 
     def reward_metrics(self, reward: Tensor, per_function: Tensor, sampled: dict[str, Any]) -> dict[str, Tensor]:
         """TRL's names: ``reward``, ``reward_std``, ``rewards/<name>/mean``, ``completions/mean_length``,
@@ -232,6 +258,8 @@ class Rollouts:
         total = algo.steps_per_generation * algo.num_iterations
         if not buffer or buffer["served"] >= total:
             samples, metrics = algo.collect(self.model, self._next_prompts)
+            if self.accelerator.is_main_process:
+                algo.write_completions(self.state.step + 1)  # the step this rollout trains
             buffer = algo.buffer = {"micro_batches": split_groups(samples, algo.steps_per_generation,
                                                                   algo.num_generations),
                                     "metrics": metrics, "served": 0}
