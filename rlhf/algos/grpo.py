@@ -21,12 +21,34 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import Tensor
 
-from rlhf.algos.advantages import completions_in_kept_groups, frac_reward_zero_std, masked_mean, scale_by_group_std
+from rlhf.algos.advantages import (
+    completions_in_kept_groups,
+    frac_reward_zero_std,
+    masked_mean,
+    scale_by_group_std,
+)
 from rlhf.algos.base import PROMPT_TOKENS, selective_log_softmax
-from rlhf.algos.online import (COMPLETION_TOKENS, GENERATIONS, ITERATIONS, STEPS_PER_GENERATION, TEMPERATURE, TOP_K,
-                               TOP_P, OnlineAlgorithm, concat_samples, training_batch)
-from rlhf.algos.policy_losses import (EPSILON, clipped_surrogate, drop_truncated, entropy_from_logits, grpo_loss,
-                                      kl_k3, token_log_ratio)
+from rlhf.algos.online import (
+    COMPLETION_TOKENS,
+    GENERATIONS,
+    ITERATIONS,
+    STEPS_PER_GENERATION,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    OnlineAlgorithm,
+    concat_samples,
+    training_batch,
+)
+from rlhf.algos.policy_losses import (
+    EPSILON,
+    clipped_surrogate,
+    drop_truncated,
+    entropy_from_logits,
+    grpo_loss,
+    kl_k3,
+    token_log_ratio,
+)
 from rlhf.errors import UserError
 from rlhf.models.reference import FrozenCopy, Reference, disable_dropout
 from rlhf.validate import Range, limits
