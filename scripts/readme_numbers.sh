@@ -50,8 +50,8 @@ PY
       for seed in 0 1 2; do
         rm -rf $OUT/grpo-$seed
         start=$SECONDS
-        $PY train.py algo=grpo seed=$seed scheduler=constant train.max_steps=${GRPO_STEPS:-100} \
-          train.per_device_batch_size=16 train.eval_every_steps=50 train.save_every_steps=0 \
+        $PY train.py experiment=grpo_reverse seed=$seed train.max_steps=${GRPO_STEPS:-300} \
+          train.save_every_steps=0 \
           hydra.run.dir=$OUT/grpo-$seed >/dev/null 2>&1
         $PY - "$OUT/grpo-$seed" $((SECONDS - start)) <<'PY'
 import sys
