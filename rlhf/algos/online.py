@@ -240,11 +240,6 @@ class Rollouts:
 
     def __init__(self, algo: OnlineAlgorithm, prompts: Batches, state: TrainState, accelerator, model) -> None:
         self.algo, self.prompts, self.state, self.accelerator, self.model = algo, prompts, state, accelerator, model
-        per_process = prompts.loader.batch_size if getattr(prompts.loader, "batch_size", None) else None
-        if per_process and per_process % algo.steps_per_generation:
-            raise UserError(f"train.per_device_batch_size={per_process} prompts do not split into "
-                            f"algo.steps_per_generation={algo.steps_per_generation} micro-batches of whole groups. "
-                            f"Fix: a batch size that is a multiple of {algo.steps_per_generation}")
 
     def _next_prompts(self) -> tuple[dict[str, Any], int]:
         """The next prompt batch and its sampling seed (from its position in the loader's global order)."""
@@ -274,7 +269,9 @@ def split_groups(samples: dict[str, Tensor], parts: int, num_generations: int) -
     n = next(iter(samples.values())).shape[0]
     size = n // parts
     if size * parts != n or size % num_generations:
-        raise ValueError(f"{n} samples do not split into {parts} parts of whole groups of {num_generations}")
+        raise UserError(f"a rollout of {n // num_generations} prompts x {num_generations} completions does not split "
+                        f"into algo.steps_per_generation={parts} micro-batches of whole groups. Fix: a "
+                        f"train.per_device_batch_size that is a multiple of {parts}")
     return [{k: v[i * size:(i + 1) * size] for k, v in samples.items()} for i in range(parts)]
 
 

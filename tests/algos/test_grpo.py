@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from rlhf import train
 from rlhf.algos.grpo import GRPO
-from rlhf.algos.online import Rollouts, generation_seed
+from rlhf.algos.online import Rollouts, generation_seed, split_groups
 from rlhf.data.loaders import Batches
 from rlhf.errors import UserError
 from rlhf.models.tiny import TinySpec
@@ -193,3 +193,10 @@ def test_sampling_is_a_function_of_its_seed_and_leaves_the_global_generator_alon
     first, again, other = (algo.sample(source.model, prompts, 4, seed)["completion_ids"] for seed in (1, 1, 2))
     assert torch.equal(first, again) and not torch.equal(first, other)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_rollout_that_does_not_split_into_whole_groups_is_a_clear_error():
+    samples = {"rewards": torch.zeros(6)}  # 3 prompts x 2 completions
+    assert [len(part["rewards"]) for part in split_groups(samples, 3, 2)] == [2, 2, 2]
+    with pytest.raises(UserError, match="train.per_device_batch_size that is a multiple of 2"):
+        split_groups(samples, 2, 2)
