@@ -207,8 +207,10 @@ class OnlineAlgorithm(Algorithm):
         ``step`` is a multiple of ``log_completions_every_steps`` (the first step included). Called on the main
         process only; a resumed run may write a step again."""
         every = self.log_completions_every_steps
-        if not self.log_completions_path or not every or (step % every and step != 1):
+        if not self.log_completions_path or not every or (step % every and step != 1) \
+                or step == self.__dict__.get("_written_step"):  # once per step, whatever its rollouts
             return
+        self._written_step = step
         with open(self.log_completions_path, "a") as file:
             for sample in self.last_completions[:self.num_completions_to_print]:
                 file.write(json.dumps({"step": step, **sample}) + "\n")
