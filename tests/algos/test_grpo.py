@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +24,7 @@ from rlhf.errors import UserError
 from rlhf.models.tiny import TinySpec
 from rlhf.rewards import char_similarity, exact_match, score
 from rlhf.state import TrainState
-from tests.conftest import FAST, compose_config
+from tests.conftest import FAST, ROOT, compose_config
 
 # GRPO on FAST's random-init model: the graded reward gives different rewards within a group from the start.
 GRPO_FAST = ["algo=grpo", "algo/reward_funcs=similarity", "algo.num_generations=4", "algo.max_completion_length=8"]
@@ -200,3 +203,42 @@ def test_a_rollout_that_does_not_split_into_whole_groups_is_a_clear_error():
     assert [len(part["rewards"]) for part in split_groups(samples, 3, 2)] == [2, 2, 2]
     with pytest.raises(UserError, match="train.per_device_batch_size that is a multiple of 2"):
         split_groups(samples, 2, 2)
+
+
+# --- sharded parameters: every process generates for its own prompts, every forward pass gathers the layers -------
+# The embedded warm start (cached by the first run on the machine): its completions end at different lengths, so a
+# process often finishes generating before the other, the case that synced generation is for.
+SHARDED_RUN = [*GRPO_FAST, "optimizer=sgd", "hardware.timeout_s=60", "data.task.num_train=64", "data.task.num_eval=16",
+               "train.max_steps=3", "train.per_device_batch_size=2", "train.eval_batch_size=8",
+               "train.eval_every_steps=0", "train.eval_at_start=false", "train.save_every_steps=0"]
+
+
+def _train_py(run: Path, *overrides: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run}"], cwd=run.parent,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("grpo") / "cpu_ddp"
+    _train_py(run, *SHARDED_RUN, "hardware=cpu_ddp")
+    return run
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("hardware", ["fsdp", "zero3"])
+def test_grpo_with_sharded_parameters_equals_ddp(hardware, ddp_run, tmp_path):
+    """Generation under FSDP2 and ZeRO-3 (synced: a process whose completions ended keeps stepping until every
+    process is done) trains what DDP trains."""
+    if hardware == "zero3":
+        pytest.importorskip("deepspeed")
+    _train_py(tmp_path / hardware, *SHARDED_RUN, f"hardware={hardware}")
+    ddp, sharded = _final(ddp_run), _final(tmp_path / hardware)
+    for key in ddp:
+        torch.testing.assert_close(sharded[key], ddp[key], atol=1e-6, rtol=1e-5)
+    start = TinySpec().build().model.state_dict()  # the warm start
+    assert any(not torch.equal(ddp[k], start[k]) for k in ddp), "nothing trained"
+    summaries = [json.loads((run / "summary.json").read_text())["final"] for run in (ddp_run, tmp_path / hardware)]
+    assert summaries[1]["train/reward"] == pytest.approx(summaries[0]["train/reward"], abs=1e-6)
