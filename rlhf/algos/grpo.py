@@ -83,7 +83,8 @@ class GRPO(OnlineAlgorithm):
         mask_truncated_completions: completions without EOS add nothing to the loss.
         dynamic_sampling: DAPO's: drop groups whose rewards are all equal and sample more prompts until the batch
             is full, at most ``max_sampling_batches`` prompt batches per rollout; then the batch is filled up
-            with dropped groups (advantage 0).
+            with dropped groups (advantage 0). With several processes each draws as many batches as the one that
+            needs most (generation is a collective), keeping its first kept groups.
         temperature, top_p, top_k, max_completion_length: sampling of training completions (held-out ones are
             greedy); ``max_prompt_length``: prompts keep their last tokens.
         seed: the run's seed, from which every prompt batch's sampling seed derives.
@@ -185,7 +186,8 @@ class GRPO(OnlineAlgorithm):
         if not self.dynamic_sampling:
             return self.rollout(model, *next_prompts())
         group, kept, dropped, all_metrics, wanted, have = self.num_generations, [], [], [], None, 0
-        while len(all_metrics) < self.max_sampling_batches and (wanted is None or have < wanted):
+        # Every process draws as many batches as the one that needs most: generation is a collective with several.
+        while len(all_metrics) < self.max_sampling_batches and (wanted is None or _any_process(have < wanted, model)):
             samples, metrics = self.rollout(model, *next_prompts())
             all_metrics.append(metrics)
             wanted = wanted or samples["rewards"].numel()
@@ -217,6 +219,15 @@ class GRPO(OnlineAlgorithm):
             metrics["entropy"] = masked_mean(entropy_from_logits(logits.detach()), mask)
         metrics.update({k: v for k, v in surrogate.clip_metrics(mask).items()})
         return loss, {"loss": loss.detach(), **batch.get("rollout_metrics", {}), **metrics}
+
+
+def _any_process(flag: bool, model) -> bool:
+    """``flag`` OR-ed over every process (one all-reduce on the policy's device; just ``flag`` in one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    value = torch.tensor([float(flag)], device=next(extract_model_from_parallel(model).parameters()).device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item() > 0)
 
 
 def completion_logps(model, batch: dict[str, Tensor], with_logits: bool) -> tuple[Tensor, Tensor, Tensor | None]:

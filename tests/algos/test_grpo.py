@@ -242,3 +242,14 @@ def test_grpo_with_sharded_parameters_equals_ddp(hardware, ddp_run, tmp_path):
     assert any(not torch.equal(ddp[k], start[k]) for k in ddp), "nothing trained"
     summaries = [json.loads((run / "summary.json").read_text())["final"] for run in (ddp_run, tmp_path / hardware)]
     assert summaries[1]["train/reward"] == pytest.approx(summaries[0]["train/reward"], abs=1e-6)
+
+
+@pytest.mark.serial
+def test_dynamic_sampling_on_two_processes_draws_in_step(tmp_path):
+    """Each process would stop drawing prompt batches when its own batch is full; they agree to draw as many as the
+    one that needs most, or their synced generations wait for each other until the timeout."""
+    run = tmp_path / "run"
+    _train_py(run, *SHARDED_RUN, "algo/reward_funcs=exact_match", "algo.dynamic_sampling=true", "hardware=cpu_ddp",
+              "train.max_steps=4")
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(line.get("train/sampling_batches", 1) > 1 for line in lines)
