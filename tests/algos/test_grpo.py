@@ -207,8 +207,9 @@ def test_a_rollout_that_does_not_split_into_whole_groups_is_a_clear_error():
 
 # --- sharded parameters: every process generates for its own prompts, every forward pass gathers the layers -------
 # The embedded warm start (cached by the first run on the machine): its completions end at different lengths, so a
-# process often finishes generating before the other, the case that synced generation is for.
-SHARDED_RUN = [*GRPO_FAST, "optimizer=sgd", "hardware.timeout_s=60", "data.task.num_train=64", "data.task.num_eval=16",
+# process often finishes generating before the other, the case that synced generation is for; and with dynamic
+# sampling the processes often need different numbers of prompt batches.
+SHARDED_RUN = [*GRPO_FAST, "algo/reward_funcs=exact_match", "algo.dynamic_sampling=true", "optimizer=sgd", "hardware.timeout_s=60", "data.task.num_train=64", "data.task.num_eval=16",
                "train.max_steps=3", "train.per_device_batch_size=2", "train.eval_batch_size=8",
                "train.eval_every_steps=0", "train.eval_at_start=false", "train.save_every_steps=0"]
 
@@ -231,7 +232,7 @@ def ddp_run(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("hardware", ["fsdp", "zero3"])
 def test_grpo_with_sharded_parameters_equals_ddp(hardware, ddp_run, tmp_path):
     """Generation under FSDP2 and ZeRO-3 (synced: a process whose completions ended keeps stepping until every
-    process is done) trains what DDP trains."""
+    process is done), with dynamic sampling, trains what DDP trains."""
     if hardware == "zero3":
         pytest.importorskip("deepspeed")
     _train_py(tmp_path / hardware, *SHARDED_RUN, f"hardware={hardware}")
@@ -245,11 +246,8 @@ def test_grpo_with_sharded_parameters_equals_ddp(hardware, ddp_run, tmp_path):
 
 
 @pytest.mark.serial
-def test_dynamic_sampling_on_two_processes_draws_in_step(tmp_path):
+def test_dynamic_sampling_on_two_processes_draws_in_step(ddp_run):
     """Each process would stop drawing prompt batches when its own batch is full; they agree to draw as many as the
-    one that needs most, or their synced generations wait for each other until the timeout."""
-    run = tmp_path / "run"
-    _train_py(run, *SHARDED_RUN, "algo/reward_funcs=exact_match", "algo.dynamic_sampling=true", "hardware=cpu_ddp",
-              "train.max_steps=4")
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    one that needs most, or their synced generations wait for each other until the timeout (the run fails)."""
+    lines = [json.loads(line) for line in (ddp_run / "metrics.jsonl").read_text().splitlines()]
     assert any(line.get("train/sampling_batches", 1) > 1 for line in lines)
