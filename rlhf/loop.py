@@ -85,7 +85,7 @@ def _train(run: BuiltRun, state: TrainState, record, stop, resume: Path | None) 
     settings, accelerator = run.settings, run.accelerator
     if any_process({"stop": stop.signum is not None}, accelerator)["stop"]:
         raise Stopped(_signum(stop), resume, run.run_dir, state.step)
-    batches = run.algo.batch_source(run.train_loader, state, accelerator)
+    batches = run.algo.batch_source(run.train_loader, state, accelerator, model=run.model)
     window_start = time.perf_counter()
     bar = tqdm(total=run.max_steps, initial=state.step, desc="training", dynamic_ncols=True,
                disable=not accelerator.is_main_process or run.max_steps == 0,

@@ -74,7 +74,7 @@ def _evaluate(model, algo, loader, accelerator) -> dict[str, float]:
     sums: dict[str, torch.Tensor] = {}
     rows_seen = 0.0
     for batch, rows in tqdm(loader, desc="evaluating", leave=False, disable=not accelerator.is_main_process):
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        batch = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         for key, value in algo.evaluate(model, batch).items():
             sums[key] = sums.get(key, 0) + value.double() * rows
         rows_seen += rows

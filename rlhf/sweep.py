@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from rlhf.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,24 @@ def produced_metrics(algo_class: type) -> list[str]:
     """The final metrics every run of `algo_class` reports (see the module docstring)."""
     names = getattr(algo_class, "eval_metrics", ())
     return [*(f"eval/{n}" for n in names), *LOOP_METRICS]
+
+
+def default_objective(target: str | None, part: str) -> str:
+    """The objective of a run whose config leaves it to the algorithm (``${rlhf.objective:<algo target>,metric}``):
+    the class's ``objective`` (``Algorithm.objective``: ``eval/loss``, minimize; an online algorithm's
+    ``eval/reward``, maximize); ``part`` is ``metric`` or ``direction``."""
+    from hydra.utils import get_object
+
+    objective = ("eval/loss", "minimize")
+    if isinstance(target, str):
+        try:
+            objective = getattr(get_object(target), "objective", objective)
+        except Exception:  # a target that does not import: check_config names it
+            pass
+    return objective[0] if part == "metric" else objective[1]
+
+
+OmegaConf.register_new_resolver("rlhf.objective", default_objective, replace=True)
 
 
 def check_objective(container: dict) -> None:

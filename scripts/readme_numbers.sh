@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Regenerate the measured numbers in README.md (a few minutes on 2 CPU cores). Each part prints its table.
-#   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [hardware]     (default: all five)
+#   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [hardware] [grpo]     (default: all six)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=outputs/readme
-parts=${*:-main optimizers dpo_search sft_dpo hardware}
+parts=${*:-main optimizers dpo_search sft_dpo hardware grpo}
 for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
@@ -56,6 +56,24 @@ PY
         echo "     $(grep -o 'global batch .*' $OUT/hw-$hw/train.log | head -1); $((SECONDS - start)) s in all"
         $PY scripts/check_run.py $OUT/hw-$hw --min eval/rewards/accuracies=0 --min-of-start eval/exact_match=-1 | sed 's/^/     /'
       done ;;
-    *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, hardware)" >&2; exit 2 ;;
+    grpo)  # "Online RL": GRPO from the embedded SFT warm start, exact-match reward, seeds 0-2; held-out greedy reward
+      for seed in 0 1 2; do
+        rm -rf $OUT/grpo-$seed
+        start=$SECONDS
+        $PY train.py experiment=grpo_reverse seed=$seed train.max_steps=${GRPO_STEPS:-300} \
+          train.save_every_steps=0 \
+          hydra.run.dir=$OUT/grpo-$seed >/dev/null 2>&1
+        $PY - "$OUT/grpo-$seed" $((SECONDS - start)) <<'PY'
+import sys
+from rlhf.results import Run
+run = Run(sys.argv[1])
+evals = [(r["step"], r["eval/reward"]) for r in run.metrics if "eval/reward" in r]
+print(f"seed {run.path.name[-1]}: eval/reward (greedy exact match, 512 held-out prompts) "
+      + " -> ".join(f"{v:.3f} @{s}" for s, v in evals) + f"; {sys.argv[2]} s")
+PY
+      done
+      echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
+      $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" ;;
+    *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, hardware, grpo)" >&2; exit 2 ;;
   esac
 done

@@ -144,9 +144,16 @@ def _kill_after_checkpoint(process: subprocess.Popen, run: Path, step: int, pids
     assert not (run / "final").exists(), "the run ended before the kill: make it longer"
 
 
-@pytest.mark.parametrize("algo", ["sft", "dpo"])
+# GRPO: 3 passes over each rollout, so that the checkpoint at step 20 (40 micro-batches) lands inside a rollout's
+# buffer; a graded reward, so that the random-init model learns from its first rollout.
+ONLINE = ["algo/reward_funcs=similarity", "algo.num_generations=4", "algo.max_completion_length=8",
+          "algo.num_iterations=3"]
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo", "grpo"])
 def test_sigkill_then_resume_equals_an_uninterrupted_run(algo, tmp_path):
-    overrides = [f"algo={algo}", "optimizer=lion", "train.grad_accumulation_steps=2"]
+    overrides = [f"algo={algo}", "optimizer=lion", "train.grad_accumulation_steps=2",
+                 *(ONLINE if algo == "grpo" else [])]
     uninterrupted(tmp_path / "whole", *overrides)
     killed = start(tmp_path / "killed", *overrides, wait=False)
     _kill_after_checkpoint(killed, tmp_path / "killed", 20)

@@ -118,6 +118,11 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
         assert all(0.0 <= lr <= 1.0 for lr in lrs) and len(set(lrs)) > 1
         if "num_training_steps" in node:  # null: the schedule ends exactly with the run
             assert node.num_training_steps is None and lrs[-1] == 0.0 and lrs[-2] > 0.0
+    elif group == "algo/reward_funcs":  # each function scores a right and a wrong answer of the embedded task
+        functions = instantiate(node)
+        assert all(fn(prompts=["abc=", "abc="], completions=["cba", "abc"])[0] == 1.0 for fn in functions.values())
+    elif group in ONLINE_GROUPS:  # a function of the algorithm, built with it
+        assert callable(instantiate(node)) and instantiate(cfg.algo).columns == ("prompt",)
     elif group == "algo":
         algo = instantiate(node)
         assert set(algo.columns) >= {"prompt"} and callable(algo.loss)
@@ -177,10 +182,16 @@ def test_option_composes_checks_and_builds(group, option, tmp_path):
 
         LoRA(r=2).apply(_tiny_policy().model).save_pretrained(tmp_path / "adapter")
         extra.append(f"algo.reference.path={tmp_path / 'adapter'}")
+    if group in ONLINE_GROUPS:  # options of GRPO's own groups: composed into algo=grpo
+        extra.insert(0, "algo=grpo")
     cfg = compose_config(f"{group}={option}", *extra, output_dir=tmp_path)
     check_config(cfg)
     check_fields(OmegaConf.to_container(cfg.train), TrainSettings, "train")
     _build(group, cfg, tmp_path)
+
+
+ONLINE_GROUPS = {"algo/scale_rewards", "algo/loss_type", "algo/importance_sampling_level", "algo/kl_estimator",
+                 "algo/reward_funcs"}
 
 
 def _check_hub_model(node: DictConfig) -> None:

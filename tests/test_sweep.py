@@ -10,6 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlhf.algos.dpo import DPO
+from rlhf.algos.grpo import GRPO
 from rlhf.algos.kto import KTO
 from rlhf.algos.reward import Reward
 from rlhf.algos.sft import SFT
@@ -101,6 +102,15 @@ def test_each_algorithm_reports_the_metrics_it_declares_whatever_the_batch():
         rows = [{"prompt": "abc=", "completion": "cba", "label": label}, {"prompt": "xy=", "completion": "yx",
                                                                            "label": label}]
         assert set(KTO.eval_metrics) <= _evaluated(KTO(reference=FrozenCopy()), rows)
+    assert set(GRPO.eval_metrics) <= _evaluated(GRPO(max_completion_length=4), [{"prompt": "abc="}, {"prompt": "xy="}])
+
+
+def test_an_online_algorithm_defaults_the_objective_to_its_held_out_reward(tmp_path):
+    cfg = compose_config("algo=grpo", *FAST, output_dir=tmp_path / "run")
+    assert (cfg.objective.metric, cfg.objective.direction) == ("eval/reward", "maximize")
+    check_config(cfg)
+    cfg = compose_config(*FAST, output_dir=tmp_path / "run")
+    assert (cfg.objective.metric, cfg.objective.direction) == ("eval/loss", "minimize")
 
 
 def test_the_sweep_summary_counts_the_failed_json_of_points_run_elsewhere(tmp_path, capsys):

@@ -40,8 +40,11 @@ class Algorithm:
        ``strategy.prepare_frozen(model, name=name)``, which puts it where it runs (the device, the autocast of
        mixed precision; FSDP2 and ZeRO-3 shard it like the policy) and is stored back under the same name;
     3. ``precompute(rows, strategy)`` with the tokenized splits, returned with any columns computed once before
-       training (reference log-probabilities); then ``batch_source(loader, state, accelerator)`` once; then every
-       micro-batch comes from its ``next()``;
+       training (reference log-probabilities); then ``batch_source(loader, state, accelerator, model=policy)`` once,
+       with the policy as the strategy wrapped it (an online algorithm samples with it: unwrapped for ``generate``,
+       :mod:`rlhf.algos.online`); then every micro-batch comes from its ``next()`` (an online source generates and
+       scores a rollout when its buffer is used up, then serves it in micro-batches; a batch may hold non-tensor
+       values, e.g. prompt texts, beside its tensors);
     4. ``loss(model, batch)`` per micro-batch and ``evaluate(model, batch)`` per held-out batch (``collate``
        makes both kinds of batch from tokenized rows);
     5. ``state_dict()`` into every checkpoint, ``load_state_dict(state)`` when a run resumes from one.
@@ -54,6 +57,8 @@ class Algorithm:
     # The names of evaluate()'s metrics that every held-out evaluation reports, whatever the batch or option (one
     # that depends on them is left out): what a sweep's objective may name (rlhf.sweep), as eval/<name>.
     eval_metrics: tuple[str, ...] = ("loss",)
+    # The default objective of a run (conf/config.yaml's objective, when not set): (metric, minimize or maximize).
+    objective: tuple[str, str] = ("eval/loss", "minimize")
     optional_columns: tuple[str, ...] = ()  # typed columns passed on where the data has them (a reward's margin)
 
     @property
@@ -84,10 +89,13 @@ class Algorithm:
         ``collate`` then finds them in each row. Default: the rows unchanged."""
         return rows
 
-    def batch_source(self, loader, state: TrainState, accelerator) -> BatchSource:
+    def batch_source(self, loader, state: TrainState, accelerator, model: torch.nn.Module | None = None
+                     ) -> BatchSource:
         """Where training micro-batches come from. Default: the training split's batches, epoch after epoch,
-        resumable mid-epoch (:class:`rlhf.data.loaders.Batches`). An online algorithm returns its own object with a
-        ``next()`` that generates a batch with the policy."""
+        resumable mid-epoch (:class:`rlhf.data.loaders.Batches`); ``model`` unused. An online algorithm returns its
+        own object whose ``next()`` samples with ``model`` (the trained policy, as the strategy wrapped it) from the
+        loader's prompts, scores, and serves the result (:class:`rlhf.algos.online.Rollouts`); whatever it must
+        carry across a checkpoint (the buffer being served) is in the algorithm's ``state_dict``."""
         return Batches(loader, state, accelerator)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:

@@ -54,8 +54,8 @@ class SFTFromOneBatch(SFT):
 
     source: _Source | None = None
 
-    def batch_source(self, loader, state, accelerator):
-        first = super().batch_source(loader, state, accelerator).next()
+    def batch_source(self, loader, state, accelerator, model=None):
+        first = super().batch_source(loader, state, accelerator, model).next()
         SFTFromOneBatch.source = _Source(first)
         return SFTFromOneBatch.source
 

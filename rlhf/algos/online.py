@@ -1,0 +1,310 @@
+"""What every online algorithm shares: prompts in, completions sampled from the policy, scored, and served to the
+loop as micro-batches through the ``batch_source`` hook (:class:`rlhf.algos.base.Algorithm`).
+
+- :class:`OnlineAlgorithm`: tokenizes prompt rows (left-padded batches, as ``generate`` needs), samples with the
+  config's settings (``temperature``, ``top_p``, ``top_k``, ``max_completion_length``, ``num_generations``), scores
+  completions with the reward functions (:mod:`rlhf.rewards`), evaluates by greedy decoding, and keeps the rollout
+  buffer as its checkpointed state. A subclass implements :meth:`OnlineAlgorithm.rollout` (what a rollout computes
+  besides the samples: advantages, old and reference log-probabilities) and ``loss``.
+- :class:`Rollouts`: the batch source. Per rollout it draws ``train.per_device_batch_size`` prompts from the
+  training loader (resumable like any data position), calls ``algo.rollout(model, prompts)``, splits the scored
+  samples into ``steps_per_generation`` micro-batches of whole groups and serves them ``num_iterations`` times.
+
+Sampling is seeded per prompt batch (the run's seed, the epoch and the batch's index in the global order of the
+training loader), not by a process's random stream: a run repeats exactly on CPU, a resumed run samples what the
+uninterrupted one did, and N processes sample what one process with N accumulation steps samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+from torch import Tensor
+
+from rlhf import rewards as reward_lib
+from rlhf.algos.base import Algorithm
+from rlhf.data.loaders import Batches
+from rlhf.errors import UserError
+from rlhf.state import TrainState
+from rlhf.validate import Range
+
+TEMPERATURE = Range(gt=0, meaning="the sampling temperature of training completions; 1.0 samples the policy as it is",
+                    fix=1.0)
+TOP_P = Range(gt=0, le=1, meaning="nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1.0 "
+              "is off", fix=1.0)
+TOP_K = Range(ge=0, integer=True, meaning="sample among the k likeliest tokens; 0 is off", fix=0)
+COMPLETION_TOKENS = Range(ge=1, integer=True, meaning="the most tokens a sampled completion may have", fix=256)
+GENERATIONS = Range(ge=1, integer=True, meaning="completions sampled per prompt (a group)", fix=8)
+ITERATIONS = Range(ge=1, integer=True, meaning="optimization passes over each rollout's samples", fix=1)
+STEPS_PER_GENERATION = Range(ge=1, integer=True, meaning="micro-batches each rollout is split into", fix=1)
+
+
+def generation_seed(seed: int, epoch: int, index: int) -> int:
+    """The sampling seed of the prompt batch at ``index`` (in the loader's global order) of ``epoch``: a 63-bit
+    number from a hash, so that neighbouring batches get unrelated streams."""
+    digest = hashlib.sha256(f"{seed}/{epoch}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class OnlineAlgorithm(Algorithm):
+    """An algorithm that learns from completions it samples. Its subclass sets, in ``__init__`` (see GRPO):
+    the sampling settings, ``reward_funcs`` (name -> function), ``reward_weights``, ``reward_columns``,
+    ``num_generations``, ``num_iterations``, ``steps_per_generation``, ``seed``; and implements :meth:`rollout`,
+    ``loss``. Evaluation decodes greedily and reports ``reward`` (the weighted reward), ``rewards/<name>/mean`` and
+    ``completions/mean_length``."""
+
+    columns = ("prompt",)
+    eval_metrics = ("reward", "completions/mean_length")
+    objective = ("eval/reward", "maximize")
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_completion_length: int = 16
+    max_prompt_length: int | None = 512
+    num_generations: int = 8
+    num_iterations: int = 1
+    steps_per_generation: int = 1
+    seed: int = 0
+    reward_funcs: Mapping[str, Callable] = {}
+    reward_weights: Sequence[float] | None = None
+    reward_columns: Sequence[str] = ()
+    log_completions_path: str | None = None
+    log_completions_every_steps: int = 50
+    num_completions_to_print: int = 4
+
+    def _init_online(self, *, temperature: float, top_p: float, top_k: int, max_completion_length: int,
+                     max_prompt_length: int | None, num_generations: int, num_iterations: int,
+                     steps_per_generation: int, seed: int, reward_funcs: Mapping[str, Callable] | None,
+                     reward_weights: Sequence[float] | None, reward_columns: Sequence[str],
+                     log_completions_path: str | None = None, log_completions_every_steps: int = 50,
+                     num_completions_to_print: int = 4) -> None:
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
+        self.num_generations, self.num_iterations = num_generations, num_iterations
+        self.steps_per_generation, self.seed = steps_per_generation, seed
+        self.reward_funcs = dict(reward_funcs or {"exact_match": reward_lib.exact_match})
+        self.reward_weights = None if reward_weights is None else [float(w) for w in reward_weights]
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise UserError(f"algo.reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
+                            f"reward functions ({', '.join(self.reward_funcs)}). Fix: one weight per function, in "
+                            "their order, or algo.reward_weights=null (all 1)")
+        self.reward_columns = tuple(reward_columns)
+        self.optional_columns = self.reward_columns
+        self.pad_id, self.eos_id, self.tokenizer = 0, None, None
+        self.buffer: dict[str, Any] = {}  # the rollout being served (checkpointed): see Rollouts
+        self.log_completions_path = log_completions_path
+        self.log_completions_every_steps, self.num_completions_to_print = (log_completions_every_steps,
+                                                                           num_completions_to_print)
+        self.last_completions: list[dict[str, Any]] = []  # the latest rollout's texts and rewards (not checkpointed)
+
+    # ---- data ----------------------------------------------------------------------------------------------------
+    def tokenize(self, row: dict[str, Any], tokenizer) -> dict[str, Any]:
+        """The prompt's tokens (the tokenizer's BOS first, as the SFT warm start saw them), its text and the reward
+        columns as they are."""
+        special = not (tokenizer.bos_token and row["prompt"].startswith(tokenizer.bos_token))
+        ids = tokenizer(row["prompt"], add_special_tokens=special)["input_ids"]
+        if self.max_prompt_length is not None:
+            ids = ids[-self.max_prompt_length:]
+        return {"prompt_ids": ids, "prompt": row["prompt"], **{c: row[c] for c in self.reward_columns if c in row}}
+
+    def setup(self, policy, tokenizer) -> None:
+        self.pad_id, self.eos_id, self.tokenizer = tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """Left-padded prompts (``input_ids``, ``attention_mask``, ``[B, P]``), their texts (``prompts``) and the
+        reward columns (lists)."""
+        width = max(len(r["prompt_ids"]) for r in rows)
+        ids = torch.tensor([[self.pad_id] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in rows])
+        mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in rows])
+        return {"input_ids": ids, "attention_mask": mask, "prompts": [r["prompt"] for r in rows],
+                **{c: [r[c] for r in rows] for c in self.reward_columns if c in rows[0]}}
+
+    # ---- the hook --------------------------------------------------------------------------------------------------
+    def batch_source(self, loader, state: TrainState, accelerator, model=None) -> Rollouts:
+        if model is None:
+            raise ValueError("an online algorithm's batch_source needs the policy (model=) to sample with")
+        return Rollouts(self, Batches(loader, state, accelerator), state, accelerator, model)
+
+    def collect(self, model: torch.nn.Module, next_prompts: Callable[[], tuple[dict[str, Any], int]]
+                ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """One rollout's samples and metrics: :meth:`rollout` on the next prompt batch. An algorithm that filters
+        (DAPO's dynamic sampling) calls ``next_prompts()`` (a batch and its seed) as often as it needs."""
+        return self.rollout(model, *next_prompts())
+
+    def rollout(self, model: torch.nn.Module, prompts: dict[str, Any], seed: int) -> tuple[dict[str, Tensor],
+                                                                                             dict[str, Tensor]]:
+        """Sample ``num_generations`` completions per prompt of ``prompts`` (a collated batch) with ``seed``, score
+        them, and return ``(samples, metrics)``: per-completion tensors with leading dimension ``B·G`` in groups
+        (see :meth:`sample`, plus what ``loss`` needs) and the rollout's scalar metrics (logged with ``loss``'s)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buffer": self.buffer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer = state.get("buffer", {})
+
+    # ---- sampling and scoring ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, model: torch.nn.Module, prompts: dict[str, Any], num_generations: int,
+               seed: int | None) -> dict[str, Any]:
+        """``num_generations`` completions per prompt (greedy when ``seed`` is None: one each), in eval mode without
+        gradients: ``prompt_ids``/``prompt_mask`` ``[N, P]`` (left-padded), ``completion_ids``/``completion_mask``
+        ``[N, C]`` (right-padded; the mask covers the tokens up to and including EOS), ``truncated [N]`` (no EOS
+        within ``max_completion_length``), and the decoded ``completions`` (list of N strings)."""
+        policy = extract_model_from_parallel(model)
+        training = policy.training
+        policy.eval()
+        ids = prompts["input_ids"].repeat_interleave(num_generations, 0)
+        mask = prompts["attention_mask"].repeat_interleave(num_generations, 0)
+        settings: dict[str, Any] = {"do_sample": False} if seed is None else {
+            "do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        synced = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1  # sharded parameters: every rank runs every forward pass
+        devices = [ids.device] if ids.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.max_completion_length,
+                                      pad_token_id=self.pad_id, eos_token_id=self.eos_id, synced_gpus=synced,
+                                      **settings)
+        finally:
+            policy.train(training)
+        completion = out[:, ids.shape[1]:]
+        is_eos = completion == self.eos_id
+        ended = is_eos.any(-1)
+        first_eos = torch.where(ended, is_eos.float().argmax(-1), torch.full_like(ended, completion.shape[1],
+                                                                                 dtype=torch.long))
+        positions = torch.arange(completion.shape[1], device=completion.device)
+        completion_mask = (positions.unsqueeze(0) <= first_eos.unsqueeze(1)).long()
+        completion = torch.where(completion_mask.bool(), completion, torch.full_like(completion, self.pad_id))
+        texts = [self.tokenizer.decode(row[:n], skip_special_tokens=True)
+                 for row, n in zip(completion.tolist(), completion_mask.sum(-1).tolist())]
+        return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion,
+                "completion_mask": completion_mask, "truncated": ~ended, "completions": texts}
+
+    def score(self, prompts: dict[str, Any], completions: list[str], num_generations: int) -> tuple[Tensor, Tensor]:
+        """``(reward [N], per_function [N, F])`` of the completions (:func:`rlhf.rewards.score`)."""
+        texts = [p for p in prompts["prompts"] for _ in range(num_generations)]
+        columns = {c: [v for v in prompts[c] for _ in range(num_generations)] for c in self.reward_columns
+                   if c in prompts}
+        reward, per_function = reward_lib.score(self.reward_funcs, self.reward_weights, texts, completions, columns)
+        self.last_completions = [{"prompt": p, "completion": c, "reward": float(r),
+                                  **{f"rewards/{name}": float(v) for name, v in zip(self.reward_funcs, values)}}
+                                 for p, c, r, values in zip(texts, completions, reward.tolist(), per_function.tolist())]
+        return reward, per_function
+
+    def write_completions(self, step: int) -> None:
+        """Append the first ``num_completions_to_print`` completions of the latest rollout, with their rewards, to
+        ``log_completions_path`` (``samples.jsonl`` in the run folder) as one JSON line per completion, when
+        ``step`` is a multiple of ``log_completions_every_steps`` (the first step included). Called on the main
+        process only; a resumed run may write a step again."""
+        every = self.log_completions_every_steps
+        if not self.log_completions_path or not every or (step % every and step != 1) \
+                or step == self.__dict__.get("_written_step"):  # once per step, whatever its rollouts
+            return
+        self._written_step = step
+        with open(self.log_completions_path, "a") as file:
+            for sample in self.last_completions[:self.num_completions_to_print]:
+                file.write(json.dumps({"step": step, **sample}) + "\n")
+
+    def reward_metrics(self, reward: Tensor, per_function: Tensor, sampled: dict[str, Any]) -> dict[str, Tensor]:
+        """TRL's names: ``reward``, ``reward_std``, ``rewards/<name>/mean``, ``completions/mean_length``,
+        ``completions/clipped_ratio``."""
+        lengths = sampled["completion_mask"].sum(-1).float()
+        metrics = {"reward": reward.mean(), "reward_std": reward.std() if reward.numel() > 1 else reward.new_zeros(()),
+                   "completions/mean_length": lengths.mean(),
+                   "completions/clipped_ratio": sampled["truncated"].float().mean()}
+        for column, name in enumerate(self.reward_funcs):
+            metrics[f"rewards/{name}/mean"] = per_function[:, column].nanmean()
+        return metrics
+
+    def evaluate(self, model, batch: dict[str, Any]) -> dict[str, Tensor]:
+        """Greedy completions of the held-out prompts, scored: ``reward`` (the weighted reward that trains),
+        ``rewards/<name>/mean`` and ``completions/mean_length``."""
+        sampled = self.sample(model, batch, 1, seed=None)
+        reward, per_function = self.score(batch, sampled["completions"], 1)
+        metrics = self.reward_metrics(reward, per_function, sampled)
+        return {k: v for k, v in metrics.items() if k not in ("reward_std", "completions/clipped_ratio")}
+
+
+class Rollouts:
+    """The batch source of an online algorithm (see the module docstring). The buffer lives in ``algo.buffer`` (so
+    that it is checkpointed with the algorithm's state): ``micro_batches`` (a list of per-completion tensor dicts
+    with their ``metrics``) and ``served`` (how many micro-batches of it the loop has taken)."""
+
+    def __init__(self, algo: OnlineAlgorithm, prompts: Batches, state: TrainState, accelerator, model) -> None:
+        self.algo, self.prompts, self.state, self.accelerator, self.model = algo, prompts, state, accelerator, model
+
+    def _next_prompts(self) -> tuple[dict[str, Any], int]:
+        """The next prompt batch and its sampling seed (from its position in the loader's global order)."""
+        batch = self.prompts.next()
+        processes, rank = self.accelerator.num_processes, self.accelerator.process_index
+        index = (self.state.batch_in_epoch - 1) * processes + rank
+        return batch, generation_seed(self.algo.seed, self.state.epoch, index)
+
+    def next(self) -> dict[str, Any]:
+        algo, buffer = self.algo, self.algo.buffer
+        total = algo.steps_per_generation * algo.num_iterations
+        if not buffer or buffer["served"] >= total:
+            samples, metrics = algo.collect(self.model, self._next_prompts)
+            if self.accelerator.is_main_process:
+                algo.write_completions(self.state.step + 1)  # the step this rollout trains
+            buffer = algo.buffer = {"micro_batches": split_groups(samples, algo.steps_per_generation,
+                                                                  algo.num_generations),
+                                    "metrics": metrics, "served": 0}
+        micro = buffer["micro_batches"][buffer["served"] % algo.steps_per_generation]
+        buffer["served"] += 1
+        return {**training_batch(micro), "rollout_metrics": buffer["metrics"]}
+
+
+def split_groups(samples: dict[str, Tensor], parts: int, num_generations: int) -> list[dict[str, Tensor]]:
+    """``samples`` (per-completion tensors, leading dimension ``N``, whole groups) as ``parts`` equal slices of whole
+    groups, in order."""
+    n = next(iter(samples.values())).shape[0]
+    size = n // parts
+    if size * parts != n or size % num_generations:
+        raise UserError(f"a rollout of {n // num_generations} prompts x {num_generations} completions does not split "
+                        f"into algo.steps_per_generation={parts} micro-batches of whole groups. Fix: a "
+                        f"train.per_device_batch_size that is a multiple of {parts}")
+    return [{k: v[i * size:(i + 1) * size] for k, v in samples.items()} for i in range(parts)]
+
+
+def training_batch(samples: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Samples as the sequences a forward pass takes: ``input_ids = prompt + completion``, ``attention_mask`` and
+    ``completion_mask`` (``[N, P + C]``), and every other per-completion tensor as it is."""
+    prompt_ids, completion_ids = samples["prompt_ids"], samples["completion_ids"]
+    out = {k: v for k, v in samples.items() if k not in ("prompt_ids", "prompt_mask", "completion_ids")}
+    out["input_ids"] = torch.cat([prompt_ids, completion_ids], 1)
+    out["attention_mask"] = torch.cat([samples["prompt_mask"], samples["completion_mask"]], 1)
+    out["completion_mask"] = torch.cat([torch.zeros_like(samples["prompt_mask"]), samples["completion_mask"]], 1)
+    out["prompt_length"] = torch.tensor(prompt_ids.shape[1])
+    return out
+
+
+def concat_samples(parts: list[dict[str, Tensor]], pad_id: int) -> dict[str, Tensor]:
+    """Samples of several rollouts as one: prompts left-padded and completions right-padded to common widths."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for key in parts[0]:
+        values = [p[key] for p in parts]
+        if key in ("prompt_ids", "prompt_mask"):
+            fill = pad_id if key == "prompt_ids" else 0
+            width = max(v.shape[1] for v in values)
+            values = [torch.cat([v.new_full((v.shape[0], width - v.shape[1]), fill), v], 1) for v in values]
+        elif values[0].dim() == 2:
+            fill = pad_id if key == "completion_ids" else 0
+            width = max(v.shape[1] for v in values)
+            values = [torch.cat([v, v.new_full((v.shape[0], width - v.shape[1]), fill)], 1) for v in values]
+        out[key] = torch.cat(values, 0)
+    return out
+
+
