@@ -143,9 +143,8 @@ class DeadPointsFail:
             HydraConfig.instance().cfg = before
         failed: FailedPoint = record_failure(folder.absolute(), ProcessDied(reason))
         log.error("point %s: %s", folder.name, reason)
-        with open_dict(config.hydra.runtime):
-            config.hydra.runtime.output_dir = str(folder.absolute())  # where a sweeper finds the point's folder
-        returned = JobReturn(overrides=list(overrides), working_dir=str(folder.absolute()), hydra_cfg=config,
+        where = OmegaConf.create({"hydra": {"runtime": {"output_dir": str(folder.absolute())}}})  # read by a sweeper
+        returned = JobReturn(overrides=list(overrides), working_dir=str(folder.absolute()), hydra_cfg=where,
                              task_name=str(config.hydra.job.name), status=JobStatus.COMPLETED)
         returned.return_value = failed
         return returned
