@@ -390,7 +390,14 @@ def plot_objective(report: Report, metric: str, path: Path) -> bool:
 
 def objective_of(runs: Sequence[Run]) -> str | None:
     """The ``objective.metric`` that every one of `runs` names (what a search optimized), else None."""
-    metrics = {str(((run.config or {}).get("objective") or {}).get("metric")) for run in runs}
+    from omegaconf import OmegaConf
+
+    metrics = set()
+    for run in runs:  # .hydra/config.yaml is unresolved: the default objective is the algorithm's (rlhf.sweep)
+        try:
+            metrics.add(str(OmegaConf.select(OmegaConf.create(run.config or {}), "objective.metric", default=None)))
+        except Exception:  # a config that no longer resolves (a renamed class): no objective to plot
+            metrics.add("None")
     return metrics.pop() if len(metrics) == 1 and "None" not in metrics else None
 
 

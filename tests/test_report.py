@@ -183,3 +183,17 @@ def test_the_searched_parameters_are_the_numbers_that_vary_among_runs_alike_in_e
     one_lr = report.Report([r for r in rows if r.values["lr"] in (0.01, 1e-5)], keys, made.names, made.metrics)
     assert report.searched_parameters(one_lr)[0] == []  # nothing searched: no objective figure
     assert not report.plot_objective(one_lr, "eval/exact_match", tmp_path / "none.png")
+
+
+def test_the_objective_of_runs_is_read_resolved_from_their_saved_config():
+    """.hydra/config.yaml keeps the default objective as an interpolation (the algorithm's); the report resolves it
+    (a raw "${...}" taken for a metric's name broke the plot's title)."""
+    from types import SimpleNamespace
+
+    default = {"metric": "${rlhf.objective:${oc.select:algo._target_,null},metric}"}
+    dpo = SimpleNamespace(config={"algo": {"_target_": "rlhf.algos.dpo.DPO"}, "objective": default})
+    named = SimpleNamespace(config={"algo": {"_target_": "rlhf.algos.dpo.DPO"},
+                                    "objective": {"metric": "eval/exact_match"}})
+    assert report.objective_of([dpo, dpo]) == "eval/loss"
+    assert report.objective_of([named]) == "eval/exact_match"
+    assert report.objective_of([dpo, named]) is None  # runs that optimized different things
