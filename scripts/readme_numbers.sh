@@ -11,7 +11,7 @@ for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
       $PY scripts/seeds.py --seeds 0-4 --markdown --name readme-main ;;
-    optimizers)  # "A fair optimizer comparison": each optimizer at its searched learning rate, 3 seeds (~10 min)
+    optimizers)  # "A fair optimizer comparison": each optimizer at its searched learning rate, 3 seeds (~5 min)
       rm -rf $OUT/optimizers
       /usr/bin/time -f "wall %e s" $PY train.py experiment=optimizer_comparison hydra.sweep.dir=$OUT/optimizers 2>&1 \
         | grep -E "^wall|points (failed|finished)" || true
