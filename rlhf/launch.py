@@ -224,7 +224,10 @@ def _worker(container: dict, resume: str | None, logging_config: dict | None) ->
         except KeyboardInterrupt:  # not expected (the rank ignores Ctrl-C): abort quietly
             os._exit(130)
 
-    return run()
+    try:
+        return run()
+    finally:  # the rank's work is done (or failed): a late stop signal must not kill it while it exits
+        signals.ignore()
 
 
 def _die_with_parent() -> None:

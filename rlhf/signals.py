@@ -112,6 +112,14 @@ def install(*, announce: bool = True, ctrl_c: bool = True) -> StopRequest:
     return _installed
 
 
+def ignore() -> None:
+    """Ignore the stop signals from now on: for a process whose work is done. Python restores the default action
+    (termination) while it shuts down, so a stop signal arriving then, such as the copy of one a rank already got
+    that its parent passes on a moment late, would kill a rank that had finished cleanly."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def catch_stop_signals() -> Iterator[StopRequest]:
     """The request the loop reads: this process's (:func:`install`), or, for a Python caller of ``rlhf.train``,
