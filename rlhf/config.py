@@ -75,12 +75,25 @@ def _matches(value: Any, allowed: tuple[type, ...]) -> bool:
 
 
 def _signature(target: Callable) -> tuple[inspect.Signature, dict[str, Any]] | None:
+    """The arguments ``target`` takes and their annotations. A class whose ``__init__`` takes ``**kwargs`` passes
+    them to its base class's (the house's convention: ``GRPO(PolicyGradient)``): its own arguments are joined with
+    the base's, so that a misspelled field is still refused."""
     function = target.__init__ if inspect.isclass(target) else target
     try:
         signature = inspect.signature(target)
         hints = typing.get_type_hints(function)
     except (TypeError, ValueError, NameError, AttributeError):
         return None
+    forwards = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    base = next((c for c in target.__mro__[1:] if "__init__" in c.__dict__), None) if inspect.isclass(target) else None
+    if forwards and base is not None and base is not object:
+        found = _signature(base)
+        if found is not None:
+            own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+            inherited = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for name, p in found[0].parameters.items()
+                         if name not in signature.parameters and p.kind is not inspect.Parameter.VAR_POSITIONAL]
+            signature = signature.replace(parameters=sorted(own, key=lambda p: p.kind) + inherited)
+            hints = {**found[1], **hints}
     return signature, hints
 
 

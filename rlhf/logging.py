@@ -53,31 +53,50 @@ class JsonlLogger:
     def __init__(self, filename: str = "metrics.jsonl") -> None:
         self.filename = filename
         self.path: Path | None = None
+        self.resume_step: int | None = None
+        self.tables_started: set[str] = set()
 
     def start(self, run_dir: str, config: dict[str, Any], resume_step: int | None = None) -> None:
         """A new run starts a new file; a run resumed from the checkpoint of ``resume_step`` keeps the lines up to
         that step and continues after them (the lines logged after the checkpoint are logged again)."""
         self.path = Path(run_dir) / self.filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if resume_step is not None and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= resume_step:
-                        kept.append(line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    break  # a line cut short by the kill: it and whatever follows are dropped
-        staging = self.path.with_name(self.path.name + ".tmp")
-        staging.write_text("".join(kept))
-        os.replace(staging, self.path)
+        self.resume_step, self.tables_started = resume_step, set()
+        _keep_lines_up_to(self.path, resume_step)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         clean = {k: (v if math.isfinite(v) else str(v)) for k, v in metrics.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
 
+    def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Append ``rows`` to ``<run dir>/<name>.jsonl``, one JSON line each with the step. Its first write in a run
+        starts the file anew (a new run) or cuts it back to the resumed checkpoint's step, as ``metrics.jsonl``."""
+        path = self.path.with_name(f"{name}.jsonl")
+        if name not in self.tables_started:
+            self.tables_started.add(name)
+            _keep_lines_up_to(path, self.resume_step)
+        with open(path, "a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}) + "\n")
+
     def finish(self) -> None:
         pass
+
+
+def _keep_lines_up_to(path: Path, step: int | None) -> None:
+    """Rewrite the JSON-lines file ``path`` with its lines of steps up to ``step`` (none when ``step`` is None)."""
+    kept = []
+    if step is not None and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                break  # a line cut short by the kill: it and whatever follows are dropped
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text("".join(kept))
+    os.replace(staging, path)
 
 
 class Loggers:
@@ -100,6 +119,12 @@ class Loggers:
     def log(self, metrics: dict[str, float], step: int) -> None:
         for one in self.loggers:
             one.log(metrics, step)
+
+    def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        """Rows of a table (:meth:`rlhf.algos.base.Algorithm.tables`), to every logger that keeps tables."""
+        for one in self.loggers:
+            if hasattr(one, "log_table"):
+                one.log_table(name, rows, step)
 
     def finish(self) -> None:
         for one in self.loggers:
@@ -194,6 +219,14 @@ class WandbLogger:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def log_table(self, name: str, rows: list[dict[str, Any]], step: int) -> None:
+        """``rows`` as a W&B table ``name`` at ``step`` (columns: the union of the rows' keys, in order)."""
+        import wandb
+
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        self.run.log({name: wandb.Table(columns=["step", *columns],
+                                        data=[[step, *(row.get(c) for c in columns)] for row in rows])}, step=step)
 
     def finish(self) -> None:
         self.run.finish()

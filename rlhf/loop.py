@@ -64,11 +64,16 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
             if accelerator.is_main_process:
                 logger.log(metrics, step)
 
+        def record_tables(step: int) -> None:
+            if accelerator.is_main_process:
+                for name, rows in run.algo.tables(step).items():
+                    logger.log_table(name, rows, step)
+
         if resume is None and run.skipped_rows:  # data.on_bad_row=skip left rows out
             record({"data/skipped_rows": run.skipped_rows}, 0)
         if resume is None and (run.settings.eval_at_start or run.max_steps == 0):
             _evaluate(run, record, 0)
-        _train(run, state, record, stop, resume)
+        _train(run, state, record, record_tables, stop, resume)
         final = _finish(run, state, cfg.seed)
         if stop.signum is not None and stop.announce:  # during the final save, which completed: the run is finished
             log.warning("received %s during the final save; the run finished first (nothing to resume)",
@@ -78,7 +83,7 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
         return final
 
 
-def _train(run: BuiltRun, state: TrainState, record, stop, resume: Path | None) -> None:
+def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume: Path | None) -> None:
     """Optimizer steps from ``state.step`` to ``run.max_steps``: step, log, evaluate, checkpoint, stop on a signal
     (one that came during start-up stops the run before its first step; one during the final evaluation, after
     a checkpoint of the last step)."""
@@ -98,6 +103,7 @@ def _train(run: BuiltRun, state: TrainState, record, stop, resume: Path | None) 
             outcome = train_step(run, state, batches, stop)
             bar.update(1)
             step = state.step
+            record_tables(step)
             if step % settings.log_every_steps == 0 or step == run.max_steps:
                 metrics = window_metrics(run, state, outcome.grad_norm, time.perf_counter() - window_start)
                 record(metrics, step)

@@ -146,14 +146,17 @@ def _kill_after_checkpoint(process: subprocess.Popen, run: Path, step: int, pids
 
 # GRPO: 3 passes over each rollout, so that the checkpoint at step 20 (40 micro-batches) lands inside a rollout's
 # buffer; a graded reward, so that the random-init model learns from its first rollout.
-ONLINE = ["algo/reward_funcs=similarity", "algo.num_generations=4", "algo.max_completion_length=8",
-          "algo.num_iterations=3"]
+# PPO: the same, with the state only it has: the critic (part of the model), the running score statistics and the
+# adaptive KL coefficient (part of the algorithm's state).
+ONLINE = {"grpo": ["algo/reward_funcs=similarity", "algo.num_generations=4", "algo.max_completion_length=8",
+                   "algo.num_iterations=3"],
+          "ppo": ["algo/reward_funcs=similarity", "algo.num_generations=4", "algo.max_completion_length=8",
+                  "algo.num_ppo_epochs=3", "algo/kl_controller=adaptive", "algo.score_norm=true"]}
 
 
-@pytest.mark.parametrize("algo", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize("algo", ["sft", "dpo", "grpo", "ppo"])
 def test_sigkill_then_resume_equals_an_uninterrupted_run(algo, tmp_path):
-    overrides = [f"algo={algo}", "optimizer=lion", "train.grad_accumulation_steps=2",
-                 *(ONLINE if algo == "grpo" else [])]
+    overrides = [f"algo={algo}", "optimizer=lion", "train.grad_accumulation_steps=2", *ONLINE.get(algo, [])]
     uninterrupted(tmp_path / "whole", *overrides)
     killed = start(tmp_path / "killed", *overrides, wait=False)
     _kill_after_checkpoint(killed, tmp_path / "killed", 20)

@@ -120,6 +120,9 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
     elif group == "algo/reward_funcs":  # each function scores a right and a wrong answer of the embedded task
         functions = instantiate(node)
         assert all(fn(prompts=["abc=", "abc="], completions=["cba", "abc"])[0] == 1.0 for fn in functions.values())
+    elif group == "algo/kl_controller":  # PPO's coefficient, checkpointed
+        controller = instantiate(node)
+        assert controller.value > 0 and instantiate(cfg.algo).kl_controller.value == controller.value
     elif group in ONLINE_GROUPS:  # a function of the algorithm, built with it
         assert callable(instantiate(node)) and instantiate(cfg.algo).columns == ("prompt",)
     elif group == "algo":
@@ -181,8 +184,8 @@ def test_option_composes_checks_and_builds(group, option, tmp_path):
 
         LoRA(r=2).apply(_tiny_policy().model).save_pretrained(tmp_path / "adapter")
         extra.append(f"algo.reference.path={tmp_path / 'adapter'}")
-    if group in ONLINE_GROUPS:  # options of GRPO's own groups: composed into algo=grpo
-        extra.insert(0, "algo=grpo")
+    if group in ONLINE_GROUPS:  # options of the online algorithms' own groups: composed into the one that has them
+        extra.insert(0, "algo=ppo" if group == "algo/kl_controller" else "algo=grpo")
     cfg = compose_config(f"{group}={option}", *extra, output_dir=tmp_path)
     check_config(cfg)
     check_fields(OmegaConf.to_container(cfg.train), TrainSettings, "train")
@@ -190,7 +193,7 @@ def test_option_composes_checks_and_builds(group, option, tmp_path):
 
 
 ONLINE_GROUPS = {"algo/scale_rewards", "algo/loss_type", "algo/importance_sampling_level", "algo/kl_estimator",
-                 "algo/reward_funcs"}
+                 "algo/reward_funcs", "algo/kl_controller"}
 
 
 def _check_hub_model(node: DictConfig) -> None:

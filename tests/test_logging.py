@@ -126,3 +126,34 @@ def test_a_resumed_wandb_run_continues_its_id_or_rewinds_to_the_checkpoint_step(
     assert "resume_from" not in calls[3]
     with pytest.raises(UserError, match="logger.wandb.rewind=true needs W&B online"):
         WandbLogger(project="p", mode="offline", rewind=True).start(run, {}, resume_step=20)
+
+
+def test_tables_go_to_a_jsonl_file_cut_back_on_resume_and_to_a_wandb_table(no_wandb_env, monkeypatch, tmp_path):
+    """An algorithm's tables (GRPO's sampled completions): ``samples.jsonl``, cut back to the checkpoint's step when
+    the run resumes (no step twice), and a W&B table with the same rows."""
+    import json
+
+    import wandb
+
+    fake = _FakeRun()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: fake)
+    logger = Loggers([WandbLogger(project="p", mode="offline")])
+    logger.start(str(tmp_path), {})
+    for step in (1, 50, 100):
+        logger.log_table("samples", [{"prompt": "ab=", "completion": "ba", "reward": 1.0}, {"prompt": "c="}], step)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert steps == [1, 1, 50, 50, 100, 100]
+    step, logged = fake.logged[0]
+    table = logged["samples"]
+    assert step == 1 and table.columns == ["step", "prompt", "completion", "reward"]
+    assert table.data == [[1, "ab=", "ba", 1.0], [1, "c=", None, None]]
+    resumed = Loggers([])
+    resumed.start(str(tmp_path), {}, resume_step=50)  # the checkpoint of step 50: the lines of step 100 go
+    resumed.log_table("samples", [{"prompt": "x="}], 100)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert steps == [1, 1, 50, 50, 100]
+    Loggers([]).start(str(tmp_path), {})  # a new run in the folder starts the table anew at its first row
+    fresh = Loggers([])
+    fresh.start(str(tmp_path), {})
+    fresh.log_table("samples", [{"prompt": "y="}], 1)
+    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 1

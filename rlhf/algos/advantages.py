@@ -109,7 +109,15 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: fl
     mean = (values * mask).sum() / count.clamp(min=1)
     centered = (values - mean) * mask
     var = (centered**2).sum() / (count - 1).clamp(min=1)
-    whitened = (values - mean) * torch.rsqrt(var + eps)
+    return whiten_with(values, mask, mean, var, shift_mean, eps)
+
+
+def whiten_with(values: Tensor, mask: Tensor, mean: Tensor | float, var: Tensor | float, shift_mean: bool = True,
+                eps: float = 1e-8) -> Tensor:
+    """:func:`masked_whiten` with a given mean and variance (e.g. over every process's tokens:
+    :func:`rlhf.algos.policy_gradient.global_masked_moments`); 0 outside the mask."""
+    mask = mask.to(values.dtype)
+    whitened = (values - mean) * torch.rsqrt(torch.as_tensor(var, dtype=values.dtype) + eps)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask

@@ -106,6 +106,12 @@ class Algorithm:
         """Metrics of one held-out batch (scalar tensors; averaged over the split, weighted by rows)."""
         raise NotImplementedError
 
+    def tables(self, step: int) -> dict[str, list[dict[str, Any]]]:
+        """Rows to log after optimizer step ``step`` (main process), by table name: e.g. an online algorithm's
+        sampled completions with their rewards. The loggers write each table to ``<name>.jsonl`` in the run folder
+        (and W&B to a table). Default: none."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """What this algorithm carries between steps (e.g. a running baseline), saved in each rank's checkpoint
         and read back with ``torch.load(weights_only=True)``: tensors, numbers, strings, lists, dicts. Default:

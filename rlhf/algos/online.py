@@ -18,7 +18,6 @@ uninterrupted one did, and N processes sample what one process with N accumulati
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -74,7 +73,7 @@ class OnlineAlgorithm(Algorithm):
     reward_funcs: Mapping[str, Callable] = {}
     reward_weights: Sequence[float] | None = None
     reward_columns: Sequence[str] = ()
-    log_completions_path: str | None = None
+    log_completions: bool = True
     log_completions_every_steps: int = 50
     num_completions_to_print: int = 4
 
@@ -82,7 +81,7 @@ class OnlineAlgorithm(Algorithm):
                      max_prompt_length: int | None, num_generations: int, num_iterations: int,
                      steps_per_generation: int, seed: int, reward_funcs: Mapping[str, Callable] | None,
                      reward_weights: Sequence[float] | None, reward_columns: Sequence[str],
-                     log_completions_path: str | None = None, log_completions_every_steps: int = 50,
+                     log_completions: bool = True, log_completions_every_steps: int = 50,
                      num_completions_to_print: int = 4) -> None:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
@@ -98,7 +97,7 @@ class OnlineAlgorithm(Algorithm):
         self.optional_columns = self.reward_columns
         self.pad_id, self.eos_id, self.tokenizer = 0, None, None
         self.buffer: dict[str, Any] = {}  # the rollout being served (checkpointed): see Rollouts
-        self.log_completions_path = log_completions_path
+        self.log_completions = log_completions
         self.log_completions_every_steps, self.num_completions_to_print = (log_completions_every_steps,
                                                                            num_completions_to_print)
         self.last_completions: list[dict[str, Any]] = []  # the latest rollout's texts and rewards (not checkpointed)
@@ -190,30 +189,29 @@ class OnlineAlgorithm(Algorithm):
         return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion,
                 "completion_mask": completion_mask, "truncated": ~ended, "completions": texts}
 
-    def score(self, prompts: dict[str, Any], completions: list[str], num_generations: int) -> tuple[Tensor, Tensor]:
-        """``(reward [N], per_function [N, F])`` of the completions (:func:`rlhf.rewards.score`)."""
+    def score(self, prompts: dict[str, Any], completions: list[str], num_generations: int, keep: bool = True
+              ) -> tuple[Tensor, Tensor]:
+        """``(reward [N], per_function [N, F])`` of the completions (:func:`rlhf.rewards.score`); ``keep``: they are
+        the latest rollout's, which :meth:`tables` logs."""
         texts = [p for p in prompts["prompts"] for _ in range(num_generations)]
         columns = {c: [v for v in prompts[c] for _ in range(num_generations)] for c in self.reward_columns
                    if c in prompts}
         reward, per_function = reward_lib.score(self.reward_funcs, self.reward_weights, texts, completions, columns)
+        if not keep:
+            return reward, per_function
         self.last_completions = [{"prompt": p, "completion": c, "reward": float(r),
                                   **{f"rewards/{name}": float(v) for name, v in zip(self.reward_funcs, values)}}
                                  for p, c, r, values in zip(texts, completions, reward.tolist(), per_function.tolist())]
         return reward, per_function
 
-    def write_completions(self, step: int) -> None:
-        """Append the first ``num_completions_to_print`` completions of the latest rollout, with their rewards, to
-        ``log_completions_path`` (``samples.jsonl`` in the run folder) as one JSON line per completion, when
-        ``step`` is a multiple of ``log_completions_every_steps`` (the first step included). Called on the main
-        process only; a resumed run may write a step again."""
+    def tables(self, step: int) -> dict[str, list[dict[str, Any]]]:
+        """``{"samples": rows}``: the first ``num_completions_to_print`` completions of the latest rollout (this
+        process's) with their prompts and rewards, at the first step and every ``log_completions_every_steps``
+        (with ``log_completions``); the loggers write them to ``samples.jsonl`` and to a W&B table."""
         every = self.log_completions_every_steps
-        if not self.log_completions_path or not every or (step % every and step != 1) \
-                or step == self.__dict__.get("_written_step"):  # once per step, whatever its rollouts
-            return
-        self._written_step = step
-        with open(self.log_completions_path, "a") as file:
-            for sample in self.last_completions[:self.num_completions_to_print]:
-                file.write(json.dumps({"step": step, **sample}) + "\n")
+        if not self.log_completions or not every or (step % every and step != 1):
+            return {}
+        return {"samples": self.last_completions[:self.num_completions_to_print]}
 
     def reward_metrics(self, reward: Tensor, per_function: Tensor, sampled: dict[str, Any]) -> dict[str, Tensor]:
         """TRL's names: ``reward``, ``reward_std``, ``rewards/<name>/mean``, ``completions/mean_length``,
@@ -230,7 +228,7 @@ class OnlineAlgorithm(Algorithm):
         """Greedy completions of the held-out prompts, scored: ``reward`` (the weighted reward that trains),
         ``rewards/<name>/mean`` and ``completions/mean_length``."""
         sampled = self.sample(model, batch, 1, seed=None)
-        reward, per_function = self.score(batch, sampled["completions"], 1)
+        reward, per_function = self.score(batch, sampled["completions"], 1, keep=False)
         metrics = self.reward_metrics(reward, per_function, sampled)
         return {k: v for k, v in metrics.items() if k not in ("reward_std", "completions/clipped_ratio")}
 
@@ -255,8 +253,6 @@ class Rollouts:
         total = algo.steps_per_generation * algo.num_iterations
         if not buffer or buffer["served"] >= total:
             samples, metrics = algo.collect(self.model, self._next_prompts)
-            if self.accelerator.is_main_process:
-                algo.write_completions(self.state.step + 1)  # the step this rollout trains
             buffer = algo.buffer = {"micro_batches": split_groups(samples, algo.steps_per_generation,
                                                                   algo.num_generations),
                                     "metrics": metrics, "served": 0}

@@ -5,8 +5,8 @@ The model is transformers' token-classification model with one label (``AutoMode
 ``Linear(hidden_size, 1)``. It is a ``PreTrainedModel`` like the other heads, so it saves and loads with
 ``save_pretrained``/``from_pretrained`` (its config names the class: ``LlamaForTokenClassification`` for the tiny
 model), and the hardware strategies shard it as they shard a causal LM (its decoder layers are the same). A causal LM
-checkpoint loaded with ``model.head=value`` keeps its backbone under a freshly initialized score. No algorithm uses
-it yet (PPO will).
+checkpoint loaded with ``model.head=value`` keeps its backbone under a freshly initialized score. ``algo=ppo`` does
+not load one: it attaches its critic to the policy (:mod:`rlhf.models.value_head`).
 """
 
 from __future__ import annotations

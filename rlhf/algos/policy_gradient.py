@@ -1,0 +1,280 @@
+"""What GRPO, RLOO and REINFORCE++ share: sample, score, turn the scores into advantages, and minimize PPO's clipped
+surrogate of the importance ratio, optionally with a KL to a frozen reference — in the reward or in the loss.
+
+A subclass says only how scores become advantages (:meth:`PolicyGradient.advantages`); the rest is here:
+
+- the rollout (:meth:`PolicyGradient.rollout`): completions sampled and scored (:class:`~rlhf.algos.online.OnlineAlgorithm`),
+  the sampling policy's log-probabilities when the ratio needs them (``num_iterations > 1`` or
+  ``steps_per_generation > 1``) or the KL is in the reward, the reference's when ``beta > 0``;
+- the KL: with ``kl_in_reward`` the per-token estimate ``kl_estimator(π_old, π_ref)`` is subtracted from the reward
+  (``beta`` times it: summed over the completion for a sequence-level advantage, per token for a token-level one) and
+  the loss has none; otherwise ``beta`` times the estimate on the trained policy is added to the loss per token;
+- statistics over the global batch: :func:`all_gather_rows` (every process's rewards, so that an advantage that
+  normalizes over the batch sees all of it) and :func:`global_masked_moments` (mean and variance over every process's
+  tokens), one collective each, and nothing with one process;
+- the loss: :func:`~rlhf.algos.policy_losses.clipped_surrogate` with ``epsilon``/``epsilon_high``, the importance
+  ratio at token or sequence level, aggregated by ``loss_type``; DAPO's dynamic sampling (:meth:`collect`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+from torch import Tensor
+
+from rlhf.algos.advantages import completions_in_kept_groups, frac_reward_zero_std, masked_mean
+from rlhf.algos.base import PROMPT_TOKENS, selective_log_softmax
+from rlhf.algos.online import (
+    COMPLETION_TOKENS,
+    GENERATIONS,
+    ITERATIONS,
+    STEPS_PER_GENERATION,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    OnlineAlgorithm,
+    concat_samples,
+    training_batch,
+)
+from rlhf.algos.policy_losses import (
+    EPSILON,
+    clipped_surrogate,
+    drop_truncated,
+    entropy_from_logits,
+    grpo_loss,
+    kl_k3,
+    token_log_ratio,
+)
+from rlhf.algos.reward_shaping import Moments, batch_moments, combine_moments
+from rlhf.errors import UserError
+from rlhf.models.reference import FrozenCopy, Reference, disable_dropout
+from rlhf.validate import Range, limits
+
+
+@limits(
+    temperature=TEMPERATURE, top_p=TOP_P, top_k=TOP_K, max_completion_length=COMPLETION_TOKENS,
+    max_prompt_length=PROMPT_TOKENS, num_generations=GENERATIONS, num_iterations=ITERATIONS,
+    steps_per_generation=STEPS_PER_GENERATION, epsilon=EPSILON,
+    epsilon_high=Range(gt=0, meaning="DAPO's clip-higher upper range (0.28 in the paper); null is epsilon", fix=0.28),
+    beta=Range(ge=0, meaning="the weight of the KL to the reference; 0 holds no reference", fix=0.0),
+    log_completions_every_steps=Range(ge=0, integer=True, meaning="steps between samples.jsonl entries; 0 is never",
+                                      fix=50),
+    num_completions_to_print=Range(ge=0, integer=True, meaning="completions written each time", fix=4),
+    max_sampling_batches=Range(ge=1, integer=True, meaning="prompt batches dynamic sampling may draw per rollout",
+                               fix=4))
+class PolicyGradient(OnlineAlgorithm):
+    """The shared policy-gradient algorithm (see the module docstring); subclasses implement :meth:`advantages` and
+    take their own arguments, passing the rest (``**kwargs``) here. The arguments are GRPO's
+    (:class:`rlhf.algos.grpo.GRPO` documents each); the limits above hold for every subclass."""
+
+    def __init__(
+        self,
+        num_generations: int = 8,
+        beta: float = 0.0,
+        kl_in_reward: bool = False,
+        num_iterations: int = 1,
+        steps_per_generation: int = 1,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        loss_type: Callable[..., Tensor] = grpo_loss,
+        importance_sampling_level: Callable[[Tensor, Tensor, Tensor], Tensor] = token_log_ratio,
+        kl_estimator: Callable[[Tensor, Tensor], Tensor] = kl_k3,
+        mask_truncated_completions: bool = False,
+        dynamic_sampling: bool = False,
+        max_sampling_batches: int = 4,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_completion_length: int = 16,
+        max_prompt_length: int | None = 512,
+        seed: int = 0,
+        reward_funcs: Mapping[str, Callable] | None = None,
+        reward_weights: Sequence[float] | None = None,
+        reward_columns: Sequence[str] = (),
+        reference: Reference | None = None,
+        disable_dropout: bool = True,
+        log_completions: bool = True,
+        log_completions_every_steps: int = 50,
+        num_completions_to_print: int = 4,
+    ) -> None:
+        self._init_online(temperature=temperature, top_p=top_p, top_k=top_k,
+                          max_completion_length=max_completion_length, max_prompt_length=max_prompt_length,
+                          num_generations=num_generations, num_iterations=num_iterations,
+                          steps_per_generation=steps_per_generation, seed=seed, reward_funcs=reward_funcs,
+                          reward_weights=reward_weights, reward_columns=reward_columns,
+                          log_completions=log_completions,
+                          log_completions_every_steps=log_completions_every_steps,
+                          num_completions_to_print=num_completions_to_print)
+        self.beta, self.kl_in_reward = beta, kl_in_reward
+        self.epsilon, self.epsilon_high = epsilon, epsilon_high
+        self.loss_type, self.importance_sampling_level = loss_type, importance_sampling_level
+        self.kl_estimator = kl_estimator
+        self.mask_truncated_completions = mask_truncated_completions
+        self.dynamic_sampling, self.max_sampling_batches = dynamic_sampling, max_sampling_batches
+        self.reference = reference if reference is not None else FrozenCopy()
+        self.disable_dropout = disable_dropout
+
+    def setup(self, policy, tokenizer) -> None:
+        super().setup(policy, tokenizer)
+        if self.disable_dropout:
+            disable_dropout(policy)
+        if self.beta > 0:
+            reference = self.reference(policy, tokenizer)
+            if reference is None:
+                raise UserError(f"algo.beta={self.beta} needs a reference model, but algo/reference builds none. "
+                                "Fix: algo/reference=copy, or algo.beta=0")
+            self.frozen = {"reference": reference}
+        else:
+            self.frozen = {}  # beta = 0: no reference is built or held
+
+    @property
+    def old_logps_needed(self) -> bool:
+        """Whether the sampling policy differs from the trained one when a micro-batch is served."""
+        return self.num_iterations > 1 or self.steps_per_generation > 1
+
+    # ---- what a subclass says ----------------------------------------------------------------------------------------
+    def advantages(self, rewards: Tensor, token_kl: Tensor | None, mask: Tensor, model) -> Tensor:
+        """The advantages of one rollout: ``[N]`` (one per completion) or ``[N, C]`` (per completion token).
+
+        ``rewards [N]``: the weighted scores, in groups of ``num_generations``; ``token_kl [N, C]``: ``beta`` times
+        the per-token KL estimate of the sampling policy to the reference (0 on padding) when the KL is in the
+        reward, else ``None``; ``mask [N, C]``: the completion tokens; ``model``: for the collectives
+        (:func:`all_gather_rows`, :func:`global_masked_moments`)."""
+        raise NotImplementedError
+
+    # ---- rollout -----------------------------------------------------------------------------------------------------
+    def rollout(self, model, prompts: dict[str, Any], seed: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        group = self.num_generations
+        sampled = self.sample(model, prompts, group, seed)
+        reward, per_function = self.score(prompts, sampled["completions"], group)
+        metrics = self.reward_metrics(reward, per_function, sampled)
+        metrics["frac_reward_zero_std"] = frac_reward_zero_std(reward, group)
+        samples = {k: sampled[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                                           "truncated")}
+        samples["rewards"] = reward
+        batch = training_batch(samples)
+        kl_in_reward = self.kl_in_reward and self.beta > 0
+        with torch.no_grad():  # the unwrapped policy: no collective of a wrapper (DDP's buffer broadcast)
+            if self.old_logps_needed or kl_in_reward:
+                samples["old_logps"] = completion_logps(extract_model_from_parallel(model), batch, False)[0]
+            if self.beta > 0:
+                samples["ref_logps"] = completion_logps(self.frozen["reference"], batch, False)[0]
+        mask = samples["completion_mask"]
+        token_kl = None
+        if kl_in_reward:
+            token_kl = self.beta * self.kl_estimator(samples["old_logps"], samples.pop("ref_logps")) * mask
+            metrics["kl"] = masked_mean(token_kl / self.beta, mask)
+            if not self.old_logps_needed:  # the ratio is to the trained policy itself
+                del samples["old_logps"]
+        samples["advantages"] = self.advantages(reward, token_kl, mask, model)
+        return samples, metrics
+
+    def collect(self, model, next_prompts) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """One rollout; with ``dynamic_sampling``, of groups whose rewards differ, drawing prompt batches until the
+        batch holds as many groups as one batch of prompts (or ``max_sampling_batches`` were drawn)."""
+        if not self.dynamic_sampling:
+            return self.rollout(model, *next_prompts())
+        group, kept, dropped, all_metrics, wanted, have = self.num_generations, [], [], [], None, 0
+        # Every process draws as many batches as the one that needs most: generation is a collective with several.
+        while len(all_metrics) < self.max_sampling_batches and (wanted is None or _any_process(have < wanted, model)):
+            samples, metrics = self.rollout(model, *next_prompts())
+            all_metrics.append(metrics)
+            wanted = wanted or samples["rewards"].numel()
+            keep = completions_in_kept_groups(samples["rewards"], group)
+            kept.append({k: v[keep] for k, v in samples.items()})
+            dropped.append({k: v[~keep] for k, v in samples.items()})
+            have += int(keep.sum())
+        merged = concat_samples(kept + dropped, self.pad_id)  # dropped groups (advantage 0) fill up a short batch
+        merged = {k: v[:wanted] for k, v in merged.items()}
+        metrics = {k: torch.stack([m[k] for m in all_metrics]).mean() for k in all_metrics[0]}
+        metrics["sampling_batches"] = torch.tensor(float(len(all_metrics)))
+        return merged, metrics
+
+    # ---- the loss ----------------------------------------------------------------------------------------------------
+    def loss(self, model, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+        token_logps, mask, logits = completion_logps(model, batch, with_logits=True)
+        return self.policy_loss(token_logps, mask, logits, batch)
+
+    def policy_loss(self, token_logps: Tensor, mask: Tensor, logits: Tensor, batch: dict[str, Any]
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The clipped surrogate (plus ``beta`` times the KL when it is in the loss), aggregated by ``loss_type``,
+        and its metrics, from the trained policy's completion log-probabilities and logits."""
+        old = batch["old_logps"] if "old_logps" in batch else token_logps.detach()
+        log_ratio = self.importance_sampling_level(token_logps, old, mask)
+        surrogate = clipped_surrogate(log_ratio, batch["advantages"], self.epsilon, self.epsilon_high)
+        per_token = surrogate.per_token_loss
+        metrics: dict[str, Tensor] = {}
+        if self.beta > 0 and not self.kl_in_reward:
+            kl = self.kl_estimator(token_logps, batch["ref_logps"])
+            per_token = per_token + self.beta * kl
+            metrics["kl"] = masked_mean(kl.detach(), mask)
+        loss_mask = drop_truncated(mask, batch["truncated"]) if self.mask_truncated_completions else mask
+        loss = self.loss_type(per_token, loss_mask)
+        with torch.no_grad():
+            metrics["entropy"] = masked_mean(entropy_from_logits(logits.detach()), mask)
+        metrics.update({k: v for k, v in surrogate.clip_metrics(mask).items()})
+        return loss, {"loss": loss.detach(), **batch.get("rollout_metrics", {}), **metrics}
+
+
+# ---- collectives: statistics over the global batch -------------------------------------------------------------------
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+
+
+def _device(model) -> torch.device:
+    return next(extract_model_from_parallel(model).parameters()).device
+
+
+def _any_process(flag: bool, model) -> bool:
+    """``flag`` OR-ed over every process (one all-reduce on the policy's device; just ``flag`` in one process)."""
+    if not _distributed():
+        return flag
+    value = torch.tensor([float(flag)], device=_device(model))
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def all_gather_rows(values: Tensor, model) -> tuple[Tensor, slice]:
+    """Every process's ``values`` (equal shapes), concatenated in process order along the first dimension, and the
+    slice of this process's rows in it: ``(values, slice(0, N))`` with one process."""
+    if not _distributed():
+        return values, slice(0, values.shape[0])
+    device = _device(model)
+    parts = [torch.empty_like(values, device=device) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, values.to(device).contiguous())
+    rank, n = torch.distributed.get_rank(), values.shape[0]
+    return torch.cat(parts).to(values.device), slice(rank * n, (rank + 1) * n)
+
+
+def global_masked_moments(values: Tensor, mask: Tensor, model) -> Moments:
+    """``(count, mean, M2)`` of the entries of ``values`` where ``mask`` is 1, over every process (float64; one
+    all-gather of three numbers per process)."""
+    local = batch_moments(values[mask.bool()])
+    if not _distributed():
+        return local
+    moments = torch.tensor(local, dtype=torch.float64, device=_device(model))
+    parts = [torch.empty_like(moments) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, moments)
+    stacked = torch.stack(parts).cpu()
+    return combine_moments(stacked[:, 0], stacked[:, 1], stacked[:, 2])
+
+
+def completion_logps(model, batch: dict[str, Tensor], with_logits: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(token_logps [N, C], mask [N, C], logits [N, C, V] or None)`` of the completion tokens of a
+    :func:`~rlhf.algos.online.training_batch` (prompts ``P`` tokens, left-padded; completions after them)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return completion_part(logits, batch, with_logits)
+
+
+def completion_part(logits: Tensor, batch: dict[str, Tensor], with_logits: bool = True
+                    ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`completion_logps` from the logits ``[N, P + C, V]`` of a forward pass over the batch."""
+    prompt = int(batch["prompt_length"])
+    logits = logits[:, prompt - 1:-1].float()
+    labels = batch["input_ids"][:, prompt:]
+    mask = batch["attention_mask"][:, prompt:]
+    return selective_log_softmax(logits, labels) * mask, mask, logits if with_logits else None

@@ -1,0 +1,93 @@
+"""PPO's critic attached to the policy: a value per token, from the policy's own last hidden state (a head on the
+trunk) or from a separate copy of its backbone (a separate critic).
+
+The critic becomes a submodule of the policy (``policy.value_head``) before the hardware strategy wraps it, so the
+one model the loop trains holds both: one optimizer, one set of gradients synchronized by DDP (FSDP2 and ZeRO-3 shard
+the critic's layers like the policy's), one checkpoint that resumes both. The policy's ``forward`` is unchanged
+unless values are asked for (:func:`values_on`): a forward hook then adds ``token_values [B, T]`` to its output, computed
+inside the same call (so DDP sees every parameter used). Generation never asks, so sampling costs what it did.
+
+The saved model (``final/``) is the policy with the critic's weights as extra keys (``value_head.*``): loading it
+as a causal LM (``AutoModelForCausalLM.from_pretrained``, or ``model.name_or_path=<run>/final``) uses the policy and
+ignores them, with transformers' note on unused weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from accelerate.utils import extract_model_from_parallel
+from torch import Tensor, nn
+
+from rlhf.errors import UserError
+
+
+class ValueHead(nn.Module):
+    """``Linear(hidden_size, 1)`` on a last hidden state; with ``backbone`` (a copy of the policy's decoder), on the
+    backbone's own, so the critic shares no parameter with the policy."""
+
+    def __init__(self, hidden_size: int, backbone: nn.Module | None = None) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.score = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.score.weight, std=1 / (hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.score.bias)
+        self.active = False  # set by values_on(); not a parameter, not saved
+
+    def values(self, hidden: Tensor | None, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        if self.backbone is not None:
+            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.score(hidden).squeeze(-1).float()
+
+
+def attach_value_head(policy: nn.Module, separate: bool) -> ValueHead:
+    """Give ``policy`` (a causal LM, unwrapped) a critic as ``policy.value_head`` and the hooks that fill in
+    ``token_values`` while :func:`values_on` is on. ``separate``: the critic gets a copy of the policy's backbone (its
+    decoder without the language-model head), trained apart from the policy's; else it reads the policy's last
+    hidden state."""
+    if hasattr(policy, "peft_config"):
+        raise UserError("algo=ppo with a LoRA policy (peft=lora/qlora) is not supported: the critic would train the "
+                        "frozen base's hidden states through the adapter only. Fix: peft=none")
+    config = getattr(policy, "config", None)
+    hidden_size = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if hidden_size is None:
+        raise UserError(f"algo=ppo needs the policy's hidden size for its value head, but {type(policy).__name__}'s "
+                        "config has neither hidden_size nor n_embd. Fix: a transformers causal LM")
+    backbone = copy.deepcopy(policy.base_model) if separate else None
+    if backbone is not None:
+        backbone.requires_grad_(True)
+    head = ValueHead(hidden_size, backbone).to(next(policy.parameters()).device)
+    policy.add_module("value_head", head)
+
+    def before(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        if head.active and head.backbone is None:
+            kwargs["output_hidden_states"] = True
+        return args, kwargs
+
+    def after(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        if head.active:
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            hidden = None if head.backbone is not None else output.hidden_states[-1]
+            output["token_values"] = head.values(hidden, input_ids, kwargs.get("attention_mask"))
+        return output
+
+    policy.register_forward_pre_hook(before, with_kwargs=True)
+    policy.register_forward_hook(after, with_kwargs=True)
+    return head
+
+
+@contextmanager
+def values_on(model: nn.Module) -> Iterator[None]:
+    """Within this block, the policy's forward passes (``model`` wrapped by a strategy or not) also return
+    ``token_values [B, T]``: the critic's estimate at every position, in float32."""
+    head = getattr(extract_model_from_parallel(model), "value_head", None)
+    if not isinstance(head, ValueHead):
+        raise ValueError("values_on: this model has no value head (attach_value_head)")
+    head.active = True
+    try:
+        yield
+    finally:
+        head.active = False

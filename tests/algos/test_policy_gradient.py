@@ -1,0 +1,156 @@
+"""RLOO and REINFORCE++ on the shared policy-gradient base: their advantages against hand-computed values, the KL in
+the reward or in the loss, the statistics over every process's rollout, and short runs through the loop."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from rlhf import train
+from rlhf.algos.advantages import reinforce_pp_tokens
+from rlhf.algos.grpo import GRPO
+from rlhf.algos.policy_gradient import all_gather_rows, global_masked_moments
+from rlhf.algos.reinforce_pp import ReinforcePP
+from rlhf.algos.reward_shaping import batch_moments, kl_penalized_rewards
+from rlhf.algos.rloo import RLOO
+from rlhf.config import check_config
+from rlhf.errors import UserError
+from tests.algos.test_grpo import GRPO_FAST, _source
+from tests.conftest import FAST, compose_config
+
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+
+
+# --- advantages -----------------------------------------------------------------------------------------------------
+def test_rloo_advantage_is_the_reward_minus_the_mean_of_the_others_after_the_kl():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    token_kl = torch.tensor([[0.1, 0.1, 0.0], [0.2, 0.0, 0.0], [0.0, 0.0, 0.0], [0.3, 0.1, 0.0]])
+    algo = RLOO(num_generations=2)
+    got = algo.advantages(rewards, token_kl, MASK, None)
+    # rewards after the KL: 0.8, -0.2 | 0.0, 0.6; each minus the other of its pair
+    assert got.tolist() == pytest.approx([1.0, -1.0, -0.6, 0.6])
+    assert algo.advantages(rewards, None, MASK, None).tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0])
+    algo.normalize_advantages = True
+    whitened = algo.advantages(rewards, token_kl, MASK, None)
+    assert float(whitened.mean()) == pytest.approx(0.0, abs=1e-6) and float(whitened.std()) == pytest.approx(1.0, 1e-3)
+
+
+def test_rloo_needs_two_completions_per_prompt():
+    with pytest.raises(UserError, match="num_generations=2 or more"):
+        RLOO(num_generations=1).advantages(torch.ones(2), None, MASK[:2], None)
+
+
+def test_reinforce_pp_token_advantages_are_returns_whitened_over_the_batch():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    token_kl = torch.tensor([[0.1, 0.2, 0.0], [0.4, 0.0, 0.0], [0.0, 0.1, 0.1], [0.0, 0.0, 0.0]])
+    algo = ReinforcePP(num_generations=2)
+    got = algo.advantages(rewards, token_kl, MASK, None)
+    # token rewards: [-0.1, 0.8], [-0.4], [0, -0.1, -0.1], [0, 1]; returns (gamma 1): [0.7, 0.8], [-0.4],
+    # [-0.2, -0.2, -0.1], [1, 1]; whitened over the 8 tokens (sample variance)
+    returns = torch.tensor([0.7, 0.8, -0.4, -0.2, -0.2, -0.1, 1.0, 1.0])
+    expected = (returns - returns.mean()) / torch.sqrt(returns.var() + 1e-8)
+    assert got[MASK.bool()].tolist() == pytest.approx(expected.tolist(), abs=1e-6)
+    assert float(got[~MASK.bool()].abs().sum()) == 0
+    same = reinforce_pp_tokens(kl_penalized_rewards(rewards, token_kl, MASK, 1.0), MASK)
+    torch.testing.assert_close(got, same, atol=1e-6, rtol=1e-6)
+    # the baseline variant subtracts each prompt's mean score first: pairs (1, 0) and (0, 1) become ±0.5
+    algo.group_baseline = True
+    centred = algo.advantages(rewards, None, MASK, None)
+    returns = torch.tensor([0.5, 0.5, -0.5, -0.5, -0.5, -0.5, 0.5, 0.5])
+    assert centred[MASK.bool()].tolist() == pytest.approx((returns / returns.std()).tolist(), abs=1e-4)
+
+
+def test_grpo_with_the_kl_in_the_reward_subtracts_its_sum_before_the_group_scaling():
+    algo = GRPO(num_generations=2)
+    rewards, token_kl = torch.tensor([1.0, 0.0]), torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 0.0]])
+    assert algo.advantages(rewards, token_kl, MASK[:2], None).tolist() == pytest.approx([0.0, 0.0], abs=1e-6)
+
+
+# --- the KL in the reward or in the loss ------------------------------------------------------------------------------
+@pytest.mark.parametrize("algo_class", [RLOO, ReinforcePP])
+def test_kl_in_the_reward_is_logged_at_rollout_and_leaves_the_loss_alone(algo_class):
+    algo = algo_class(num_generations=2, max_completion_length=4, beta=0.5, kl_in_reward=True)
+    source, _ = _source(algo)
+    batch = source.next()
+    assert "ref_logps" not in batch and "old_logps" not in batch  # the KL went into the advantages
+    assert float(batch["rollout_metrics"]["kl"]) == pytest.approx(0.0, abs=1e-6)  # the reference is the start
+    _, metrics = algo.loss(source.model, batch)
+    assert float(metrics["kl"]) == pytest.approx(0.0, abs=1e-6)  # the rollout's, passed on
+    in_loss = algo_class(num_generations=2, max_completion_length=4, beta=0.5, kl_in_reward=False)
+    source, _ = _source(in_loss)
+    batch = source.next()
+    assert "ref_logps" in batch and "kl" not in batch["rollout_metrics"]
+    assert "kl" in in_loss.loss(source.model, batch)[1]
+
+
+def test_kl_in_the_reward_moves_the_advantages_once_the_policy_has_moved():
+    algo = RLOO(num_generations=2, max_completion_length=4, beta=1.0, kl_in_reward=True)
+    source, _ = _source(algo)
+    with torch.no_grad():
+        for parameter in source.model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    batch = source.next()
+    assert abs(float(batch["rollout_metrics"]["kl"])) > 1e-4
+
+
+# --- statistics over every process ------------------------------------------------------------------------------------
+def _gather_worker(rank: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = torch.nn.Linear(1, 1)
+        values = torch.arange(6, dtype=torch.float32).view(3, 2) * (rank + 1)
+        mask = torch.tensor([[1, 1], [1, 0], [0, 0]]) if rank == 0 else torch.ones(3, 2, dtype=torch.long)
+        everyone, mine = all_gather_rows(values[:, 0].contiguous(), model)
+        out.put((rank, everyone.tolist(), (mine.start, mine.stop), global_masked_moments(values, mask, model)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_batch_statistics_cover_every_processs_rollout():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    processes = [context.Process(target=_gather_worker, args=(rank, port, out)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    results = sorted(out.get(timeout=60) for _ in processes)
+    for process in processes:
+        process.join(timeout=30)
+    both = torch.tensor([0.0, 1, 2, 0, 2, 4, 6, 8, 10])  # rank 0's three masked entries, then rank 1's six
+    for rank, everyone, (start, stop), moments in results:
+        assert everyone == [0.0, 2.0, 4.0, 0.0, 4.0, 8.0] and (start, stop) == (3 * rank, 3 * rank + 3)
+        assert moments == pytest.approx(batch_moments(both))
+
+
+def test_one_process_gathers_nothing():
+    values = torch.tensor([1.0, 2.0])
+    everyone, mine = all_gather_rows(values, None)
+    assert everyone is values and mine == slice(0, 2)
+    assert global_masked_moments(values, torch.tensor([1, 0]), None) == (1.0, 1.0, 0.0)
+
+
+# --- runs -----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algo", ["rloo", "reinforce_pp"])
+def test_a_short_run_trains_and_logs_the_kl(algo, tmp_path):
+    overrides = [*FAST, *GRPO_FAST, f"algo={algo}", "algo/reward_funcs=similarity", "train.eval_at_start=false"]
+    metrics = train(compose_config(*overrides, output_dir=tmp_path))
+    assert {"train/reward", "train/kl", "train/loss", "eval/reward"} <= set(metrics)
+    final = load_file(tmp_path / "final" / "model.safetensors")
+    assert all(torch.isfinite(v).all() for v in final.values())
+
+
+def test_a_misspelled_option_of_a_subclass_is_refused():
+    """RLOO passes GRPO's options to the shared base by **kwargs; the config check still knows every name."""
+    check_config(compose_config("algo=rloo", "algo.num_iterations=2"))
+    with pytest.raises(UserError, match="no argument 'normalise_advantages'"):
+        check_config(compose_config("algo=rloo", "+algo.normalise_advantages=true"))
+    with pytest.raises(UserError, match="algo.gamma"):
+        check_config(compose_config("algo=reinforce_pp", "algo.gamma=0"))

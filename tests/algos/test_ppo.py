@@ -1,0 +1,112 @@
+"""PPO on the shared policy-gradient base: the critic attached to the policy, the rollout's GAE wiring, the scores'
+post-processing and its checkpointed statistics, and a short run through the loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rlhf import train
+from rlhf.algos.ppo import PPO
+from rlhf.algos.reward_shaping import AdaptiveKLController, FixedKLController
+from rlhf.config import check_config
+from rlhf.errors import UserError
+from rlhf.models.value_head import attach_value_head, values_on
+from rlhf.rewards import char_similarity
+from tests.algos.test_grpo import GRPO_FAST, _policy, _source
+from tests.conftest import FAST, compose_config
+
+IDS = torch.tensor([[1, 5, 6, 7], [1, 8, 9, 2]])
+
+
+# --- the critic -----------------------------------------------------------------------------------------------------
+def test_a_value_head_on_the_trunk_answers_only_when_asked():
+    policy = _policy().model
+    attach_value_head(policy, separate=False)
+    assert "token_values" not in policy(input_ids=IDS)
+    with values_on(policy):
+        out = policy(input_ids=IDS)
+    assert out["token_values"].shape == IDS.shape and out.logits.shape[:2] == IDS.shape
+    assert "token_values" not in policy(input_ids=IDS)  # off again after the block
+    assert {"value_head.score.weight", "value_head.score.bias"} <= set(policy.state_dict())
+    out["token_values"].sum().backward()  # the value's gradient reaches the shared trunk
+    assert policy.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+def test_a_separate_critic_shares_no_parameter_with_the_policy():
+    policy = _policy().model
+    head = attach_value_head(policy, separate=True)
+    policy_ids = {id(p) for name, p in policy.named_parameters() if not name.startswith("value_head.")}
+    assert not policy_ids & {id(p) for p in head.parameters()}
+    with values_on(policy):
+        policy(input_ids=IDS)["token_values"].sum().backward()
+    assert policy.model.layers[0].mlp.up_proj.weight.grad is None
+    assert head.backbone.layers[0].mlp.up_proj.weight.grad is not None
+
+
+# --- the rollout ----------------------------------------------------------------------------------------------------
+def test_the_advantages_are_gae_of_the_score_at_the_end_against_the_critics_values():
+    """With no KL, gamma = lambda = 1 and no whitening, GAE gives each token ``score - V_t``; returns are the score."""
+    algo = PPO(kl_controller=FixedKLController(0.0), num_generations=2, max_completion_length=4, lam=1.0,
+               whiten_advantages=False, reward_funcs={"similarity": char_similarity})
+    source, _ = _source(algo)
+    assert algo.frozen == {}  # a fixed coefficient of 0 holds no reference
+    batch = source.next()
+    mask = batch["completion_mask"][:, int(batch["prompt_length"]):].bool()
+    expected = (batch["rewards"].unsqueeze(1) - batch["old_values"])[mask]
+    torch.testing.assert_close(batch["advantages"][mask], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batch["returns"][mask], batch["rewards"].unsqueeze(1).expand_as(mask)[mask])
+    loss, metrics = algo.loss(source.model, batch)
+    assert {"loss/policy", "loss/value", "val/clipfrac", "kl_coef", "values/mean"} <= set(metrics)
+    assert float(metrics["loss"]) == pytest.approx(float(metrics["loss/policy"]) + 0.1 * float(metrics["loss/value"]))
+
+
+def test_score_scaling_normalization_and_clipping_use_every_score_seen():
+    algo = PPO(score_norm=True, score_clip=1.0)
+    first = algo.shape_scores(torch.tensor([0.0, 2.0]), None)
+    assert first.tolist() == pytest.approx([-1 / 2**0.5, 1 / 2**0.5], abs=1e-6)  # mean 1, sample std sqrt 2
+    second = algo.shape_scores(torch.tensor([10.0, 0.0]), None)  # seen: 0, 2, 10, 0: mean 3, std sqrt(68/3)
+    std = (68 / 3) ** 0.5
+    assert second.tolist() == pytest.approx([min(7 / std, 1.0), -3 / std], abs=1e-6)
+    scaling = PPO(score_scaling=True)
+    assert scaling.shape_scores(torch.tensor([1.0, 3.0]), None).tolist() == pytest.approx([1 / 2**0.5, 3 / 2**0.5])
+
+
+def test_the_running_statistics_and_the_kl_coefficient_are_checkpointed():
+    algo = PPO(kl_controller=AdaptiveKLController(init_kl_coef=0.2, target=1.0, horizon=10), score_scaling=True,
+               num_generations=2, max_completion_length=4)
+    source, _ = _source(algo)
+    with torch.no_grad():
+        for parameter in source.model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))  # the policy has left the reference: KL > 0
+    source.next()
+    state = algo.state_dict()
+    assert algo.kl_controller.value != 0.2 and algo.score_moments.count == 4
+    fresh = PPO(kl_controller=AdaptiveKLController(init_kl_coef=0.2, target=1.0, horizon=10), score_scaling=True)
+    fresh.load_state_dict(state)
+    assert fresh.kl_controller.value == algo.kl_controller.value == fresh.beta
+    assert (fresh.score_moments.count, fresh.score_moments.mean, fresh.score_moments.m2) == \
+        (algo.score_moments.count, algo.score_moments.mean, algo.score_moments.m2)
+
+
+def test_grpo_names_of_ppo_options_are_refused_with_trls_ppo_name():
+    with pytest.raises(UserError, match="algo.num_ppo_epochs"):
+        PPO(num_iterations=2)
+    check_config(compose_config("algo=ppo", "algo/kl_controller=adaptive", "algo.num_ppo_epochs=2"))
+    with pytest.raises(UserError, match="algo.lam"):
+        check_config(compose_config("algo=ppo", "algo.lam=2"))
+
+
+# --- a run ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_short_run_trains_policy_and_critic_and_saves_a_loadable_policy(separate, tmp_path):
+    overrides = [*FAST, *GRPO_FAST, "algo=ppo", "algo/reward_funcs=similarity", "train.eval_at_start=false",
+                 f"algo.separate_critic={str(separate).lower()}", "algo.num_ppo_epochs=2"]
+    metrics = train(compose_config(*overrides, output_dir=tmp_path))
+    assert {"train/loss/value", "train/reward", "eval/reward"} <= set(metrics)
+    saved = load_file(tmp_path / "final" / "model.safetensors")
+    assert "value_head.score.weight" in saved
+    assert any(k.startswith("value_head.backbone.") for k in saved) == separate
+    AutoModelForCausalLM.from_pretrained(tmp_path / "final")  # the policy loads; the critic's keys are left out
