@@ -5,12 +5,14 @@ function signature): ``prompts`` and ``completions`` are lists of strings of equ
 other columns of those rows (``algo.reward_columns``), each a list. A value may be ``None`` (or NaN) where the
 function does not apply to a sample. The config names them by ``_target_`` (``_partial_: true`` for a function),
 under ``algo.reward_funcs`` (``conf/algo/reward_funcs/``), one name each: the name is the metric's
-``rewards/<name>/mean``. A reward model saved by ``algo=reward`` would be one more such callable (not written yet).
+``rewards/<name>/mean``. A reward model saved by ``algo=reward`` is one more such callable: :class:`RewardModel`
+(``conf/algo/reward_funcs/reward_model.yaml``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from difflib import SequenceMatcher
 from typing import Any
@@ -19,8 +21,10 @@ import torch
 from torch import Tensor
 
 from rlhf.algos.reward_shaping import weighted_rewards
+from rlhf.data.collate import collate_sequences, encode
 from rlhf.data.tasks import ReverseTask
 from rlhf.errors import UserError
+from rlhf.validate import Range, limits
 
 RewardFunction = Callable[..., Sequence[float | None]]
 
@@ -56,3 +60,89 @@ def score(functions: Mapping[str, RewardFunction], weights: Sequence[float] | No
     weight = None if weights is None else torch.tensor(list(weights), dtype=torch.float32)
     reward, _ = weighted_rewards(per_function, weight)
     return reward, per_function
+
+
+def _reward_model_folder(values: dict[str, Any], where: str) -> None:
+    """A check across arguments (:func:`rlhf.validate.limits`): ``path`` is a folder with a saved model (a run's
+    ``final/``, not the run folder), before anything runs."""
+    path = values.get("path")
+    if not isinstance(path, str):
+        return  # ??? is refused by the config check, naming the key
+    folder = os.path.expanduser(path)
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return
+    final = os.path.join(path.rstrip("/"), "final")
+    if os.path.isfile(os.path.join(os.path.expanduser(final), "config.json")):
+        raise UserError(f"{where}.path={path} is a run folder; its reward model is in {final}. Fix: {where}.path={final}")
+    looked = f"no such folder (looked in {os.path.abspath(folder)})" if not os.path.isdir(folder) else \
+        "no config.json in it (not a saved model, or a run that has not finished)"
+    raise UserError(f"{where}.path={path}: {looked}. Fix: {where}.path=<run dir>/final of a run of algo=reward")
+
+
+@limits(_reward_model_folder,
+        batch_size=Range(ge=1, integer=True, meaning="sequences scored per forward pass", fix=32),
+        max_prompt_length=Range(ge=1, integer=True, meaning="tokens a prompt keeps (its end), as algo=reward's "
+                                "option", fix=512),
+        max_length=Range(ge=1, integer=True, meaning="tokens of prompt + completion (the rest is cut), as "
+                         "algo=reward's option", fix=1024))
+class RewardModel:
+    """A reward model saved by ``algo=reward`` (a run's ``final/``: a one-label sequence-classification model and its
+    tokenizer) as a reward function: ``reward_model(prompts, completions) -> [float]``, one scalar per prompt +
+    completion.
+
+    Each text pair is tokenized as ``algo=reward`` tokenized its chosen and rejected sides
+    (:func:`rlhf.data.collate.encode` with the tokenizer's specials on the prompt, EOS appended to the completion,
+    ``max_prompt_length`` and ``max_length`` as there), right-padded, and read at its last token. The model is loaded
+    once, at the first call (so a config that names it builds without reading it), on ``device`` (``None``: the
+    calling process's device, accelerate's ``PartialState().device``), in eval mode, and scores without gradients,
+    ``batch_size`` sequences at a time. Every process holds a whole copy: it is not sharded or trained.
+
+    Args:
+        path: the saved model's folder (``<run dir>/final`` of an ``algo=reward`` run).
+        batch_size: sequences per forward pass.
+        max_prompt_length, max_length: truncation, as the reward model was trained with (``algo=reward``'s
+            defaults: 512, 1024); ``None``: none.
+        dtype: the parameter dtype it runs in (``float32``, ``bfloat16``, ``float16``).
+        device: where it runs; ``None``: the calling process's device.
+    """
+
+    def __init__(self, path: str, batch_size: int = 32, max_prompt_length: int | None = 512,
+                 max_length: int | None = 1024, dtype: str = "float32", device: str | None = None) -> None:
+        self.path, self.batch_size = path, batch_size
+        self.max_prompt_length, self.max_length = max_prompt_length, max_length
+        self.dtype, self.device = dtype, device
+        self.model, self.tokenizer = None, None
+
+    def load(self) -> None:
+        """Read the model and its tokenizer (once)."""
+        if self.model is not None:
+            return
+        # transformers' model classes, imported only when a reward model is used
+        from rlhf.models.loading import load_policy
+
+        _reward_model_folder({"path": self.path}, "reward_model")
+        policy = load_policy(self.path, dtype=self.dtype, head="sequence_classification")
+        if self.device is None:
+            from accelerate import PartialState
+
+            self.device = str(PartialState().device)
+        self.model = policy.model.to(self.device).eval().requires_grad_(False)
+        self.tokenizer = policy.tokenizer
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float]:
+        self.load()
+        tokenizer, out = self.tokenizer, []
+        pairs = list(zip(prompts, completions))
+        for start in range(0, len(pairs), self.batch_size):
+            ids = [encode(tokenizer, p, c, self.max_prompt_length, self.max_length, add_special_tokens=True)["input_ids"]
+                   for p, c in pairs[start:start + self.batch_size]]
+            batch = collate_sequences(ids, [[1] * len(s) for s in ids], tokenizer.pad_token_id)
+            logits = self.model(input_ids=batch["input_ids"].to(self.device),
+                                attention_mask=batch["attention_mask"].to(self.device)).logits
+            if logits.dim() != 2 or logits.shape[-1] != 1:
+                raise UserError(f"the reward model in {self.path} outputs shape {list(logits.shape)}, not one scalar "
+                                "per sequence. Fix: a model saved by algo=reward (a sequence-classification head "
+                                "with one label)")
+            out.extend(logits[:, 0].float().tolist())
+        return out

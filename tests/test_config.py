@@ -17,6 +17,7 @@ kind of option has its own test, named after what it checks:
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import submitit
@@ -117,6 +118,9 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
         assert all(0.0 <= lr <= 1.0 for lr in lrs) and len(set(lrs)) > 1
         if "num_training_steps" in node:  # null: the schedule ends exactly with the run
             assert node.num_training_steps is None and lrs[-1] == 0.0 and lrs[-2] > 0.0
+    elif group == "algo/reward_funcs" and "reward_model" in node:  # a saved model: one float each
+        scores = instantiate(node.reward_model)(prompts=["abc=", "abc="], completions=["cba", "abc"])
+        assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
     elif group == "algo/reward_funcs":  # each function scores a right and a wrong answer of the embedded task
         functions = instantiate(node)
         assert all(fn(prompts=["abc=", "abc="], completions=["cba", "abc"])[0] == 1.0 for fn in functions.values())
@@ -184,6 +188,14 @@ def test_option_composes_checks_and_builds(group, option, tmp_path):
 
         LoRA(r=2).apply(_tiny_policy().model).save_pretrained(tmp_path / "adapter")
         extra.append(f"algo.reference.path={tmp_path / 'adapter'}")
+    if group == "algo/reward_funcs" and option == "reward_model":  # a reward model saved like a run's final/
+        from rlhf.models.tiny import TinySpec
+
+        policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
+                          warm_start_steps=0).build("sequence_classification")
+        policy.model.save_pretrained(tmp_path / "rm")
+        policy.tokenizer.save_pretrained(tmp_path / "rm")
+        extra = [f"algo.reward_funcs.reward_model.path={tmp_path / 'rm'}"]
     if group in ONLINE_GROUPS:  # options of the online algorithms' own groups: composed into the one that has them
         extra.insert(0, "algo=ppo" if group == "algo/kl_controller" else "algo=grpo")
     cfg = compose_config(f"{group}={option}", *extra, output_dir=tmp_path)
