@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Regenerate the measured numbers in README.md (a few minutes on 2 CPU cores). Each part prints its table.
-#   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [hardware] [grpo] [iterative_sft]   (default: all seven)
+#   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft]
+#   (default: all ten; the online ones run experiment=<part>_reverse over seeds 0-2)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=outputs/readme
-parts=${*:-main optimizers dpo_search sft_dpo hardware grpo iterative_sft}
+parts=${*:-main optimizers dpo_search sft_dpo hardware grpo rloo reinforce_pp ppo iterative_sft}
 for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
@@ -56,43 +57,25 @@ PY
         echo "     $(grep -o 'global batch .*' $OUT/hw-$hw/train.log | head -1); $((SECONDS - start)) s in all"
         $PY scripts/check_run.py $OUT/hw-$hw --min eval/rewards/accuracies=0 --min-of-start eval/exact_match=-1 | sed 's/^/     /'
       done ;;
-    grpo)  # "Online RL": GRPO from the embedded SFT warm start, exact-match reward, seeds 0-2; held-out greedy reward
+    grpo|rloo|reinforce_pp|ppo|iterative_sft)  # "Online RL": experiment=<algo>_reverse from the embedded SFT warm start, seeds 0-2
       for seed in 0 1 2; do
-        rm -rf $OUT/grpo-$seed
+        rm -rf $OUT/$part-$seed
         start=$SECONDS
-        $PY train.py experiment=grpo_reverse seed=$seed train.max_steps=${GRPO_STEPS:-300} \
-          train.save_every_steps=0 \
-          hydra.run.dir=$OUT/grpo-$seed >/dev/null 2>&1
-        $PY - "$OUT/grpo-$seed" $((SECONDS - start)) <<'PY'
-import sys
-from rlhf.results import Run
-run = Run(sys.argv[1])
-evals = [(r["step"], r["eval/reward"]) for r in run.metrics if "eval/reward" in r]
-print(f"seed {run.path.name[-1]}: eval/reward (greedy exact match, 512 held-out prompts) "
-      + " -> ".join(f"{v:.3f} @{s}" for s, v in evals) + f"; {sys.argv[2]} s")
-PY
-      done
-      echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
-      $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" ;;
-    iterative_sft)  # "Online RL": iterative SFT from the embedded SFT warm start, exact-match filter, seeds 0-2
-      for seed in 0 1 2; do
-        rm -rf $OUT/iterative_sft-$seed
-        start=$SECONDS
-        $PY train.py experiment=iterative_sft_reverse seed=$seed train.save_every_steps=0 \
-          hydra.run.dir=$OUT/iterative_sft-$seed >/dev/null 2>&1
-        $PY - "$OUT/iterative_sft-$seed" $((SECONDS - start)) <<'PY'
+        $PY train.py experiment=${part}_reverse seed=$seed train.save_every_steps=0 \
+          hydra.run.dir=$OUT/$part-$seed >/dev/null 2>&1
+        $PY - "$OUT/$part-$seed" $((SECONDS - start)) <<'PY'
 import sys
 from rlhf.results import Run
 run = Run(sys.argv[1])
 evals = [(r["step"], r["eval/reward"]) for r in run.metrics if "eval/reward" in r]
 kept = [r["train/kept_fraction"] for r in run.metrics if "train/kept_fraction" in r]
-print(f"seed {run.path.name[-1]}: eval/reward (greedy exact match, 512 held-out prompts) "
+print(f"{run.path.name}: eval/reward (greedy exact match, 512 held-out prompts) "
       + " -> ".join(f"{v:.3f} @{s}" for s, v in evals)
-      + f"; kept_fraction {kept[0]:.3f} -> {kept[-1]:.3f}; {sys.argv[2]} s")
+      + (f"; kept_fraction {kept[0]:.3f} -> {kept[-1]:.3f}" if kept else "") + f"; {sys.argv[2]} s")
 PY
       done
       echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
       $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" ;;
-    *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, hardware, grpo, iterative_sft)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, hardware, grpo, rloo, reinforce_pp, ppo, iterative_sft)" >&2; exit 2 ;;
   esac
 done

@@ -91,7 +91,7 @@ class PPO(PolicyGradient):
     def setup(self, policy, tokenizer) -> None:
         super().setup(policy, tokenizer)  # the reference is a copy of the policy without the critic
         self.beta = self.kl_controller.value
-        attach_value_head(policy, separate=self.separate_critic)
+        attach_value_head(policy, separate=self.separate_critic, seed=self.seed)
 
     @property
     def old_logps_needed(self) -> bool:

@@ -82,6 +82,11 @@ class FSDP2(Sharded):
 
     def prepare(self, model, make_optimizer, train_loader):
         """Shard each layer, then the whole model; build the optimizer on the sharded parameters."""
+        critic = getattr(model, "value_head", None)
+        if getattr(critic, "backbone", None) is not None:  # rlhf.models.value_head: PPO's separate critic
+            raise UserError("algo.separate_critic=true under hardware=fsdp is not supported yet (FSDP2 crashed on the "
+                            "critic's copy of the backbone in its tests). Fix: algo.separate_critic=false (the value head "
+                            "on the policy's trunk, which FSDP2 runs), or hardware=zero3 / cpu_ddp / ddp")
         acc = self.accelerator
         layers = self._shard(model, self.reshard_after_forward)
         optimizer = make_optimizer(model)  # after sharding: it must hold the sharded parameters

@@ -110,3 +110,22 @@ def test_a_short_run_trains_policy_and_critic_and_saves_a_loadable_policy(separa
     assert "value_head.score.weight" in saved
     assert any(k.startswith("value_head.backbone.") for k in saved) == separate
     AutoModelForCausalLM.from_pretrained(tmp_path / "final")  # the policy loads; the critic's keys are left out
+
+
+# --- sharded parameters -----------------------------------------------------------------------------------------------
+@pytest.mark.serial
+def test_ppo_under_fsdp2_trains_what_ddp_trains(tmp_path):
+    """The critic under FSDP2: its score is a sharding unit of its own, gathered for its forward and again for its
+    backward (as part of the root it was freed before the backward: "setStorage ... out of bounds"). A separate
+    critic is refused there with the options that run it."""
+    from tests.algos.test_grpo import SHARDED_RUN, _train_py
+
+    ppo = ["algo=ppo", *(a for a in SHARDED_RUN if not a.startswith(("algo=", "algo.dynamic_sampling")))]
+    _train_py(tmp_path / "ddp", *ppo, "hardware=cpu_ddp")
+    _train_py(tmp_path / "fsdp", *ppo, "hardware=fsdp")
+    ddp, fsdp = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("ddp", "fsdp"))
+    assert "value_head.score.weight" in fsdp
+    for key in ddp:
+        torch.testing.assert_close(fsdp[key], ddp[key], atol=1e-6, rtol=1e-5)
+    with pytest.raises(AssertionError, match="algo.separate_critic=false"):
+        _train_py(tmp_path / "separate", *ppo, "hardware=fsdp", "algo.separate_critic=true")
