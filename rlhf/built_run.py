@@ -117,7 +117,7 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     sample = rows.select(range(min(len(rows), 1000)))
     sizes = [sum(len(v) for v in row.values() if isinstance(v, list)) for row in sample]
     longest = sorted(range(len(sizes)), key=sizes.__getitem__)[-settings.per_device_batch_size:]
-    sequences, tokens = algo.collate([sample[i] for i in longest])["input_ids"].shape
+    sequences, tokens = algo.micro_batch_shape(algo.collate([sample[i] for i in longest]))
     precision = strategy.mixed_precision
     value_bytes = 2 if precision == "bf16" else next(model.parameters()).element_size()
     activations = activation_bytes(model.config, sequences, tokens, value_bytes,

@@ -157,3 +157,24 @@ def test_the_preflight_of_a_run_counts_gradient_checkpointing_as_the_model_has_i
     checkpointed = preflight(policy.model, algo, rows, make_optimizer, strategy, settings)
     assert whole.activations == activation_bytes(policy.model.config, 8, len(rows[0]["chosen_input_ids"]), 4, False)
     assert checkpointed.activations < whole.activations and checkpointed.weights == whole.weights
+
+
+def test_the_preflight_of_an_online_run_counts_prompts_times_completions_with_their_tokens():
+    import types
+
+    import datasets
+
+    from rlhf.algos.grpo import GRPO
+    from rlhf.built_run import preflight
+    from rlhf.hardware import DataParallel
+
+    policy = _tiny()
+    algo = GRPO(num_generations=8, steps_per_generation=2, max_completion_length=16)
+    algo.setup(policy.model, policy.tokenizer)
+    rows = datasets.Dataset.from_list([algo.tokenize({"prompt": "abcdef="}, policy.tokenizer)] * 4)
+    strategy = DataParallel(device="cpu")
+    strategy.accelerator = types.SimpleNamespace(num_processes=1)
+    settings = types.SimpleNamespace(per_device_batch_size=4)  # 4 prompts x 8 completions, in 2 micro-batches
+    memory = preflight(policy.model, algo, rows, functools.partial(torch.optim.AdamW, lr=1e-3), strategy, settings)
+    prompt_tokens = len(rows[0]["prompt_ids"])
+    assert memory.activations == activation_bytes(policy.model.config, 16, prompt_tokens + 16, 4, False)

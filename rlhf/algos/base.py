@@ -106,6 +106,12 @@ class Algorithm:
         """Metrics of one held-out batch (scalar tensors; averaged over the split, weighted by rows)."""
         raise NotImplementedError
 
+    def micro_batch_shape(self, batch: dict[str, Any]) -> tuple[int, int]:
+        """``(sequences, tokens)`` of the training micro-batch made from ``batch`` (what ``collate`` made of a
+        micro-batch of rows), for the memory preflight. Default: ``batch["input_ids"]``'s shape."""
+        sequences, tokens = batch["input_ids"].shape
+        return int(sequences), int(tokens)
+
     def tables(self, step: int) -> dict[str, list[dict[str, Any]]]:
         """Rows to log after optimizer step ``step`` (main process), by table name: e.g. an online algorithm's
         sampled completions with their rewards. The loggers write each table to ``<name>.jsonl`` in the run folder

@@ -124,6 +124,13 @@ class OnlineAlgorithm(Algorithm):
         return {"input_ids": ids, "attention_mask": mask, "prompts": [r["prompt"] for r in rows],
                 **{c: [r[c] for r in rows] for c in self.reward_columns if c in rows[0]}}
 
+    def micro_batch_shape(self, batch: dict[str, Any]) -> tuple[int, int]:
+        """A rollout of ``batch``'s prompts trains on ``num_generations`` completions per prompt, split into
+        ``steps_per_generation`` micro-batches, each prompt followed by up to ``max_completion_length`` tokens."""
+        prompts, prompt_tokens = batch["input_ids"].shape
+        return (max(1, prompts * self.num_generations // self.steps_per_generation),
+                int(prompt_tokens) + self.max_completion_length)
+
     # ---- the hook --------------------------------------------------------------------------------------------------
     def batch_source(self, loader, state: TrainState, accelerator, model=None) -> Rollouts:
         if model is None:
