@@ -36,7 +36,7 @@ class GRPO(PolicyGradient):
         scale_rewards: the advantage function ``(rewards [B], num_generations) -> [B]`` (TRL's group/batch/none:
             ``scale_by_group_std``, ``scale_by_batch_std`` (over the rollouts of every process), ``no_scaling``).
         loss_type: the aggregation ``(per_token_loss, mask) -> loss`` (``grpo_loss``, ``bnpo_loss``, ``dapo_loss``
-            (over the micro-batch's tokens), ``dr_grpo_loss``).
+            (÷ the mean completion tokens of a micro-batch of the rollout, all processes), ``dr_grpo_loss``).
         importance_sampling_level: the log-ratio function (``token_log_ratio``; GSPO's ``sequence_log_ratio``).
         kl_estimator: ``(logps, ref_logps) -> [B, T]`` (``kl_k1``, ``kl_k2``, ``kl_k3``), used when ``beta > 0``.
         mask_truncated_completions: completions without EOS add nothing to the loss.

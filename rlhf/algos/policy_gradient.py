@@ -173,6 +173,21 @@ class PolicyGradient(OnlineAlgorithm):
         return samples, metrics
 
     def collect(self, model, next_prompts) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """One rollout (:meth:`sample_rollout`), each completion carrying ``loss_tokens``: the completion tokens of
+        every process's rollout over ``processes × steps_per_generation``, the mean count of a micro-batch, which
+        ``loss_type=dapo`` divides by so that every token of the rollout weighs the same on every process."""
+        samples, metrics = self.sample_rollout(model, next_prompts)
+        count = samples["completion_mask"].sum().float()
+        processes = 1
+        if _distributed():
+            count = count.to(_device(model))
+            torch.distributed.all_reduce(count)
+            processes = torch.distributed.get_world_size()
+        per_micro_batch = count.cpu() / (processes * self.steps_per_generation)
+        samples["loss_tokens"] = per_micro_batch.expand(samples["rewards"].shape[0]).clone()
+        return samples, metrics
+
+    def sample_rollout(self, model, next_prompts) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """One rollout; with ``dynamic_sampling``, of groups whose rewards differ, drawing prompt batches until the
         batch holds as many groups as one batch of prompts (or ``max_sampling_batches`` were drawn)."""
         if not self.dynamic_sampling:
@@ -212,7 +227,8 @@ class PolicyGradient(OnlineAlgorithm):
             per_token = per_token + self.beta * kl
             metrics["kl"] = masked_mean(kl.detach(), mask)
         loss_mask = drop_truncated(mask, batch["truncated"]) if self.mask_truncated_completions else mask
-        loss = self.loss_type(per_token, loss_mask)
+        num_tokens = batch["loss_tokens"][0] if "loss_tokens" in batch else None
+        loss = self.loss_type(per_token, loss_mask, num_tokens)
         with torch.no_grad():
             metrics["entropy"] = masked_mean(entropy_from_logits(logits.detach()), mask)
         metrics.update({k: v for k, v in surrogate.clip_metrics(mask).items()})

@@ -154,3 +154,24 @@ def test_a_misspelled_option_of_a_subclass_is_refused():
         check_config(compose_config("algo=rloo", "+algo.normalise_advantages=true"))
     with pytest.raises(UserError, match="algo.gamma"):
         check_config(compose_config("algo=reinforce_pp", "algo.gamma=0"))
+
+
+def test_dapo_divides_by_the_rollouts_mean_tokens_per_micro_batch_not_the_micro_batchs_own():
+    from rlhf.algos.policy_losses import dapo_loss
+
+    algo = GRPO(num_generations=2, steps_per_generation=2, loss_type=dapo_loss)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])  # micro-batches of 4 and 6 tokens
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+
+    def rollout(model, prompts, seed):
+        return {"completion_mask": mask, "rewards": torch.zeros(4), "advantages": advantages,
+                "truncated": torch.zeros(4, dtype=torch.bool)}, {}
+
+    algo.rollout = rollout
+    samples, _ = algo.collect(None, lambda: (None, 0))
+    assert samples["loss_tokens"].tolist() == [5.0] * 4  # 10 tokens, 2 micro-batches, 1 process
+    first = {k: v[:2] for k, v in samples.items()}
+    logps = torch.zeros(2, 4, requires_grad=True)
+    loss, _ = algo.policy_loss(logps, mask[:2], torch.zeros(2, 4, 3), {**first, "old_logps": logps.detach()})
+    # ratio 1: per token -A; the micro-batch's sum (-3 + 1) over the rollout's mean per micro-batch (5), not its own 4
+    assert float(loss) == pytest.approx(-2 / 5)
