@@ -46,7 +46,8 @@ class Algorithm:
        scores a rollout when its buffer is used up, then serves it in micro-batches; a batch may hold non-tensor
        values, e.g. prompt texts, beside its tensors);
     4. ``loss(model, batch)`` per micro-batch and ``evaluate(model, batch)`` per held-out batch (``collate``
-       makes both kinds of batch from tokenized rows);
+       makes both kinds of batch from tokenized rows); after each optimizer step, ``tables(step)`` (rows the
+       loggers write, e.g. sampled completions); before training, ``micro_batch_shape`` for the memory preflight;
     5. ``state_dict()`` into every checkpoint, ``load_state_dict(state)`` when a run resumes from one.
 
     Required: ``columns``, ``tokenize``, ``collate``, ``loss``, ``evaluate``. The rest have defaults here.
