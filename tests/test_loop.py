@@ -34,7 +34,8 @@ def _one_option_per_algorithm() -> list[str]:
 ALGOS = _one_option_per_algorithm()
 OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))
 # Online algorithms on the random-init model: a graded reward, so that the completions' rewards differ from the start.
-ONLINE = {"grpo": ["algo/reward_funcs=similarity", "algo.num_generations=4", "algo.max_completion_length=8"],
+POLICY_GRADIENT = ["algo/reward_funcs=similarity", "algo.num_generations=4", "algo.max_completion_length=8"]
+ONLINE = {"grpo": POLICY_GRADIENT, "rloo": POLICY_GRADIENT, "reinforce_pp": POLICY_GRADIENT, "ppo": POLICY_GRADIENT,
           "iterative_sft": ["algo/reward_funcs=similarity", "algo.keep_top_k=1", "algo.keep_threshold=null",
                             "algo.max_completion_length=8"]}  # best-of-4: something is kept from the start
 
