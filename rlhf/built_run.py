@@ -18,13 +18,14 @@ from omegaconf import DictConfig
 
 from rlhf.algos.base import Algorithm
 from rlhf.config import build
+from rlhf.data.fingerprint import data_fingerprint
 from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
 from rlhf.errors import UserError
 from rlhf.hardware import global_numel
 from rlhf.memory import MemoryPlan, PeakMemory, activation_bytes, measured_plan, optimizer_bytes_per_parameter
 from rlhf.models.adapters import NoAdapter
 from rlhf.optim import param_groups, schedule
-from rlhf.resume_check import data_fingerprint, record
+from rlhf.resume_check import record
 from rlhf.settings import TrainSettings
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     data = build(cfg.data)
     with accelerator.local_main_process_first():
         splits = data.load(algo.columns, tokenizer, optional=algo.optional_columns)
-    tokenized = tokenize_once(splits, algo, tokenizer, accelerator, run_dir / ".cache")
+    tokenized = tokenize_once(splits, algo, tokenizer, accelerator, run_dir / ".cache", keep=getattr(data, "cache_dir", None))
     _check_split_sizes(tokenized, settings, accelerator.num_processes)
 
     algo.setup(model, tokenizer)  # before prepare(): e.g. the reference copies the initial policy

@@ -60,6 +60,10 @@ class Algorithm:
     # The default objective of a run (conf/config.yaml's objective, when not set): (metric, minimize or maximize).
     objective: tuple[str, str] = ("eval/loss", "minimize")
     optional_columns: tuple[str, ...] = ()  # typed columns passed on where the data has them (a reward's margin)
+    # The attributes that ``tokenize`` reads: the algorithm's part of the key of the tokenized data kept across runs
+    # (rlhf.data.token_cache), declared by the class that defines ``tokenize`` (a subclass that overrides it declares
+    # its own). None: every attribute, so that a change of any setting tokenizes again.
+    tokenize_reads: tuple[str, ...] | None = None
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:

@@ -47,6 +47,7 @@ class DPO(ReferenceRegularized):
     """
 
     columns = ("prompt", "chosen", "rejected")
+    tokenize_reads = ("max_prompt_length", "max_length")
     eval_metrics = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                     "logps/chosen", "logps/rejected", "exact_match")  # and nll_loss with nll_weight
 

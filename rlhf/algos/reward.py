@@ -69,6 +69,7 @@ class Reward(Algorithm):
     eval_metrics = ("loss", "accuracy", "margin", "mean_reward", "min_reward", "max_reward", "rewards/chosen",
                     "rewards/rejected")
     optional_columns = (MARGIN,)  # a data file's numeric margin column reaches tokenize (rlhf.data)
+    tokenize_reads = ("max_prompt_length", "max_length")
 
     def __init__(self, head: str = "sequence_classification", center_rewards_coefficient: float = 0.0,
                  max_prompt_length: int | None = 512, max_length: int | None = 1024) -> None:
