@@ -110,6 +110,12 @@ class Algorithm:
         """Metrics of one held-out batch (scalar tensors; averaged over the split, weighted by rows)."""
         raise NotImplementedError
 
+    def samples(self, batch: dict[str, Any]) -> int:
+        """The examples in a training micro-batch ``batch`` (rows of the data, as ``train.per_device_batch_size``
+        counts them: a pair for DPO; a completion for an online algorithm), for ``perf/samples_per_s``. Default:
+        ``batch["input_ids"]``'s rows."""
+        return int(batch["input_ids"].shape[0])
+
     def micro_batch_shape(self, batch: dict[str, Any]) -> tuple[int, int]:
         """``(sequences, tokens)`` of the training micro-batch made from ``batch`` (what ``collate`` made of a
         micro-batch of rows), for the memory preflight. Default: ``batch["input_ids"]``'s shape."""

@@ -89,6 +89,9 @@ class DPO(ReferenceRegularized):
         masks = [r["chosen_completion_mask"] for r in rows] + [r["rejected_completion_mask"] for r in rows]
         return collate_sequences(ids, masks, self.pad_id)
 
+    def samples(self, batch: dict[str, Any]) -> int:
+        return int(batch["input_ids"].shape[0]) // 2  # pairs: chosen and rejected sequences
+
     def precompute(self, rows, strategy):
         """The reference strategy's columns (e.g. ``algo/reference=precomputed``'s log-probabilities)."""
         return self.reference.precompute(rows, strategy, self.sequences)

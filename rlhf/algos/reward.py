@@ -92,6 +92,9 @@ class Reward(Algorithm):
     def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id
 
+    def samples(self, batch: dict[str, Any]) -> int:
+        return int(batch["input_ids"].shape[0]) // 2  # pairs: chosen and rejected sequences
+
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """Chosen sequences first, then rejected: ``[2B, T]`` for one forward pass; ``margin`` ``[B]`` if given."""
         ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
