@@ -114,15 +114,18 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
                 state.new_window()
                 window_start = time.perf_counter()
             every = settings.eval_every_steps
+            paused = time.perf_counter()  # evaluations and checkpoints are not training: left out of perf/*
             if (every and step % every == 0) or step == run.max_steps:
                 if step == run.max_steps:
                     signals.reached("final_eval")
                 _evaluate(run, record, step)
+            window_start += time.perf_counter() - paused
             if settings.empty_cache_every_steps and step % settings.empty_cache_every_steps == 0:
                 run.strategy.empty_cache()
-            saved = None
+            saved, paused = None, time.perf_counter()
             if settings.save_every_steps and step % settings.save_every_steps == 0:
                 saved = _save_checkpoint(run, state)
+            window_start += time.perf_counter() - paused
             if outcome.stop:
                 bar.close()
                 raise Stopped(_signum(stop), saved or _save_checkpoint(run, state), run.run_dir, step)

@@ -1,9 +1,10 @@
-"""rlhf/perf.py and the loop's perf/* metrics: samples/s and model FLOPs utilization. About 3 s."""
+"""rlhf/perf.py and the loop's perf/* metrics: samples/s and model FLOPs utilization. About 6 s."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -48,3 +49,20 @@ def test_the_probe_measures_float32_and_bfloat16_where_supported():
     measured = perf.probe(torch.device("cpu"))
     assert measured["float32"] > 1e8
     assert ("bfloat16" in measured) == perf.bf16_supported(torch.device("cpu"))
+
+
+def test_evaluations_are_left_out_of_the_speed(fast_config, tmp_path, monkeypatch):
+    from rlhf import loop
+
+    evaluate = loop._evaluate
+
+    def slow(run, record, step):
+        if step == 1:
+            time.sleep(2.0)  # an evaluation after step 1, before the window of step 2
+        evaluate(run, record, step)
+
+    monkeypatch.setattr(loop, "_evaluate", slow)
+    train(fast_config("algo=dpo", "train.eval_every_steps=1", "train.max_steps=2"))
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    second = next(line for line in lines if line["step"] == 2 and "train/loss" in line)
+    assert second["perf/step_time_s"] < 2.0
