@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 def tokenize_once(splits: DatasetDict, algo, tokenizer, accelerator, cache: Path,
-                  keep: Path | None = None) -> DatasetDict:
+                  keep: str | Path | None = None) -> DatasetDict:
     """Tokenize with ``algo.tokenize`` on the main process of each machine; the other processes of the machine
     load its result from ``cache`` (removed once every process has it memory-mapped). With ``keep`` (a folder,
     ``data.cache_dir``), the result is kept there across runs, and every process of a later run with the same

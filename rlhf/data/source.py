@@ -161,7 +161,7 @@ class DataSource:
         self.on_bad_row = check_on_bad_row(on_bad_row)
         self.validation_size, self.evaluate_on = validation_size, evaluate_on
         _validation({"validation_size": validation_size, "evaluate_on": evaluate_on}, "data")
-        self.cache_dir = Path(os.path.expanduser(cache_dir)) if cache_dir is not None else None
+        self.cache_dir = cache_dir
         self.skipped_rows = 0
 
     @staticmethod

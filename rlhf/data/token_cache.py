@@ -101,9 +101,10 @@ def code_version() -> str:
     return digest.hexdigest()
 
 
-def entry(cache_dir: Path, splits, algo, tokenizer) -> Path:
-    """The folder of the entry for these splits, algorithm and tokenizer (which may not exist yet)."""
-    return cache_dir / FOLDER / key(splits, algo, tokenizer)
+def entry(cache_dir: str | os.PathLike, splits, algo, tokenizer) -> Path:
+    """The folder of the entry for these splits, algorithm and tokenizer (which may not exist yet) in ``cache_dir``
+    (``~`` is the home folder)."""
+    return Path(os.path.expanduser(cache_dir)) / FOLDER / key(splits, algo, tokenizer)
 
 
 def write(folder: Path, tokenize: Callable[[], Any]) -> None:

@@ -125,4 +125,4 @@ def test_an_unwritable_cache_folder_says_how_to_go_on(tmp_path):
 
 def test_the_option_is_in_the_data_configs():
     assert build(compose_config("data.cache_dir=null").data).cache_dir is None
-    assert build(compose_config().data).cache_dir.name == "rlhf-cache"  # $RLHF_CACHE, as the tests set it
+    assert build(compose_config().data).cache_dir.endswith("rlhf-cache")  # $RLHF_CACHE, as the tests set it
