@@ -8,8 +8,9 @@
   only. Attention's own FLOPs (quadratic in the length) are left out, as they usually are, and so is the
   sampling of an online algorithm's completions; a precomputed reference costs nothing during training.
 - :func:`peak_flops`: the FLOP/s of one process on this machine, measured by timing square matrix products in
-  float32 and (where the CPU or GPU has it) bfloat16; measured once per machine, thread count and library
-  version, and kept in ``$RLHF_CACHE/peak_flops/`` (default ``~/.cache/rlhf``; delete a file to measure again).
+  float32 and (where the CPU or GPU has it) bfloat16 (:func:`probe`, under 1 s); measured once per machine,
+  thread count and torch version, and kept in ``$RLHF_CACHE/peak_flops/`` (default ``~/.cache/rlhf``; delete a
+  file to measure again).
 - :func:`mfu`: achieved model FLOP/s (``flops_per_token x perf/tokens_per_s``) over the peak of every process
   (the peak of one x the processes).
 """
@@ -56,7 +57,7 @@ def bf16_supported(device: torch.device) -> bool:
 
 def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None) -> float:
     """The FLOP/s of one process of this machine in ``dtype`` (float32, or bfloat16 where supported: else the
-    float32 peak), as a matrix product reaches them: read from the cache, or measured (about 0.3 s) and kept."""
+    float32 peak), as a matrix product reaches them: read from the cache, or measured (:func:`probe`) and kept."""
     measured = _cached_probe(device, cache_dir)
     name = str(dtype).removeprefix("torch.")
     return measured.get(name) or measured["float32"]
@@ -95,26 +96,42 @@ def _cached_probe(device: torch.device, cache_dir: str | os.PathLike | None) -> 
 
 def probe(device: torch.device) -> dict[str, float]:
     """FLOP/s of square matrix products on ``device`` with this process's threads: float32, and bfloat16 where
-    :func:`bf16_supported`; the fastest of the products timed for :data:`PROBE_SECONDS` each."""
-    size = 4096 if device.type == "cuda" else 512
+    :func:`bf16_supported`; the fastest of the products timed for :data:`PROBE_SECONDS` each.
+
+    On a CPU, the larger of that and the threads x one thread's FLOP/s: threads that share their cores with other
+    work wait for each other at every product (measured on 2 busy cores: 17 GFLOP/s with 2 threads, 105 with 1),
+    which would make a peak measured on a busy machine far too low, and every later MFU of that machine too high."""
     result = {}
     for dtype in (torch.float32, torch.bfloat16):
         if dtype == torch.bfloat16 and not bf16_supported(device):
             continue
-        generator = torch.Generator(device=device).manual_seed(0)
-        a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=generator) for _ in range(2))
-        best = float("inf")
-        with torch.no_grad():
-            torch.mm(a, b)  # warm up (kernels chosen, memory allocated)
-            end = time.perf_counter() + PROBE_SECONDS
-            while time.perf_counter() < end or best == float("inf"):
-                _synchronize(device)
-                start = time.perf_counter()
-                torch.mm(a, b)
-                _synchronize(device)
-                best = min(best, time.perf_counter() - start)
-        result[str(dtype).removeprefix("torch.")] = 2 * size**3 / best
+        rate = _matmul_flops(device, dtype)
+        threads = torch.get_num_threads()
+        if device.type == "cpu" and threads > 1:
+            try:
+                torch.set_num_threads(1)
+                rate = max(rate, threads * _matmul_flops(device, dtype))
+            finally:
+                torch.set_num_threads(threads)
+        result[str(dtype).removeprefix("torch.")] = rate
     return result
+
+
+def _matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    size = 4096 if device.type == "cuda" else 512
+    generator = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype, generator=generator) for _ in range(2))
+    best = float("inf")
+    with torch.no_grad():
+        torch.mm(a, b)  # warm up (kernels chosen, memory allocated)
+        end = time.perf_counter() + PROBE_SECONDS
+        while time.perf_counter() < end or best == float("inf"):
+            _synchronize(device)
+            start = time.perf_counter()
+            torch.mm(a, b)
+            _synchronize(device)
+            best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
 
 
 def _synchronize(device: torch.device) -> None:

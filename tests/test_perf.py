@@ -66,3 +66,16 @@ def test_evaluations_are_left_out_of_the_speed(fast_config, tmp_path, monkeypatc
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     second = next(line for line in lines if line["step"] == 2 and "train/loss" in line)
     assert second["perf/step_time_s"] < 2.0
+
+
+def test_on_a_busy_cpu_the_peak_is_at_least_one_thread_times_the_threads(monkeypatch):
+    # Two threads that wait for each other (busy cores) reach less than one thread alone.
+    monkeypatch.setattr(perf, "_matmul_flops", lambda device, dtype: 1e9 if torch.get_num_threads() == 1 else 5e8)
+    monkeypatch.setattr(perf, "bf16_supported", lambda device: False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert perf.probe(torch.device("cpu")) == {"float32": 2e9}
+        assert torch.get_num_threads() == 2  # set back
+    finally:
+        torch.set_num_threads(threads)
