@@ -10,13 +10,15 @@ An entry is the folder ``<cache_dir>/tokenized/<key>`` (``DatasetDict.save_to_di
   ``transformers`` (an edit of the package tokenizes again once).
 
 An entry is written into a staging folder beside it and renamed into place (:func:`write`): a reader finds a
-complete entry or none, a crash leaves only a ``.tmp-*`` folder that no key names, and of two runs of a sweep that
-tokenize the same data at once, the first rename wins and the second keeps the first's (identical) entry.
+complete entry or none, a crash leaves only a ``.tmp-*`` folder that no key names (a later write removes it after a
+day), and of two runs of a sweep that tokenize the same data at once, the first rename wins and the second keeps
+the first's (identical) entry.
 Entries are never changed after they are written; delete the folder freely.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -24,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 
 FOLDER = "tokenized"  # under data.cache_dir
 PACKAGE = Path(__file__).resolve().parents[1]  # the rlhf package's source
+ABANDONED_AFTER_S = 24 * 3600  # a staging folder untouched this long is a killed write's: removed by the next write
 
 
 def key(splits, algo, tokenizer) -> str:
@@ -114,6 +118,7 @@ def write(folder: Path, tokenize: Callable[[], Any]) -> None:
 
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(folder.parent)
         staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     except OSError as error:
         raise UserError(f"cannot write the tokenized data's cache in {folder.parent} ({error}). Fix: "
@@ -134,3 +139,13 @@ def write(folder: Path, tokenize: Callable[[], Any]) -> None:
             log.info("tokenized data: another run wrote %s first", folder)  # identical: the same key
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_abandoned(folder: Path, age_s: float = ABANDONED_AFTER_S) -> None:
+    """Remove the staging folders in ``folder`` of writes that ended without cleaning up (a killed process): those
+    untouched for ``age_s`` seconds (a write in progress takes seconds to minutes)."""
+    now = time.time()
+    for staging in folder.glob(".tmp-*"):
+        with contextlib.suppress(OSError):
+            if now - staging.stat().st_mtime > age_s:
+                shutil.rmtree(staging, ignore_errors=True)

@@ -4,6 +4,8 @@ algorithm settings and code, and never half-written. About 1 s in all."""
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 
 import pytest
 from datasets import Dataset, DatasetDict
@@ -126,3 +128,13 @@ def test_an_unwritable_cache_folder_says_how_to_go_on(tmp_path):
 def test_the_option_is_in_the_data_configs():
     assert build(compose_config("data.cache_dir=null").data).cache_dir is None
     assert build(compose_config().data).cache_dir.endswith("rlhf-cache")  # $RLHF_CACHE, as the tests set it
+
+
+def test_a_killed_writes_staging_folder_is_removed_a_day_later(tmp_path):
+    folder = tmp_path / "tokenized"
+    old, recent = folder / ".tmp-old", folder / ".tmp-recent"
+    for staging in (old, recent):
+        (staging / "train").mkdir(parents=True)
+    os.utime(old, (time.time() - 2 * 86400,) * 2)
+    token_cache.write(folder / "key", lambda: DatasetDict({"train": Dataset.from_list([{"a": [1]}])}))
+    assert sorted(p.name for p in folder.iterdir()) == [".tmp-recent", "key"]  # a write in progress stays
