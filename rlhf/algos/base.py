@@ -49,7 +49,8 @@ class Algorithm:
        makes both kinds of batch from tokenized rows);
     5. ``state_dict()`` into every checkpoint, ``load_state_dict(state)`` when a run resumes from one.
 
-    Required: ``columns``, ``tokenize``, ``collate``, ``loss``, ``evaluate``. The rest have defaults here.
+    Required: ``columns``, ``tokenize``, ``collate``, ``loss``, ``evaluate``. The rest have defaults here: among
+    them ``tokenize_reads`` (what keys the tokenized data kept across runs) and ``samples`` (``perf/samples_per_s``).
     Allowed argument values are declared with :func:`rlhf.validate.limits` above the class.
     """
 
