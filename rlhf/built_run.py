@@ -16,15 +16,17 @@ import torch
 from accelerate.utils import set_seed
 from omegaconf import DictConfig
 
+from rlhf import perf
 from rlhf.algos.base import Algorithm
 from rlhf.config import build
+from rlhf.data.fingerprint import data_fingerprint
 from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
 from rlhf.errors import UserError
 from rlhf.hardware import global_numel
 from rlhf.memory import MemoryPlan, PeakMemory, activation_bytes, measured_plan, optimizer_bytes_per_parameter
 from rlhf.models.adapters import NoAdapter
 from rlhf.optim import param_groups, schedule
-from rlhf.resume_check import data_fingerprint, record
+from rlhf.resume_check import record
 from rlhf.settings import TrainSettings
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ class BuiltRun:
     memory: MemoryPlan  # the preflight: what one process is predicted to hold (rlhf.memory)
     adapter: Any  # the peft option (rlhf.models.adapters): writes final/merged/ after final/
     peak: PeakMemory  # the measured peak, counted from just before anything of the run was built
+    flops_per_token: float  # model FLOPs of one trained token, for perf/mfu (rlhf.perf.flops_per_token)
+    peak_flops: float  # FLOP/s one process of this machine reaches in the run's precision (rlhf.perf.peak_flops)
 
     def describe(self) -> None:
         """Log what is about to happen: the folder, the hardware, the batch arithmetic, the model's size."""
@@ -89,7 +93,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     data = build(cfg.data)
     with accelerator.local_main_process_first():
         splits = data.load(algo.columns, tokenizer, optional=algo.optional_columns)
-    tokenized = tokenize_once(splits, algo, tokenizer, accelerator, run_dir / ".cache")
+    tokenized = tokenize_once(splits, algo, tokenizer, accelerator, run_dir / ".cache", keep=getattr(data, "cache_dir", None))
     _check_split_sizes(tokenized, settings, accelerator.num_processes)
 
     algo.setup(model, tokenizer)  # before prepare(): e.g. the reference copies the initial policy
@@ -104,11 +108,16 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     model, optimizer, training = strategy.prepare(model, lambda m: make_optimizer(param_groups(m)), training)
     max_steps = settings.steps(len(training), accumulation)
     scheduler = schedule(build(cfg.scheduler), optimizer, max_steps)
+    policy = strategy.unwrap(model)
+    bf16 = strategy.mixed_precision == "bf16" or next(policy.parameters()).dtype == torch.bfloat16
+    with accelerator.local_main_process_first():  # measured once per machine, by one process, then cached
+        peak_flops = perf.peak_flops(accelerator.device, torch.bfloat16 if bf16 else torch.float32)
     return BuiltRun(settings, run_dir, strategy, accelerator, model, tokenizer, algo, optimizer, scheduler,
                     training, evaluation, accumulation, max_steps,
                     rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows,
                     resume_record=record(cfg, strategy, fingerprint), memory=memory,
-                    adapter=adapter, peak=peak)
+                    adapter=adapter, peak=peak, flops_per_token=perf.flops_per_token(policy, list(algo.frozen.values())),
+                    peak_flops=peak_flops)
 
 
 def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: TrainSettings) -> MemoryPlan:

@@ -29,6 +29,7 @@ from rlhf.config import build
 from rlhf.logging import Loggers, log_file
 from rlhf.metrics import any_process, evaluate, max_over_processes, window_means
 from rlhf.nonfinite import CAUSES, NonFinite, skip_or_stop
+from rlhf.perf import mfu
 from rlhf.signals import Stopped, catch_stop_signals
 from rlhf.state import TrainState
 
@@ -113,15 +114,18 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
                 state.new_window()
                 window_start = time.perf_counter()
             every = settings.eval_every_steps
+            paused = time.perf_counter()  # evaluations and checkpoints are not training: left out of perf/*
             if (every and step % every == 0) or step == run.max_steps:
                 if step == run.max_steps:
                     signals.reached("final_eval")
                 _evaluate(run, record, step)
+            window_start += time.perf_counter() - paused
             if settings.empty_cache_every_steps and step % settings.empty_cache_every_steps == 0:
                 run.strategy.empty_cache()
-            saved = None
+            saved, paused = None, time.perf_counter()
             if settings.save_every_steps and step % settings.save_every_steps == 0:
                 saved = _save_checkpoint(run, state)
+            window_start += time.perf_counter() - paused
             if outcome.stop:
                 bar.close()
                 raise Stopped(_signum(stop), saved or _save_checkpoint(run, state), run.run_dir, step)
@@ -147,7 +151,7 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: in
     on a skipped step too, so that the run keeps its length. The loop passes the algorithm's batch source;
     :class:`rlhf.step_trainer.StepTrainer` passes the micro-batches its caller gave."""
     strategy, model, accum = run.strategy, run.model, accumulation or run.accumulation
-    step_metrics, step_tokens, finite = [], 0, True
+    step_metrics, step_tokens, step_samples, finite = [], 0, 0, True
     for micro in range(accum):
         batch = batches.next()
         with strategy.accumulate(model, sync=micro == accum - 1):  # gradients averaged on the last one only
@@ -156,6 +160,7 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: in
         finite = finite and math.isfinite(float(loss.detach()))
         step_metrics.append(metrics)
         step_tokens += int(batch["attention_mask"].sum())
+        step_samples += run.algo.samples(batch)
     grad_norm = strategy.clip_gradients(model, run.settings.max_grad_norm)
     finite = finite and (grad_norm is None or math.isfinite(grad_norm))
     # One all-reduce for both: any process's NaN, or stop signal, acts on every process at this step.
@@ -176,6 +181,7 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: in
                 state.window_sums[key] += float(value) / accum
                 state.window_weights[key] += 1.0 / accum
         state.window_tokens += step_tokens
+        state.window_samples += step_samples
     with warnings.catch_warnings():  # a skipped first step: torch warns that the optimizer has not stepped
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         run.scheduler.step()
@@ -186,8 +192,11 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: in
 def window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, elapsed_s: float) -> dict[str, float]:
     """The log window's training metrics (means over its steps and every process), speed, lr and counters."""
     processes = run.accelerator.num_processes
+    tokens_per_s = state.window_tokens * processes / elapsed_s
     metrics = {**window_means(state, "train/", run.accelerator), "train/lr": run.scheduler.get_last_lr()[0],
-               "perf/tokens_per_s": state.window_tokens * processes / elapsed_s,
+               "perf/tokens_per_s": tokens_per_s,
+               "perf/samples_per_s": state.window_samples * processes / elapsed_s,
+               "perf/mfu": mfu(run.flops_per_token, tokens_per_s, run.peak_flops, processes),
                "perf/step_time_s": elapsed_s / max(state.window_steps, 1),
                "perf/peak_mem_mb": max_over_processes(run.peak.mb(), run.accelerator)}
     if grad_norm is not None and math.isfinite(grad_norm):

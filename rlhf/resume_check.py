@@ -4,7 +4,7 @@ Every checkpoint holds ``config.json`` (written before ``meta.json``): the run's
 dotted keys, minus what cannot change the optimization (:data:`NOT_OPTIMIZING`: where the run writes and how it
 reports, when it evaluates and saves, and where its processes run), with ``hardware.device: auto`` and
 ``hardware.num_processes: null`` replaced by what they mean on the machine that wrote it; plus a fingerprint of the
-tokenized training split (:func:`data_fingerprint`). Everything else is compared on resume: the whole config is
+tokenized training split (:func:`rlhf.data.fingerprint.data_fingerprint`). Everything else is compared on resume: the whole config is
 the list, so a key added to any component is covered without a change here.
 
 - :func:`check_config` (before any process is started, before the model or data load) refuses a resume whose config
@@ -19,7 +19,6 @@ A checkpoint written before configs were recorded (no ``config.json``) resumes w
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -171,35 +170,3 @@ def _shown(values: dict[str, Any], key: str) -> str:
 
 def _keys(keys: list[str]) -> str:
     return f"{len(keys)} key{'s' if len(keys) > 1 else ''}"
-
-
-# --- the tokenized training rows -----------------------------------------------------------------------------------
-def data_fingerprint(dataset) -> str:
-    """A hash of a tokenized split's content: column names, types and every value, in row order; the same however
-    the table is chunked (in memory, or saved and loaded back by the other processes of a machine)."""
-    import pyarrow as pa
-
-    table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data
-    if getattr(dataset, "_indices", None) is not None:  # a selection not yet written out: hash the rows it selects
-        table = dataset.flatten_indices().data.table
-    digest = hashlib.sha256()
-    for name in sorted(table.column_names):
-        column = table.column(name)
-        digest.update(f"{name}:{column.type};".encode())
-        _hash_values(digest, column, pa)
-    return digest.hexdigest()[:16]
-
-
-def _hash_values(digest, column, pa) -> None:
-    import numpy as np
-    import pyarrow.compute as pc
-
-    kind = column.type
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        lengths = pc.fill_null(pc.list_value_length(column), -1)
-        digest.update(np.asarray(lengths.to_numpy(), dtype=np.int64).tobytes())
-        _hash_values(digest, pc.list_flatten(column), pa)
-    elif (pa.types.is_integer(kind) or pa.types.is_floating(kind)) and column.null_count == 0:
-        digest.update(np.ascontiguousarray(column.to_numpy()).tobytes())
-    else:
-        digest.update(json.dumps(column.to_pylist(), default=str).encode())

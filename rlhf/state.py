@@ -21,13 +21,14 @@ class TrainState:
     window_weights: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     window_steps: int = 0  # optimizer steps in the log window
     window_tokens: int = 0  # non-padding tokens this rank trained on in the log window (for perf/*)
+    window_samples: int = 0  # examples this rank trained on in the log window (Algorithm.samples; for perf/*)
     last: dict[str, float] = field(default_factory=dict)  # the latest metrics of each key (summary.json)
 
     def new_window(self) -> None:
         """Start a new log window (after its metrics were written)."""
         self.window_sums.clear()
         self.window_weights.clear()
-        self.window_steps, self.window_tokens = 0, 0
+        self.window_steps, self.window_tokens, self.window_samples = 0, 0, 0
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

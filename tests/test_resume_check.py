@@ -10,8 +10,9 @@ import yaml
 
 from rlhf import checkpoint, run_folder
 from rlhf.config import check_config
+from rlhf.data.fingerprint import data_fingerprint
 from rlhf.errors import UserError
-from rlhf.resume_check import NOT_OPTIMIZING, data_fingerprint, optimizing, recorded_config
+from rlhf.resume_check import NOT_OPTIMIZING, optimizing, recorded_config
 from tests.conftest import ROOT, compose_config
 
 

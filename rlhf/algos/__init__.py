@@ -2,5 +2,5 @@
 
 Every algorithm subclasses :class:`rlhf.algos.base.Algorithm`, whose docstring is the whole contract: the
 required ``columns``, ``tokenize``, ``collate``, ``loss`` and ``evaluate``; and the optional ``setup``, ``frozen``
-models, ``batch_source`` and ``state_dict``/``load_state_dict``, with their defaults.
+models, ``batch_source``, ``state_dict``/``load_state_dict``, ``tokenize_reads`` and ``samples``, with their defaults.
 """

@@ -50,7 +50,8 @@ class Algorithm:
        loggers write, e.g. sampled completions); before training, ``micro_batch_shape`` for the memory preflight;
     5. ``state_dict()`` into every checkpoint, ``load_state_dict(state)`` when a run resumes from one.
 
-    Required: ``columns``, ``tokenize``, ``collate``, ``loss``, ``evaluate``. The rest have defaults here.
+    Required: ``columns``, ``tokenize``, ``collate``, ``loss``, ``evaluate``. The rest have defaults here: among
+    them ``tokenize_reads`` (what keys the tokenized data kept across runs) and ``samples`` (``perf/samples_per_s``).
     Allowed argument values are declared with :func:`rlhf.validate.limits` above the class.
     """
 
@@ -61,6 +62,10 @@ class Algorithm:
     # The default objective of a run (conf/config.yaml's objective, when not set): (metric, minimize or maximize).
     objective: tuple[str, str] = ("eval/loss", "minimize")
     optional_columns: tuple[str, ...] = ()  # typed columns passed on where the data has them (a reward's margin)
+    # The attributes that ``tokenize`` reads: the algorithm's part of the key of the tokenized data kept across runs
+    # (rlhf.data.token_cache), declared by the class that defines ``tokenize`` (a subclass that overrides it declares
+    # its own). None: every attribute, so that a change of any setting tokenizes again.
+    tokenize_reads: tuple[str, ...] | None = None
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:
@@ -106,6 +111,12 @@ class Algorithm:
     def evaluate(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """Metrics of one held-out batch (scalar tensors; averaged over the split, weighted by rows)."""
         raise NotImplementedError
+
+    def samples(self, batch: dict[str, Any]) -> int:
+        """The examples in a training micro-batch ``batch`` (rows of the data, as ``train.per_device_batch_size``
+        counts them: a pair for DPO; a completion for an online algorithm), for ``perf/samples_per_s``. Default:
+        ``batch["input_ids"]``'s rows."""
+        return int(batch["input_ids"].shape[0])
 
     def micro_batch_shape(self, batch: dict[str, Any]) -> tuple[int, int]:
         """``(sequences, tokens)`` of the training micro-batch made from ``batch`` (what ``collate`` made of a

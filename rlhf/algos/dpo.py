@@ -47,6 +47,7 @@ class DPO(ReferenceRegularized):
     """
 
     columns = ("prompt", "chosen", "rejected")
+    tokenize_reads = ("max_prompt_length", "max_length")
     eval_metrics = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                     "logps/chosen", "logps/rejected", "exact_match")  # and nll_loss with nll_weight
 
@@ -87,6 +88,9 @@ class DPO(ReferenceRegularized):
         ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
         masks = [r["chosen_completion_mask"] for r in rows] + [r["rejected_completion_mask"] for r in rows]
         return collate_sequences(ids, masks, self.pad_id)
+
+    def samples(self, batch: dict[str, Any]) -> int:
+        return int(batch["input_ids"].shape[0]) // 2  # pairs: chosen and rejected sequences
 
     def precompute(self, rows, strategy):
         """The reference strategy's columns (e.g. ``algo/reference=precomputed``'s log-probabilities)."""

@@ -90,6 +90,7 @@ class KTO(ReferenceRegularized):
     """
 
     columns = ("prompt", "completion", "label")
+    tokenize_reads = ("max_prompt_length", "max_length")
     eval_metrics = ("loss", "kl")  # the rest depend on which labels a batch holds
 
     def __init__(self, beta: float = 0.1, reference: Any = None, desirable_weight: float = 1.0,

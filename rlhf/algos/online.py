@@ -58,6 +58,7 @@ class OnlineAlgorithm(Algorithm):
     ``completions/mean_length``."""
 
     columns = ("prompt",)
+    tokenize_reads = ("max_prompt_length", "reward_columns")
     eval_metrics = ("reward", "completions/mean_length")
     objective = ("eval/reward", "maximize")
 

@@ -69,6 +69,7 @@ class Reward(Algorithm):
     eval_metrics = ("loss", "accuracy", "margin", "mean_reward", "min_reward", "max_reward", "rewards/chosen",
                     "rewards/rejected")
     optional_columns = (MARGIN,)  # a data file's numeric margin column reaches tokenize (rlhf.data)
+    tokenize_reads = ("max_prompt_length", "max_length")
 
     def __init__(self, head: str = "sequence_classification", center_rewards_coefficient: float = 0.0,
                  max_prompt_length: int | None = 512, max_length: int | None = 1024) -> None:
@@ -90,6 +91,9 @@ class Reward(Algorithm):
 
     def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id
+
+    def samples(self, batch: dict[str, Any]) -> int:
+        return int(batch["input_ids"].shape[0]) // 2  # pairs: chosen and rejected sequences
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """Chosen sequences first, then rejected: ``[2B, T]`` for one forward pass; ``margin`` ``[B]`` if given."""

@@ -31,6 +31,7 @@ class SFT(Algorithm):
     """
 
     columns = ("prompt", "completion")
+    tokenize_reads = ("completion_only_loss", "max_prompt_length", "max_length")
     eval_metrics = ("loss", "num_tokens", "exact_match")
 
     def __init__(self, completion_only_loss: bool = True, max_prompt_length: int | None = 512,

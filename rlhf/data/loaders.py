@@ -1,6 +1,8 @@
 """From tokenized splits to the batches a run trains and evaluates on, the same on any number of processes.
 
-- :func:`tokenize_once`: each machine tokenizes once (its main process), the others load the result;
+- :func:`tokenize_once`: each machine tokenizes once (its main process), the others load the result; with a cache
+  folder, a run whose rows, tokenizer, algorithm settings and code an earlier run had loads its tokens instead
+  (:mod:`rlhf.data.token_cache`);
 - :func:`train_loader` and :class:`Batches`: training micro-batches epoch after epoch, resumable mid-epoch
   (an algorithm's default ``batch_source``; online algorithms make theirs by generating);
 - :func:`eval_loader`: whole held-out batches dealt out to the processes in turn, each with its row count.
@@ -9,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,17 +22,32 @@ import torch
 from datasets import DatasetDict, load_from_disk
 from torch.utils.data import DataLoader
 
+from rlhf.data import token_cache
+
 if TYPE_CHECKING:
     from rlhf.state import TrainState
 
+log = logging.getLogger(__name__)
 
-def tokenize_once(splits: DatasetDict, algo, tokenizer, accelerator, cache: Path) -> DatasetDict:
+def tokenize_once(splits: DatasetDict, algo, tokenizer, accelerator, cache: Path,
+                  keep: str | Path | None = None) -> DatasetDict:
     """Tokenize with ``algo.tokenize`` on the main process of each machine; the other processes of the machine
-    load its result from ``cache`` (removed once every process has it memory-mapped)."""
+    load its result from ``cache`` (removed once every process has it memory-mapped). With ``keep`` (a folder,
+    ``data.cache_dir``), the result is kept there across runs, and every process of a later run with the same
+    rows, tokenizer, algorithm settings and code loads it instead (:mod:`rlhf.data.token_cache`)."""
     def tokenize() -> DatasetDict:
         return splits.map(algo.tokenize, fn_kwargs={"tokenizer": tokenizer},
                           remove_columns=splits["train"].column_names, desc="tokenizing")
 
+    if keep is not None:
+        entry = token_cache.entry(keep, splits, algo, tokenizer)
+        with accelerator.local_main_process_first():
+            if accelerator.is_local_main_process:
+                if entry.is_dir():
+                    log.info("tokenized data: from the cache %s", entry)
+                else:
+                    token_cache.write(entry, tokenize)
+            return load_from_disk(str(entry))
     if accelerator.num_processes == 1:
         return tokenize()
     folder = cache / f"tokenized-node{accelerator.process_index - accelerator.local_process_index}"

@@ -131,6 +131,9 @@ class DataSource:
             role or no content; ``chosen`` identical to ``rejected``) does: ``"error"`` stops before training with
             one message naming the file, the row (counted from 1; in a CSV file, after the header), the column and
             the fix; ``"skip"`` leaves it out and logs how many were skipped (:attr:`skipped_rows`).
+        cache_dir: where the tokenized data is kept across runs (under ``tokenized/``): a run with the rows,
+            tokenizer, algorithm settings and code of an earlier run loads its tokens instead of tokenizing again
+            (:mod:`rlhf.data.token_cache`). ``None``: tokenize on every run.
 
     Attributes:
         skipped_rows: after :meth:`load`, the bad rows left out, over both splits (0 with ``on_bad_row="error"``).
@@ -149,6 +152,7 @@ class DataSource:
         on_bad_row: str = "error",
         validation_size: float | None = None,
         evaluate_on: str = "held_out",
+        cache_dir: str | None = "~/.cache/rlhf",
     ) -> None:
         if path is None and task is None:
             raise UserError("data: set data.path=<file or hub dataset> (or use data=reverse for the embedded task)")
@@ -157,6 +161,7 @@ class DataSource:
         self.on_bad_row = check_on_bad_row(on_bad_row)
         self.validation_size, self.evaluate_on = validation_size, evaluate_on
         _validation({"validation_size": validation_size, "evaluate_on": evaluate_on}, "data")
+        self.cache_dir = cache_dir
         self.skipped_rows = 0
 
     @staticmethod

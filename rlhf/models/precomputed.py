@@ -47,10 +47,10 @@ from tqdm.auto import tqdm
 
 import rlhf
 from rlhf.algos.base import completion_stats
+from rlhf.data.fingerprint import data_fingerprint
 from rlhf.files import current_umask
 from rlhf.metrics import sum_over_processes
 from rlhf.models.reference import FrozenCopy, Pretrained, Reference
-from rlhf.resume_check import data_fingerprint
 from rlhf.validate import Range, limits
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,6 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
-    get_linear_schedule_with_warmup,
 )
 
 from rlhf.algos.base import completion_stats
@@ -124,6 +123,10 @@ class TinySpec:
         return Policy(model, causal.tokenizer)
 
     def _train_and_save(self, folder: Path) -> None:
+        # Here, not above: transformers.optimization imports peft, bitsandbytes and torch's compiler (about 1 s),
+        # which a run that loads the cached warm start never needs.
+        from transformers import get_linear_schedule_with_warmup
+
         policy = self.random_init()
         model, tokenizer = policy.model, policy.tokenizer
         sft = SFT()
