@@ -15,21 +15,13 @@ out); ``train/loss`` is the NLL of what was kept, which falls as the policy lear
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from rlhf.algos.base import PROMPT_TOKENS, completion_stats
+from rlhf.algos.base import completion_stats
 from rlhf.algos.online import (
-    COMPLETION_TOKENS,
-    GENERATIONS,
-    ITERATIONS,
-    STEPS_PER_GENERATION,
-    TEMPERATURE,
-    TOP_K,
-    TOP_P,
     OnlineAlgorithm,
 )
 from rlhf.algos.sft import nll_loss
@@ -75,14 +67,8 @@ def kept_sequences(batch: dict[str, Tensor], keep: Tensor, pad_id: int) -> tuple
     return {k: v.to(batch["input_ids"].device) for k, v in out.items()}, any_kept
 
 
-@limits(temperature=TEMPERATURE, top_p=TOP_P, top_k=TOP_K, max_completion_length=COMPLETION_TOKENS,
-        max_prompt_length=PROMPT_TOKENS, num_generations=GENERATIONS, num_iterations=ITERATIONS,
-        steps_per_generation=STEPS_PER_GENERATION,
-        keep_top_k=Range(ge=1, integer=True, meaning="completions kept per prompt, the best by reward; null keeps "
-                         "every one that passes keep_threshold", fix=1),
-        log_completions_every_steps=Range(ge=0, integer=True, meaning="steps between samples.jsonl entries; 0 "
-                                          "is never", fix=50),
-        num_completions_to_print=Range(ge=0, integer=True, meaning="completions written each time", fix=4))
+@limits(keep_top_k=Range(ge=1, integer=True, meaning="completions kept per prompt, the best by reward; null keeps "
+                         "every one that passes keep_threshold", fix=1))
 class IterativeSFT(OnlineAlgorithm):
     """Expert iteration on ``prompt`` rows: sample, keep the best by reward, SFT on what was kept.
 
@@ -105,34 +91,9 @@ class IterativeSFT(OnlineAlgorithm):
             (``samples.jsonl`` in the run folder, a W&B table with ``logger=wandb``).
     """
 
-    def __init__(
-        self,
-        num_generations: int = 4,
-        keep_top_k: int | None = None,
-        keep_threshold: float | None = 1.0,
-        num_iterations: int = 1,
-        steps_per_generation: int = 1,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_completion_length: int = 16,
-        max_prompt_length: int | None = 512,
-        seed: int = 0,
-        reward_funcs: Mapping[str, Callable] | None = None,
-        reward_weights: Sequence[float] | None = None,
-        reward_columns: Sequence[str] = (),
-        log_completions: bool = True,
-        log_completions_every_steps: int = 50,
-        num_completions_to_print: int = 4,
-    ) -> None:
-        self._init_online(temperature=temperature, top_p=top_p, top_k=top_k,
-                          max_completion_length=max_completion_length, max_prompt_length=max_prompt_length,
-                          num_generations=num_generations, num_iterations=num_iterations,
-                          steps_per_generation=steps_per_generation, seed=seed, reward_funcs=reward_funcs,
-                          reward_weights=reward_weights, reward_columns=reward_columns,
-                          log_completions=log_completions,
-                          log_completions_every_steps=log_completions_every_steps,
-                          num_completions_to_print=num_completions_to_print)
+    def __init__(self, num_generations: int = 4, keep_top_k: int | None = None, keep_threshold: float | None = 1.0,
+                 **kwargs: Any) -> None:
+        super().__init__(num_generations=num_generations, **kwargs)  # the options of every online algorithm
         self.keep_top_k, self.keep_threshold = keep_top_k, keep_threshold
 
     def rollout(self, model, prompts: dict[str, Any], seed: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:

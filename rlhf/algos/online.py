@@ -26,11 +26,11 @@ from accelerate.utils import extract_model_from_parallel
 from torch import Tensor
 
 from rlhf import rewards as reward_lib
-from rlhf.algos.base import Algorithm
+from rlhf.algos.base import PROMPT_TOKENS, Algorithm
 from rlhf.data.loaders import Batches
 from rlhf.errors import UserError
 from rlhf.state import TrainState
-from rlhf.validate import Range
+from rlhf.validate import Range, limits
 
 TEMPERATURE = Range(gt=0, meaning="the sampling temperature of training completions; 1.0 samples the policy as it is",
                     fix=1.0)
@@ -50,11 +50,18 @@ def generation_seed(seed: int, epoch: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+@limits(temperature=TEMPERATURE, top_p=TOP_P, top_k=TOP_K, max_completion_length=COMPLETION_TOKENS,
+        max_prompt_length=PROMPT_TOKENS, num_generations=GENERATIONS, num_iterations=ITERATIONS,
+        steps_per_generation=STEPS_PER_GENERATION,
+        log_completions_every_steps=Range(ge=0, integer=True, meaning="steps between samples.jsonl entries; 0 is "
+                                          "never", fix=50),
+        num_completions_to_print=Range(ge=0, integer=True, meaning="completions written each time", fix=4))
 class OnlineAlgorithm(Algorithm):
-    """An algorithm that learns from completions it samples. Its subclass sets, in ``__init__`` (see GRPO):
-    the sampling settings, ``reward_funcs`` (name -> function), ``reward_weights``, ``reward_columns``,
-    ``num_generations``, ``num_iterations``, ``steps_per_generation``, ``seed``; and implements :meth:`rollout`,
-    ``loss``. Evaluation decodes greedily and reports ``reward`` (the weighted reward), ``rewards/<name>/mean`` and
+    """An algorithm that learns from completions it samples. ``__init__`` takes what every online algorithm has (the
+    sampling settings, ``reward_funcs`` (name -> function), ``reward_weights``, ``reward_columns``,
+    ``num_generations``, ``num_iterations``, ``steps_per_generation``, ``seed``, the completion logging; documented
+    in :class:`rlhf.algos.grpo.GRPO`); a subclass takes its own options and passes the rest on (``**kwargs``), and
+    implements :meth:`rollout` and ``loss``. Evaluation decodes greedily and reports ``reward`` (the weighted reward), ``rewards/<name>/mean`` and
     ``completions/mean_length``."""
 
     columns = ("prompt",)
@@ -62,28 +69,12 @@ class OnlineAlgorithm(Algorithm):
     eval_metrics = ("reward", "completions/mean_length")
     objective = ("eval/reward", "maximize")
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_completion_length: int = 16
-    max_prompt_length: int | None = 512
-    num_generations: int = 8
-    num_iterations: int = 1
-    steps_per_generation: int = 1
-    seed: int = 0
-    reward_funcs: Mapping[str, Callable] = {}
-    reward_weights: Sequence[float] | None = None
-    reward_columns: Sequence[str] = ()
-    log_completions: bool = True
-    log_completions_every_steps: int = 50
-    num_completions_to_print: int = 4
-
-    def _init_online(self, *, temperature: float, top_p: float, top_k: int, max_completion_length: int,
-                     max_prompt_length: int | None, num_generations: int, num_iterations: int,
-                     steps_per_generation: int, seed: int, reward_funcs: Mapping[str, Callable] | None,
-                     reward_weights: Sequence[float] | None, reward_columns: Sequence[str],
-                     log_completions: bool = True, log_completions_every_steps: int = 50,
-                     num_completions_to_print: int = 4) -> None:
+    def __init__(self, num_generations: int = 8, num_iterations: int = 1, steps_per_generation: int = 1,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_completion_length: int = 16,
+                 max_prompt_length: int | None = 512, seed: int = 0, reward_funcs: Mapping[str, Callable] | None = None,
+                 reward_weights: Sequence[float] | None = None, reward_columns: Sequence[str] = (),
+                 log_completions: bool = True, log_completions_every_steps: int = 50,
+                 num_completions_to_print: int = 4) -> None:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
         self.num_generations, self.num_iterations = num_generations, num_iterations

@@ -18,7 +18,7 @@ A subclass says only how scores become advantages (:meth:`PolicyGradient.advanta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,15 +26,8 @@ from accelerate.utils import extract_model_from_parallel
 from torch import Tensor
 
 from rlhf.algos.advantages import completions_in_kept_groups, frac_reward_zero_std, masked_mean
-from rlhf.algos.base import PROMPT_TOKENS, selective_log_softmax
+from rlhf.algos.base import selective_log_softmax
 from rlhf.algos.online import (
-    COMPLETION_TOKENS,
-    GENERATIONS,
-    ITERATIONS,
-    STEPS_PER_GENERATION,
-    TEMPERATURE,
-    TOP_K,
-    TOP_P,
     OnlineAlgorithm,
     concat_samples,
     training_batch,
@@ -55,14 +48,9 @@ from rlhf.validate import Range, limits
 
 
 @limits(
-    temperature=TEMPERATURE, top_p=TOP_P, top_k=TOP_K, max_completion_length=COMPLETION_TOKENS,
-    max_prompt_length=PROMPT_TOKENS, num_generations=GENERATIONS, num_iterations=ITERATIONS,
-    steps_per_generation=STEPS_PER_GENERATION, epsilon=EPSILON,
+    epsilon=EPSILON,
     epsilon_high=Range(gt=0, meaning="DAPO's clip-higher upper range (0.28 in the paper); null is epsilon", fix=0.28),
     beta=Range(ge=0, meaning="the weight of the KL to the reference; 0 holds no reference", fix=0.0),
-    log_completions_every_steps=Range(ge=0, integer=True, meaning="steps between samples.jsonl entries; 0 is never",
-                                      fix=50),
-    num_completions_to_print=Range(ge=0, integer=True, meaning="completions written each time", fix=4),
     max_sampling_batches=Range(ge=1, integer=True, meaning="prompt batches dynamic sampling may draw per rollout",
                                fix=4))
 class PolicyGradient(OnlineAlgorithm):
@@ -72,11 +60,8 @@ class PolicyGradient(OnlineAlgorithm):
 
     def __init__(
         self,
-        num_generations: int = 8,
         beta: float = 0.0,
         kl_in_reward: bool = False,
-        num_iterations: int = 1,
-        steps_per_generation: int = 1,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
         loss_type: Callable[..., Tensor] = grpo_loss,
@@ -85,29 +70,11 @@ class PolicyGradient(OnlineAlgorithm):
         mask_truncated_completions: bool = False,
         dynamic_sampling: bool = False,
         max_sampling_batches: int = 4,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_completion_length: int = 16,
-        max_prompt_length: int | None = 512,
-        seed: int = 0,
-        reward_funcs: Mapping[str, Callable] | None = None,
-        reward_weights: Sequence[float] | None = None,
-        reward_columns: Sequence[str] = (),
         reference: Reference | None = None,
         disable_dropout: bool = True,
-        log_completions: bool = True,
-        log_completions_every_steps: int = 50,
-        num_completions_to_print: int = 4,
+        **kwargs: Any,
     ) -> None:
-        self._init_online(temperature=temperature, top_p=top_p, top_k=top_k,
-                          max_completion_length=max_completion_length, max_prompt_length=max_prompt_length,
-                          num_generations=num_generations, num_iterations=num_iterations,
-                          steps_per_generation=steps_per_generation, seed=seed, reward_funcs=reward_funcs,
-                          reward_weights=reward_weights, reward_columns=reward_columns,
-                          log_completions=log_completions,
-                          log_completions_every_steps=log_completions_every_steps,
-                          num_completions_to_print=num_completions_to_print)
+        super().__init__(**kwargs)  # the sampling, reward and logging options of every online algorithm
         self.beta, self.kl_in_reward = beta, kl_in_reward
         self.epsilon, self.epsilon_high = epsilon, epsilon_high
         self.loss_type, self.importance_sampling_level = loss_type, importance_sampling_level
