@@ -199,6 +199,8 @@ def window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, el
                "perf/mfu": mfu(run.flops_per_token, tokens_per_s, run.peak_flops, processes),
                "perf/step_time_s": elapsed_s / max(state.window_steps, 1),
                "perf/peak_mem_mb": max_over_processes(run.peak.mb(), run.accelerator)}
+    for phase, seconds in run.algo.timings().items():  # e.g. an online algorithm's sampling, per step
+        metrics[f"perf/{phase}_time_s"] = max_over_processes(seconds, run.accelerator) / max(state.window_steps, 1)
     if grad_norm is not None and math.isfinite(grad_norm):
         metrics["train/grad_norm"] = grad_norm
     if state.nonfinite_steps:

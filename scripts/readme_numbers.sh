@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Regenerate the measured numbers in README.md (a few minutes on 2 CPU cores). Each part prints its table.
-#   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft]
-#   (default: all ten; the online ones run experiment=<part>_reverse over seeds 0-2)
+#   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation]
+#   (default: all eleven; the online ones run experiment=<part>_reverse over seeds 0-2)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=outputs/readme
-parts=${*:-main optimizers dpo_search sft_dpo hardware grpo rloo reinforce_pp ppo iterative_sft}
+parts=${*:-main optimizers dpo_search sft_dpo hardware grpo rloo reinforce_pp ppo iterative_sft generation}
 for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
@@ -76,6 +76,23 @@ PY
       done
       echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
       $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" ;;
-    *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, hardware, grpo, rloo, reinforce_pp, ppo, iterative_sft)" >&2; exit 2 ;;
+    generation)  # "Online RL", Hardware: what sampling costs per step on 1 process and on 2 (DDP, FSDP2, ZeRO-3)
+      for hw in cpu cpu_ddp fsdp zero3; do
+        rm -rf $OUT/generation-$hw
+        $PY train.py experiment=grpo_reverse hardware=$hw train.global_batch_size=16 train.max_steps=40 \
+          train.eval_at_start=false train.save_every_steps=0 train.save_final=false \
+          hydra.run.dir=$OUT/generation-$hw >/dev/null 2>&1
+        $PY - "$OUT/generation-$hw" <<'PY'
+import sys
+from rlhf.results import Run
+run = Run(sys.argv[1])
+windows = [r for r in run.metrics if "perf/generation_time_s" in r][1:]  # the first window holds the start-up
+gen = sum(r["perf/generation_time_s"] for r in windows) / len(windows)
+step = sum(r["perf/step_time_s"] for r in windows) / len(windows)
+print(f"{run.path.name:22s} sampling {gen:.3f} s of a {step:.3f} s step ({gen / step:.0%}), steps 11-40")
+PY
+      done
+      echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)" ;;
+    *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, hardware, grpo, rloo, reinforce_pp, ppo, iterative_sft, generation)" >&2; exit 2 ;;
   esac
 done

@@ -365,3 +365,27 @@ def test_wrongly_typed_and_unknown_fields_are_clear_errors(tmp_path):
         check_config(compose_config("+algo.betaa=0.1", output_dir=tmp_path))
     with pytest.raises(UserError, match=r"train.max_steps='ten'"):
         check_fields({"max_steps": "ten"}, TrainSettings, "train")
+
+
+class _Mixin:
+    def __init__(self, call: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+
+
+class _Base:
+    def __init__(self, beta: float = 0.1, max_length: int | None = 1024) -> None:
+        pass
+
+
+class _Mixed(_Mixin, _Base):
+    pass
+
+
+def test_fields_passed_on_through_kwargs_are_those_of_the_next_init_in_the_mro():
+    """A mixin's ``**kwargs`` reach the next ``__init__`` of the class's MRO (here ``_Base``), not the mixin's own
+    base (``object``): those fields are accepted and typed, a misspelled one is still refused."""
+    check_fields({"call": 2, "beta": 0.2, "max_length": None}, _Mixed, "algo")
+    with pytest.raises(UserError, match=r"algo.betaa: .*_Mixed has no argument 'betaa'. Valid fields: call, beta"):
+        check_fields({"betaa": 0.2}, _Mixed, "algo")
+    with pytest.raises(UserError, match=r"algo.beta='x'"):
+        check_fields({"beta": "x"}, _Mixed, "algo")

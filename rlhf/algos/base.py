@@ -47,7 +47,8 @@ class Algorithm:
        values, e.g. prompt texts, beside its tensors);
     4. ``loss(model, batch)`` per micro-batch and ``evaluate(model, batch)`` per held-out batch (``collate``
        makes both kinds of batch from tokenized rows); after each optimizer step, ``tables(step)`` (rows the
-       loggers write, e.g. sampled completions); before training, ``micro_batch_shape`` for the memory preflight;
+       loggers write, e.g. sampled completions); at each log step ``timings()`` (seconds spent in phases of its
+       own, logged as ``perf/<phase>_time_s``); before training, ``micro_batch_shape`` for the memory preflight;
     5. ``state_dict()`` into every checkpoint, ``load_state_dict(state)`` when a run resumes from one.
 
     Required: ``columns``, ``tokenize``, ``collate``, ``loss``, ``evaluate``. The rest have defaults here: among
@@ -128,6 +129,12 @@ class Algorithm:
         """Rows to log after optimizer step ``step`` (main process), by table name: e.g. an online algorithm's
         sampled completions with their rewards. The loggers write each table to ``<name>.jsonl`` in the run folder
         (and W&B to a table). Default: none."""
+        return {}
+
+    def timings(self) -> dict[str, float]:
+        """Seconds this algorithm spent in phases of its own since the last call, by name (the loop logs each as
+        ``perf/<name>_time_s``, per optimizer step of the log window, the slowest process's), then starts over:
+        e.g. an online algorithm's sampling (``generation``). Evaluation's share is not counted. Default: none."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ uninterrupted one did, and N processes sample what one process with N accumulati
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -93,6 +94,7 @@ class OnlineAlgorithm(Algorithm):
         self.log_completions_every_steps, self.num_completions_to_print = (log_completions_every_steps,
                                                                            num_completions_to_print)
         self.last_completions: list[dict[str, Any]] = []  # the latest rollout's texts and rewards (not checkpointed)
+        self.generation_s = 0.0  # seconds spent sampling training completions since timings() (not checkpointed)
 
     # ---- data ----------------------------------------------------------------------------------------------------
     def tokenize(self, row: dict[str, Any], tokenizer) -> dict[str, Any]:
@@ -142,6 +144,12 @@ class OnlineAlgorithm(Algorithm):
         (see :meth:`sample`, plus what ``loss`` needs) and the rollout's scalar metrics (logged with ``loss``'s)."""
         raise NotImplementedError
 
+    def timings(self) -> dict[str, float]:
+        """``generation``: the seconds :meth:`sample` took for training rollouts (``model.generate`` and the
+        decoding of its output), since the last call."""
+        seconds, self.generation_s = self.generation_s, 0.0
+        return {"generation": seconds}
+
     def state_dict(self) -> dict[str, Any]:
         return {"buffer": self.buffer}
 
@@ -166,6 +174,7 @@ class OnlineAlgorithm(Algorithm):
         synced = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1  # sharded parameters: every rank runs every forward pass
         devices = [ids.device] if ids.device.type == "cuda" else []
+        started = time.perf_counter()
         try:
             with torch.random.fork_rng(devices=devices):
                 if seed is not None:
@@ -185,6 +194,9 @@ class OnlineAlgorithm(Algorithm):
         completion = torch.where(completion_mask.bool(), completion, torch.full_like(completion, self.pad_id))
         texts = [self.tokenizer.decode(row[:n], skip_special_tokens=True)
                  for row, n in zip(completion.tolist(), completion_mask.sum(-1).tolist())]
+        if seed is not None:  # a training rollout's (greedy evaluation is not training time)
+            _synchronize(ids.device)
+            self.generation_s += time.perf_counter() - started
         return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion,
                 "completion_mask": completion_mask, "truncated": ~ended, "completions": texts}
 
@@ -230,6 +242,11 @@ class OnlineAlgorithm(Algorithm):
         reward, per_function = self.score(batch, sampled["completions"], 1, keep=False)
         metrics = self.reward_metrics(reward, per_function, sampled)
         return {k: v for k, v in metrics.items() if k not in ("reward_std", "completions/clipped_ratio")}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class Rollouts:

@@ -163,6 +163,10 @@ def test_the_same_seed_gives_bit_identical_parameters_and_metrics(tmp_path):
     lines = [json.loads(line) for line in (runs[0] / "samples.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1] * 4  # step 1 (of 3; every 50), 4 completions
     assert {"prompt", "completion", "reward", "rewards/similarity", "rewards/exact_match"} <= set(lines[0])
+    # Sampling's share of each step is timed (perf/generation_time_s), greedy evaluation's is not.
+    logged = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    timed = [line for line in logged if "perf/step_time_s" in line]
+    assert timed and all(0 < line["perf/generation_time_s"] < line["perf/step_time_s"] for line in timed)
 
 
 def test_a_different_seed_samples_differently(tmp_path):
