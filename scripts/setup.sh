@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with PyTorch and rlhf (editable, with test tools and the [search] extra: Optuna's sweeper). Safe to re-run: it skips what is present, and
+# Create .venv with PyTorch and rlhf (editable, with test tools, the [search] extra: Optuna's sweeper, and the
+# [bench] extra: TRL, which scripts/bench.py measures rlhf against). Safe to re-run: it skips what is present, and
 # brings the other packages to the versions in constraints.txt (the set the tests and the README were run with).
 #   TORCH_SPEC  which torch to install when none is present (default: torch==2.13.0; e.g. "torch" for the
 #               newest build for your platform, or a CUDA wheel spec). torch is not in constraints.txt.
@@ -16,5 +17,5 @@ cd "$(dirname "$0")/.."
 }
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,search]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,search,bench]"
 echo "ready: $(.venv/bin/python -c 'import torch, transformers, accelerate, datasets; print(f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, datasets {datasets.__version__}")')"

@@ -1,0 +1,422 @@
+"""Speed against TRL, side by side in one run: our loop and TRL's DPOTrainer / SFTTrainer on the same model, data,
+batch, lengths, precision and threads.
+
+    pip install -e ".[bench]"            # TRL, only for this script (scripts/setup.sh installs it)
+    python scripts/bench.py              # the README's table: docs/bench.md and docs/bench.png
+    python scripts/bench.py --sizes 3m --shapes short --cases dpo_fp32,sft_fp32 --steps 3 --out /tmp/bench
+
+For each model size (a Llama of random weights built from a config, saved once: ``SIZES``) and each data shape
+(random lowercase strings for prompt and completions, each row's lengths drawn between half and all of the shape's:
+``SHAPES``), every case (``CASES``) trains ``2 x --steps`` optimizer steps with each implementation, in a process of
+its own, and times the second half (steady state: start-up, tokenizing, the first steps' allocations and the
+final evaluation are left out). Both use AdamW at a constant lr, weight decay 0, gradient clipping at 1.0, the
+byte-level tokenizer of the embedded default (prompt and completion tokenized separately, EOS after the
+completion), ``--threads`` torch threads, one process. Reported per case and implementation:
+
+- ``samples/s``: pairs (DPO) or rows (SFT) per second; the ratio rlhf / TRL is the headline;
+- ``tokens/s``: samples/s times the mean tokens of a sample in the data (prompt and completion, both sides of a
+  pair), the same factor for both;
+- ``MFU``: model FLOP/s (``rlhf.perf.flops_per_token``: 6 x parameters per trained token, plus 2 x parameters of a
+  live reference) over the peak that a matrix-product probe measures in this run (float32, or bfloat16 for the bf16
+  cases; ``rlhf.perf.probe``);
+- ``peak MB``: the process's peak resident memory above its size before the model was loaded (both measured the
+  same way, ``rlhf.memory.PeakMemory``).
+
+Before timing anything it checks, per size, that both compute the same thing: the first-step DPO loss on the same
+batch with a reference model that differs from the policy (the policy's weights plus seeded noise), and the SFT
+loss on the same batch, in float32. The run fails (exit 1) when either differs by 1e-4 or more: a benchmark of two
+different computations means nothing.
+
+Cases (``--cases``): ``dpo_fp32`` and ``dpo_bf16`` (equal settings: live reference, no gradient checkpointing,
+float32 or bf16 autocast), ``dpo_fp32_gc`` (both with gradient checkpointing), ``dpo_precomputed`` (both with
+reference log-probabilities computed before training), ``dpo_shipped`` (each as it ships: our defaults against
+TRL's, which are bf16 autocast and gradient checkpointing), ``dpo_precomputed_shipped`` (ours with the precomputed
+reference against TRL as shipped), ``sft_fp32`` and ``sft_bf16``. A bf16 case on a CPU without bf16 matrix
+instructions is skipped (noted in the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import random
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Llama architecture, random init. The vocabulary is the model's (the byte tokenizer uses ids 0-258 of it): the
+# output layer costs what a real vocabulary of that size costs.
+SIZES = {
+    "3m": {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 688},
+    "25m": {"vocab_size": 16384, "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+            "intermediate_size": 1376},
+    "100m": {"vocab_size": 32000, "hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12,
+             "intermediate_size": 2048},
+}
+# (prompt tokens, completion tokens) at most; each row draws its lengths from [half, all] of them.
+SHAPES = {"short": (32, 32), "long": (128, 128)}
+
+# case -> (algorithm, our overrides, TRL config fields). Both sides get the shared settings of _our_command and
+# _trl_args on top.
+EQUAL = {"gradient_checkpointing": False, "bf16": False}
+CASES = {
+    "dpo_fp32": ("dpo", [], EQUAL),
+    "dpo_bf16": ("dpo", ["hardware.mixed_precision=bf16"], {**EQUAL, "bf16": True}),
+    "dpo_fp32_gc": ("dpo", ["model.gradient_checkpointing=true"], {**EQUAL, "gradient_checkpointing": True}),
+    "dpo_precomputed": ("dpo", ["algo/reference=precomputed"], {**EQUAL, "precompute_ref_log_probs": True}),
+    "dpo_shipped": ("dpo", [], {}),
+    "dpo_precomputed_shipped": ("dpo", ["algo/reference=precomputed"], {}),
+    "sft_fp32": ("sft", [], EQUAL),
+    "sft_bf16": ("sft", ["hardware.mixed_precision=bf16"], {**EQUAL, "bf16": True}),
+}
+BF16 = {"dpo_bf16", "sft_bf16"}  # cases in bf16 on both sides (MFU against the bf16 peak)
+SHIPPED_TRL_BF16 = {"dpo_shipped", "dpo_precomputed_shipped"}  # TRL's side runs in its default bf16
+DEFAULT_CASES = list(CASES)
+LR, BETA, LOSS_TOLERANCE = 1e-4, 0.1, 1e-4
+
+
+# ---- data and models ----------------------------------------------------------------------------------------------
+def make_rows(algo: str, shape: str, count: int, seed: int = 0) -> list[dict[str, str]]:
+    """Random lowercase strings: prompt, and chosen/rejected (DPO) or completion (SFT)."""
+    prompt_max, completion_max = SHAPES[shape]
+    rng = random.Random(seed)
+
+    def text(most: int) -> str:
+        return "".join(rng.choices(string.ascii_lowercase, k=rng.randint(max(1, most // 2), most)))
+
+    if algo == "dpo":
+        return [{"prompt": text(prompt_max), "chosen": text(completion_max), "rejected": text(completion_max)}
+                for _ in range(count)]
+    return [{"prompt": text(prompt_max), "completion": text(completion_max)} for _ in range(count)]
+
+
+def tokens_per_sample(algo: str, rows: list[dict[str, str]]) -> float:
+    """Mean tokens of a sample with the byte tokenizer (a character is a token; EOS after each completion)."""
+    if algo == "dpo":
+        return sum(2 * len(r["prompt"]) + len(r["chosen"]) + len(r["rejected"]) + 2 for r in rows) / len(rows)
+    return sum(len(r["prompt"]) + len(r["completion"]) + 1 for r in rows) / len(rows)
+
+
+def build_model(size: str, folder: Path) -> int:
+    """Save a seeded random-init Llama of ``size`` with the byte tokenizer to ``folder``; return its parameters."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf.models.tokenizer import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(**SIZES[size], max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def write_jsonl(rows: list[dict], path: Path) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# ---- the same computation ---------------------------------------------------------------------------------------
+def check_losses(model_dir: Path, shape: str, rows_count: int = 8) -> dict[str, tuple[float, float]]:
+    """First-step losses of both on the same batch in float32: DPO with a reference that differs from the policy,
+    and SFT. ``{"dpo": (rlhf, TRL), "sft": (rlhf, TRL)}``."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    from rlhf.algos.dpo import DPO
+    from rlhf.algos.sft import SFT
+    from rlhf.models.reference import FrozenCopy
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=generator))
+    out: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = make_rows("dpo", shape, rows_count, seed=1)
+        algo = DPO(beta=BETA, reference=FrozenCopy())
+        algo.setup(model, tokenizer)
+        algo.frozen = {"reference": reference}
+        with torch.no_grad():
+            ours = float(algo.loss(model, algo.collate([algo.tokenize(r, tokenizer) for r in rows]))[0])
+        args = DPOConfig(output_dir=tmp, per_device_eval_batch_size=rows_count, report_to=[], beta=BETA, use_cpu=True,
+                         bf16=False, max_length=None)
+        trainer = DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(reference), args=args,
+                             processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
+                             eval_dataset=Dataset.from_list(rows))
+        out["dpo"] = (ours, trainer.evaluate()["eval_loss"])
+        rows = make_rows("sft", shape, rows_count, seed=1)
+        algo = SFT()
+        algo.setup(model, tokenizer)
+        with torch.no_grad():
+            ours = float(algo.loss(model, algo.collate([algo.tokenize(r, tokenizer) for r in rows]))[0])
+        args = SFTConfig(output_dir=tmp, per_device_eval_batch_size=rows_count, report_to=[], use_cpu=True,
+                         bf16=False, max_length=None)
+        trainer = SFTTrainer(model=copy.deepcopy(model), args=args, processing_class=tokenizer,
+                             train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows))
+        out["sft"] = (ours, trainer.evaluate()["eval_loss"])
+    return out
+
+
+# ---- one timed run per process ----------------------------------------------------------------------------------
+def _our_command(case: str, model_dir: Path, data: Path, run_dir: Path, batch: int, steps: int, threads: int,
+                 cache: Path) -> list[str]:
+    algo, overrides, _ = CASES[case]
+    return [sys.executable, str(ROOT / "train.py"), f"algo={algo}", "hardware=cpu", f"hardware.threads_per_process={threads}",
+            f"model.name_or_path={model_dir}", f"data.path={data}", "data.eval_size=8", f"data.cache_dir={cache}",
+            f"train.per_device_batch_size={batch}", f"train.max_steps={2 * steps}", f"train.log_every_steps={steps}",
+            "train.eval_at_start=false", "train.eval_every_steps=0", "train.save_every_steps=0",
+            "train.save_final=false", "train.max_grad_norm=1.0", "optimizer=adamw", f"optimizer.lr={LR}",
+            "optimizer.weight_decay=0.0", "scheduler=constant", *([f"algo.beta={BETA}"] if algo == "dpo" else []),
+            *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def run_ours(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int) -> dict:
+    run_dir = work / f"ours-{case}"
+    command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, work / "cache")
+    result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"rlhf ({case}) failed:\n{result.stderr[-3000:]}")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    windows = [line for line in lines if "perf/samples_per_s" in line]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"samples_per_s": windows[-1]["perf/samples_per_s"], "peak_mem_mb": summary["final"]["perf/peak_mem_mb"]}
+
+
+def run_trl(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int) -> dict:
+    spec = {"case": case, "model_dir": str(model_dir), "data": str(data), "batch": batch, "steps": steps,
+            "threads": threads, "out": str(work / f"trl-{case}")}
+    result = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], capture_output=True,
+                            text=True, env=_env(threads), cwd=ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"TRL ({case}) failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def trl_worker(spec: dict) -> None:
+    """In its own process: train TRL's trainer for ``2 x steps`` steps and print the second half's samples/s and
+    the peak memory as one JSON line."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from rlhf.memory import PeakMemory
+
+    peak = PeakMemory(torch.device("cpu"))  # before the model: the figure our loop reports
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    class Clock(TrainerCallback):
+        times: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter())
+
+    algo, _, fields = CASES[spec["case"]]
+    steps = spec["steps"]
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    rows = load_dataset("json", data_files=spec["data"], split="train")
+    common = {"output_dir": spec["out"], "per_device_train_batch_size": spec["batch"], "learning_rate": LR,
+              "max_steps": 2 * steps, "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
+              "max_grad_norm": 1.0, "report_to": [], "use_cpu": True, "logging_steps": steps,
+              "save_strategy": "no", "eval_strategy": "no", "disable_tqdm": True, "seed": 0, **fields}
+    if algo == "dpo":
+        trainer = DPOTrainer(model=model, args=DPOConfig(beta=BETA, **common), processing_class=tokenizer,
+                             train_dataset=rows)
+    else:
+        trainer = SFTTrainer(model=model, args=SFTConfig(**common), processing_class=tokenizer, train_dataset=rows)
+    clock = Clock()
+    trainer.add_callback(clock)
+    trainer.train()
+    seconds = clock.times[2 * steps - 1] - clock.times[steps - 1]
+    print(json.dumps({"samples_per_s": spec["batch"] * steps / seconds, "peak_mem_mb": peak.mb()}))
+
+
+def _env(threads: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+
+
+# ---- the table and the chart ------------------------------------------------------------------------------------
+def machine() -> str:
+    import torch
+
+    from rlhf.perf import _machine
+
+    return f"{_machine(torch.device('cpu'))}, {platform.system()}"
+
+
+def versions() -> str:
+    import accelerate
+    import torch
+    import transformers
+    import trl
+
+    return (f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, "
+            f"TRL {trl.__version__}")
+
+
+def markdown(results: list[dict], losses: dict, header: dict) -> str:
+    lines = [f"Measured {header['date']} on {header['machine']}, {header['threads']} torch thread(s), one process; "
+             f"{header['versions']}. `python scripts/bench.py {header['args']}`: {header['steps']} steps timed after "
+             f"{header['steps']} untimed, {header['batch']} samples per step.", "",
+             "Same computation first (float32, same batch; DPO with a reference that differs from the policy):", "",
+             "| size | DPO loss rlhf | DPO loss TRL | abs diff | SFT loss rlhf | SFT loss TRL | abs diff |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for size, pair in losses.items():
+        (a, b), (c, d) = pair["dpo"], pair["sft"]
+        lines.append(f"| {size} | {a:.6f} | {b:.6f} | {abs(a - b):.1e} | {c:.6f} | {d:.6f} | {abs(c - d):.1e} |")
+    lines += ["", "| size | shape | case | rlhf samples/s | TRL samples/s | rlhf / TRL | rlhf tokens/s | "
+              "MFU rlhf | MFU TRL | peak MB rlhf | peak MB TRL |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if r.get("skipped"):
+            lines.append(f"| {r['size']} | {r['shape']} | {r['case']} | {r['skipped']} | | | | | | | |")
+            continue
+        lines.append(f"| {r['size']} ({r['params'] / 1e6:.1f}M) | {r['shape']} | {r['case']} | "
+                     f"{r['ours']['samples_per_s']:.1f} | {r['trl']['samples_per_s']:.1f} | **{r['ratio']:.2f}x** | "
+                     f"{r['ours']['tokens_per_s']:.0f} | {r['ours']['mfu']:.1%} | {r['trl']['mfu']:.1%} | "
+                     f"{r['ours']['peak_mem_mb']:.0f} | {r['trl']['peak_mem_mb']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: list[dict], header: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in results if not r.get("skipped")]
+    labels = [f"{r['case']}\n{r['size']} {r['shape']}" for r in shown]
+    figure, axis = plt.subplots(figsize=(max(6.0, 0.55 * len(shown) + 2), 4.2))
+    bars = axis.bar(range(len(shown)), [r["ratio"] for r in shown],
+                    color=["tab:blue" if r["case"].startswith("dpo") else "tab:green" for r in shown])
+    axis.bar_label(bars, fmt="%.2f", fontsize=7)
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.set_xticks(range(len(shown)), labels, rotation=60, ha="right", fontsize=7)
+    axis.set_ylabel("rlhf samples/s over TRL's")
+    axis.set_title(f"rlhf vs TRL, {header['threads']} thread(s): {header['machine']}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# ---- main -------------------------------------------------------------------------------------------------------
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="3m,25m,100m", help=f"model sizes, comma-separated ({', '.join(SIZES)})")
+    parser.add_argument("--shapes", default="short,long", help=f"data shapes ({', '.join(SHAPES)}); 'long' runs at "
+                        "the smallest size only unless --long-everywhere")
+    parser.add_argument("--long-everywhere", action="store_true", help="every shape at every size")
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"cases ({', '.join(CASES)})")
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps (as many run untimed first)")
+    parser.add_argument("--batch", type=int, default=8, help="samples (pairs, rows) per optimizer step")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of each side (default: the CPUs)")
+    parser.add_argument("--rows", type=int, default=512, help="training rows written per shape")
+    parser.add_argument("--out", default=str(ROOT / "docs"), help="where bench.md, bench.png and bench.json go")
+    parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(json.loads(args.trl_worker))
+        return 0
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("TRL is not installed. Fix: pip install -e \".[bench]\" (or bash scripts/setup.sh)", file=sys.stderr)
+        return 2
+    import torch
+
+    from rlhf.hardware.base import cpus_available
+    from rlhf.perf import bf16_supported, probe
+
+    sizes, shapes, cases = (args.sizes.split(","), args.shapes.split(","), args.cases.split(","))
+    for name, chosen, known in (("size", sizes, SIZES), ("shape", shapes, SHAPES), ("case", cases, CASES)):
+        unknown = [c for c in chosen if c not in known]
+        if unknown:
+            parser.error(f"unknown {name} {unknown}: choose from {list(known)}")
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    threads = args.threads or cpus_available()
+    torch.set_num_threads(threads)
+    peaks = probe(torch.device("cpu"))
+    has_bf16 = bf16_supported(torch.device("cpu"))
+    print(f"peak: {', '.join(f'{k} {v / 1e9:.0f} GFLOP/s' for k, v in peaks.items())} ({threads} threads)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, losses = [], {}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for size in sizes:
+            model_dir = work / f"model-{size}"
+            params = build_model(size, model_dir)
+            losses[size] = check_losses(model_dir, "short")
+            print(f"{size}: {params / 1e6:.1f}M parameters; first-step losses (rlhf, TRL): {losses[size]}", flush=True)
+            for shape in shapes:
+                if shape != shapes[0] and size != sizes[0] and not args.long_everywhere:
+                    continue
+                for algo in ("dpo", "sft"):
+                    rows = make_rows(algo, shape, args.rows)
+                    write_jsonl(rows, work / f"{algo}-{shape}.jsonl")
+                for case in cases:
+                    algo = CASES[case][0]
+                    row = {"size": size, "shape": shape, "case": case, "params": params}
+                    needs_bf16 = case in BF16 or case in SHIPPED_TRL_BF16
+                    if needs_bf16 and not has_bf16:
+                        results.append({**row, "skipped": "skipped: no bf16 matrix instructions on this CPU"})
+                        continue
+                    data = work / f"{algo}-{shape}.jsonl"
+                    case_dir = work / f"{size}-{shape}"
+                    case_dir.mkdir(exist_ok=True)
+                    per_sample = tokens_per_sample(algo, make_rows(algo, shape, args.rows))
+                    ours = run_ours(case, model_dir, data, case_dir, args.batch, args.steps, threads)
+                    theirs = run_trl(case, model_dir, data, case_dir, args.batch, args.steps, threads)
+                    live = algo == "dpo" and "precomputed" not in case  # a reference runs forward each step
+                    flops = 6.0 * params + (2.0 * params if live else 0.0)  # rlhf.perf.flops_per_token's formula
+                    for side, bf16 in ((ours, case in BF16), (theirs, case in BF16 or case in SHIPPED_TRL_BF16)):
+                        side["tokens_per_s"] = side["samples_per_s"] * per_sample
+                        side["mfu"] = flops * side["tokens_per_s"] / peaks["bfloat16" if bf16 else "float32"]
+                    row.update(ours=ours, trl=theirs, ratio=ours["samples_per_s"] / theirs["samples_per_s"])
+                    results.append(row)
+                    print(f"{size} {shape} {case}: rlhf {ours['samples_per_s']:.2f} samples/s, TRL "
+                          f"{theirs['samples_per_s']:.2f} ({row['ratio']:.2f}x); peak MB {ours['peak_mem_mb']:.0f} "
+                          f"vs {theirs['peak_mem_mb']:.0f} [{time.perf_counter() - started:.0f} s]", flush=True)
+    header = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "threads": threads, "versions": versions(),
+              "steps": args.steps, "batch": args.batch, "args": " ".join(sys.argv[1:]) or "(defaults)"}
+    (out / "bench.json").write_text(json.dumps({"header": header, "peaks": peaks, "losses": losses,
+                                                "results": results}, indent=1))
+    (out / "bench.md").write_text(markdown(results, losses, header))
+    chart(results, header, out / "bench.png")
+    print((out / "bench.md").read_text())
+    worst = max(abs(a - b) for pair in losses.values() for a, b in pair.values())
+    if worst >= LOSS_TOLERANCE:
+        print(f"losses DIFFER by up to {worst:.2e}: the two implementations do not compute the same thing",
+              file=sys.stderr)
+        return 1
+    print(f"losses agree (worst {worst:.1e}); written {out / 'bench.md'}, {out / 'bench.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

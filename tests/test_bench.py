@@ -1,0 +1,53 @@
+"""scripts/bench.py: the benchmark against TRL runs at a tiny size, both sides compute the same losses, and the
+tokens it credits each sample with are the tokens our tokenization makes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlhf.algos.dpo import DPO
+from rlhf.algos.sft import SFT
+from rlhf.models.tokenizer import byte_tokenizer
+from tests.conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.mark.parametrize("shape", list(bench.SHAPES))
+def test_rows_fit_their_shape_and_are_credited_the_tokens_they_tokenize_to(shape):
+    tokenizer = byte_tokenizer()
+    prompt_max, completion_max = bench.SHAPES[shape]
+    for algo, cls in (("dpo", DPO), ("sft", SFT)):
+        rows = bench.make_rows(algo, shape, 64)
+        assert rows == bench.make_rows(algo, shape, 64)  # seeded: both sides train on the same file
+        assert all(prompt_max // 2 <= len(r["prompt"]) <= prompt_max for r in rows)
+        tokenized = [cls().tokenize(r, tokenizer) for r in rows]
+        counted = sum(len(v) for t in tokenized for k, v in t.items() if k.endswith("input_ids")) / len(rows)
+        assert bench.tokens_per_sample(algo, rows) == pytest.approx(counted)
+
+
+def test_the_benchmark_runs_at_a_tiny_size_and_both_sides_compute_the_same_losses(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--sizes", "3m", "--shapes", "short", "--cases",
+         "dpo_fp32,sft_fp32", "--steps", "2", "--batch", "2", "--rows", "32", "--threads", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    for algo in ("dpo", "sft"):
+        ours, trl = report["losses"]["3m"][algo]
+        assert abs(ours - trl) < bench.LOSS_TOLERANCE, (algo, ours, trl)
+    assert [r["case"] for r in report["results"]] == ["dpo_fp32", "sft_fp32"]
+    for row in report["results"]:
+        for side in ("ours", "trl"):
+            assert row[side]["samples_per_s"] > 0 and 0 < row[side]["mfu"] < 1 and row[side]["peak_mem_mb"] > 0
+        assert row["ratio"] == pytest.approx(row["ours"]["samples_per_s"] / row["trl"]["samples_per_s"])
+    table = (tmp_path / "bench.md").read_text()
+    assert "| 3m (3.7M) | short | dpo_fp32 |" in table and "| 3m (3.7M) | short | sft_fp32 |" in table
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
