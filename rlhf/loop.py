@@ -125,6 +125,7 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
             saved, paused = None, time.perf_counter()
             if settings.save_every_steps and step % settings.save_every_steps == 0:
                 saved = _save_checkpoint(run, state)
+                record({"perf/checkpoint_time_s": time.perf_counter() - paused}, step)  # its cost, beside the steps'
             window_start += time.perf_counter() - paused
             if outcome.stop:
                 bar.close()

@@ -79,3 +79,21 @@ def test_on_a_busy_cpu_the_peak_is_at_least_one_thread_times_the_threads(monkeyp
         assert torch.get_num_threads() == 2  # set back
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_checkpoints_seconds_are_logged_at_its_step_and_left_out_of_the_speed(fast_config, tmp_path, monkeypatch):
+    from rlhf import loop
+
+    save = loop._save_checkpoint
+
+    def slow(run, state):
+        time.sleep(1.0)
+        return save(run, state)
+
+    monkeypatch.setattr(loop, "_save_checkpoint", slow)
+    train(fast_config("algo=sft", "train.save_every_steps=1", "train.max_steps=2", "train.log_every_steps=1"))
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    saved = [line for line in lines if "perf/checkpoint_time_s" in line]
+    assert [line["step"] for line in saved] == [1, 2] and all(line["perf/checkpoint_time_s"] >= 1.0 for line in saved)
+    second = next(line for line in lines if line["step"] == 2 and "train/loss" in line)
+    assert second["perf/step_time_s"] < 1.0
