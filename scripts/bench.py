@@ -177,7 +177,7 @@ def check_losses(model_dir: Path, shape: str, rows_count: int = 8) -> dict[str, 
 
 # ---- one timed run per process ----------------------------------------------------------------------------------
 def _our_command(case: str, model_dir: Path, data: Path, run_dir: Path, batch: int, steps: int, threads: int,
-                 cache: Path) -> list[str]:
+                 cache: Path, extra: list[str]) -> list[str]:
     algo, overrides, _ = CASES[case]
     return [sys.executable, str(ROOT / "train.py"), f"algo={algo}", "hardware=cpu", f"hardware.threads_per_process={threads}",
             f"model.name_or_path={model_dir}", f"data.path={data}", "data.eval_size=8", f"data.cache_dir={cache}",
@@ -185,12 +185,13 @@ def _our_command(case: str, model_dir: Path, data: Path, run_dir: Path, batch: i
             "train.eval_at_start=false", "train.eval_every_steps=0", "train.save_every_steps=0",
             "train.save_final=false", "train.max_grad_norm=1.0", "optimizer=adamw", f"optimizer.lr={LR}",
             "optimizer.weight_decay=0.0", "scheduler=constant", *([f"algo.beta={BETA}"] if algo == "dpo" else []),
-            *overrides, f"hydra.run.dir={run_dir}"]
+            *overrides, *extra, f"hydra.run.dir={run_dir}"]
 
 
-def run_ours(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int) -> dict:
+def run_ours(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int,
+             extra: list[str]) -> dict:
     run_dir = work / f"ours-{case}"
-    command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, work / "cache")
+    command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, work / "cache", extra)
     result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"rlhf ({case}) failed:\n{result.stderr[-3000:]}")
@@ -277,7 +278,8 @@ def versions() -> str:
 def markdown(results: list[dict], losses: dict, header: dict) -> str:
     lines = [f"Measured {header['date']} on {header['machine']}, {header['threads']} torch thread(s), one process; "
              f"{header['versions']}. `python scripts/bench.py {header['args']}`: {header['steps']} steps timed after "
-             f"{header['steps']} untimed, {header['batch']} samples per step.", "",
+             f"{header['steps']} untimed, {header['batch']} samples per step; rlhf with its defaults"
+             + (f" and {', '.join(f'`{o}`' for o in header['ours'])}" if header["ours"] else "") + ".", "",
              "Same computation first (float32, same batch; DPO with a reference that differs from the policy):", "",
              "| size | DPO loss rlhf | DPO loss TRL | abs diff | SFT loss rlhf | SFT loss TRL | abs diff |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -331,6 +333,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8, help="samples (pairs, rows) per optimizer step")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of each side (default: the CPUs)")
     parser.add_argument("--rows", type=int, default=512, help="training rows written per shape")
+    parser.add_argument("--ours", action="append", default=[], metavar="OVERRIDE",
+                        help="an override added to every rlhf run, e.g. --ours algo.completion_logits_only=true "
+                             "(repeatable; shown in the table's header): how a lever is measured")
     parser.add_argument("--out", default=str(ROOT / "docs"), help="where bench.md, bench.png and bench.json go")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -390,7 +395,7 @@ def main() -> int:
                     case_dir = work / f"{size}-{shape}"
                     case_dir.mkdir(exist_ok=True)
                     per_sample = tokens_per_sample(algo, make_rows(algo, shape, args.rows))
-                    ours = run_ours(case, model_dir, data, case_dir, args.batch, args.steps, threads)
+                    ours = run_ours(case, model_dir, data, case_dir, args.batch, args.steps, threads, args.ours)
                     theirs = run_trl(case, model_dir, data, case_dir, args.batch, args.steps, threads)
                     live = algo == "dpo" and "precomputed" not in case  # a reference runs forward each step
                     flops = 6.0 * params + (2.0 * params if live else 0.0)  # rlhf.perf.flops_per_token's formula
@@ -403,7 +408,7 @@ def main() -> int:
                           f"{theirs['samples_per_s']:.2f} ({row['ratio']:.2f}x); peak MB {ours['peak_mem_mb']:.0f} "
                           f"vs {theirs['peak_mem_mb']:.0f} [{time.perf_counter() - started:.0f} s]", flush=True)
     header = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "threads": threads, "versions": versions(),
-              "steps": args.steps, "batch": args.batch, "args": " ".join(sys.argv[1:]) or "(defaults)"}
+              "steps": args.steps, "batch": args.batch, "ours": args.ours, "args": " ".join(sys.argv[1:]) or "(defaults)"}
     (out / "bench.json").write_text(json.dumps({"header": header, "peaks": peaks, "losses": losses,
                                                 "results": results}, indent=1))
     (out / "bench.md").write_text(markdown(results, losses, header))

@@ -171,16 +171,40 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+LOGITS_TO_KEEP = "logits_to_keep"  # a batch key: compute the output layer only at the last this many positions
+
+
+def completion_logits_only(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with :data:`LOGITS_TO_KEEP` set so that :func:`completion_stats` computes the output layer (and
+    its log-softmax over the vocabulary) only from the position before the batch's earliest completion token on:
+    the positions that score a completion token. The prompt's positions before it cost no ``[B, T, V]`` logits.
+    Every model of transformers' ``*ForCausalLM`` takes ``logits_to_keep``. The forward pass's values are the same
+    bit for bit; the output layer's gradient sums fewer rows (zeros) and may differ in the last bits."""
+    mask = batch["completion_mask"]
+    scored = mask[:, 1:].any(0)  # positions 1..T-1 that hold some sequence's completion token
+    first = int(scored.float().argmax()) + 1 if bool(scored.any()) else mask.shape[1] - 1
+    return {**batch, LOGITS_TO_KEEP: mask.shape[1] - first + 1}
+
+
 def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> CompletionStats:
-    """One forward pass; log-probabilities of each sequence's completion given its prompt."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    """One forward pass; log-probabilities of each sequence's completion given its prompt. With
+    :data:`LOGITS_TO_KEEP` in the batch (:func:`completion_logits_only`) only the last positions get logits; the
+    statistics keep their ``[B, T-1]`` shape, 0 (and masked out) before them."""
+    keep = int(batch.get(LOGITS_TO_KEEP) or 0)
+    extra = {"logits_to_keep": keep} if keep else {}
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
     if logits.dim() != 3 or logits.shape[-1] == 1:  # a sequence-classification or value head: one scalar each
         raise UserError(f"this algorithm needs next-token logits, but the model outputs shape {list(logits.shape)}: "
                         "it has another head. Fix: model.head=causal_lm")
+    skipped = batch["input_ids"].shape[1] - logits.shape[1]  # leading positions without logits
     logits = logits[:, :-1].float()
-    labels = batch["input_ids"][:, 1:]
-    mask = batch["completion_mask"][:, 1:].bool()
+    labels = batch["input_ids"][:, skipped + 1:]
+    mask = batch["completion_mask"][:, skipped + 1:].bool()
     every_token_logps = selective_log_softmax(logits, labels)
     token_logps = every_token_logps * mask
     greedy = ((logits.argmax(-1) == labels) | ~mask).all(-1)
+    if skipped:
+        every_token_logps, token_logps = (torch.nn.functional.pad(x, (skipped, 0)) for x in (every_token_logps,
+                                                                                             token_logps))
+        mask = torch.nn.functional.pad(mask, (skipped, 0))
     return CompletionStats(token_logps.sum(-1), mask.sum(-1), greedy, token_logps, mask, every_token_logps)

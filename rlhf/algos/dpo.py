@@ -14,11 +14,12 @@ from typing import Any
 
 from torch import Tensor
 
-from rlhf.algos.base import completion_stats
+from rlhf.algos.base import completion_logits_only, completion_stats
 from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.algos.sft import nll_loss
 from rlhf.data.collate import collate_sequences, encode, require_completion
+from rlhf.errors import UserError
 from rlhf.models.reference import FrozenCopy, Reference
 from rlhf.validate import Range, limits
 
@@ -41,6 +42,9 @@ class DPO(ReferenceRegularized):
             the model config included, so log-ratios start at 0.
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
+        completion_logits_only: compute the output layer only where it scores completion tokens (from the batch's
+            earliest one on), for the policy and the reference alike (:func:`~rlhf.algos.base.completion_logits_only`);
+            not with ``nll_on_prompt``, which scores the prompt too.
 
     The allowed values (``@limits`` above, and :class:`ReferenceRegularized`'s) are checked by
     :func:`rlhf.config.check_config` before anything is built.
@@ -61,7 +65,12 @@ class DPO(ReferenceRegularized):
         disable_dropout: bool = True,
         max_prompt_length: int | None = 512,
         max_length: int | None = 1024,
+        completion_logits_only: bool = False,
     ) -> None:
+        if completion_logits_only and nll_on_prompt:
+            raise UserError("algo.completion_logits_only=true skips the prompt's logits, which algo.nll_on_prompt=true "
+                            "scores. Fix: algo.completion_logits_only=false")
+        self.completion_logits_only = completion_logits_only
         self.beta, self.loss_fn, self.nll_weight, self.nll_on_prompt = beta, loss, nll_weight, nll_on_prompt
         self.reference = reference if reference is not None else FrozenCopy()
         self.disable_dropout = disable_dropout
@@ -80,7 +89,8 @@ class DPO(ReferenceRegularized):
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """The pairs' sequences (:meth:`sequences`) and the reference strategy's columns (precomputed
         log-probabilities)."""
-        return {**self.sequences(rows), **self.reference.collate(rows)}
+        batch = {**self.sequences(rows), **self.reference.collate(rows)}
+        return completion_logits_only(batch) if self.completion_logits_only else batch
 
     def sequences(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass (sequence ``k`` is

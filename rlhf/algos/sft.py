@@ -10,7 +10,14 @@ from typing import Any
 
 from torch import Tensor
 
-from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, completion_stats, prompt_leaves_room
+from rlhf.algos.base import (
+    PROMPT_TOKENS,
+    SEQUENCE_TOKENS,
+    Algorithm,
+    completion_logits_only,
+    completion_stats,
+    prompt_leaves_room,
+)
 from rlhf.data.collate import collate_sequences, encode, require_completion
 from rlhf.validate import limits
 
@@ -28,6 +35,8 @@ class SFT(Algorithm):
         completion_only_loss: train on completion tokens only (True) or on prompt and completion (False).
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
+        completion_logits_only: compute the output layer only where it scores completion tokens (from the batch's
+            earliest one on; :func:`~rlhf.algos.base.completion_logits_only`).
     """
 
     columns = ("prompt", "completion")
@@ -35,8 +44,8 @@ class SFT(Algorithm):
     eval_metrics = ("loss", "num_tokens", "exact_match")
 
     def __init__(self, completion_only_loss: bool = True, max_prompt_length: int | None = 512,
-                 max_length: int | None = 1024) -> None:
-        self.completion_only_loss = completion_only_loss
+                 max_length: int | None = 1024, completion_logits_only: bool = False) -> None:
+        self.completion_only_loss, self.completion_logits_only = completion_only_loss, completion_logits_only
         self.max_prompt_length, self.max_length = max_prompt_length, max_length
         self.pad_id = 0
 
@@ -52,7 +61,8 @@ class SFT(Algorithm):
         self.pad_id = tokenizer.pad_token_id
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
-        return collate_sequences([r["input_ids"] for r in rows], [r["completion_mask"] for r in rows], self.pad_id)
+        batch = collate_sequences([r["input_ids"] for r in rows], [r["completion_mask"] for r in rows], self.pad_id)
+        return completion_logits_only(batch) if self.completion_logits_only else batch
 
     def loss(self, model, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         stats = completion_stats(model, batch)

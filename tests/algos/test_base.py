@@ -71,3 +71,35 @@ def test_defaults_of_the_optional_parts():
     assert algo.state_dict() == {} and algo.load_state_dict({}) is None and algo.frozen == {}
     assert isinstance(algo.batch_source([], TrainState(), None), Batches)
     assert isinstance(DPO(), Algorithm) and isinstance(algo, Algorithm)
+
+
+def test_completion_logits_only_computes_fewer_logits_and_the_same_losses_and_gradients():
+    import pytest
+
+    from rlhf.data.tasks import ReverseTask
+    from rlhf.errors import UserError
+
+    policy = TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0).build()
+    model, tok = policy.model, policy.tokenizer
+    widths = []
+    model.lm_head.register_forward_hook(lambda module, args, out: widths.append(out.shape[1]))
+    for cls, columns in ((DPO, ("prompt", "chosen", "rejected")), (SFT, ("prompt", "completion"))):
+        rows = ReverseTask().rows("train", columns)[:16]
+        results = []
+        for fast in (False, True):
+            algo = cls(completion_logits_only=fast)
+            algo.setup(model, tok)
+            batch = algo.collate([algo.tokenize(row, tok) for row in rows])
+            widths.clear()
+            model.zero_grad()
+            loss, metrics = algo.loss(model, batch)
+            loss.backward()
+            results.append((loss, metrics, [p.grad.clone() for p in model.parameters()], widths[0]))
+        (loss, metrics, grads, full), (fast_loss, fast_metrics, fast_grads, kept) = results
+        prompt_tokens = min(row.index("=") + 1 for row in (r["prompt"] for r in rows))  # "abc=" is 4 byte tokens
+        assert full == batch["input_ids"].shape[1] and kept == full - prompt_tokens + 1  # from the last prompt token
+        assert torch.equal(loss, fast_loss) and all(torch.equal(metrics[k], fast_metrics[k]) for k in metrics)
+        for g, h in zip(grads, fast_grads):  # the output layer's gradient sums fewer rows: the last bits may move
+            torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
+    with pytest.raises(UserError, match="nll_on_prompt"):
+        DPO(completion_logits_only=True, nll_on_prompt=True)
