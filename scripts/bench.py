@@ -7,8 +7,8 @@ batch, lengths, precision and threads.
 
 For each model size (a Llama of random weights built from a config, saved once: ``SIZES``) and each data shape
 (random lowercase strings for prompt and completions, each row's lengths drawn between half and all of the shape's:
-``SHAPES``), every case (``CASES``) trains ``2 x --steps`` optimizer steps with each implementation, in a process of
-its own, and times the second half (steady state: start-up, tokenizing, the first steps' allocations and the
+``SHAPES``), every case (``CASES``) trains ``2 x --steps`` optimizer steps (by default ``STEPS[size]``) with each
+implementation, in a process of its own, and times the second half (steady state: start-up, tokenizing, the first steps' allocations and the
 final evaluation are left out). Both use AdamW at a constant lr, weight decay 0, gradient clipping at 1.0, the
 byte-level tokenizer of the embedded default (prompt and completion tokenized separately, EOS after the
 completion), ``--threads`` torch threads, one process. Reported per case and implementation:
@@ -21,6 +21,9 @@ completion), ``--threads`` torch threads, one process. Reported per case and imp
   cases; ``rlhf.perf.probe``);
 - ``peak MB``: the process's peak resident memory above its size before the model was loaded (both measured the
   same way, ``rlhf.memory.PeakMemory``).
+
+And per size, what a checkpoint costs our DPO run: one more run writes one at steps N and 2N
+(``perf/checkpoint_time_s``), reported as a share of training at one checkpoint every ``CHECKPOINT_INTERVAL`` steps.
 
 Before timing anything it checks, per size, that both compute the same thing: the first-step DPO loss on the same
 batch with a reference model that differs from the policy (the policy's weights plus seeded noise), and the SFT
@@ -62,6 +65,9 @@ SIZES = {
     "100m": {"vocab_size": 32000, "hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12,
              "intermediate_size": 2048},
 }
+# Timed steps per size when --steps is not given: a few seconds of steady state or more on 2 CPU cores.
+STEPS = {"3m": 32, "25m": 12, "100m": 6}
+CHECKPOINT_INTERVAL = 100  # conf/config.yaml's train.save_every_steps: the interval whose cost is reported
 # (prompt tokens, completion tokens) at most; each row draws its lengths from [half, all] of them.
 SHAPES = {"short": (32, 32), "long": (128, 128)}
 
@@ -201,6 +207,25 @@ def run_ours(case: str, model_dir: Path, data: Path, work: Path, batch: int, ste
     return {"samples_per_s": windows[-1]["perf/samples_per_s"], "peak_mem_mb": summary["final"]["perf/peak_mem_mb"]}
 
 
+def checkpoint_cost(model_dir: Path, work: Path, shape: str, batch: int, steps: int, threads: int,
+                    extra: list[str]) -> dict:
+    """What a checkpoint of our DPO run costs: its seconds (``perf/checkpoint_time_s``, the mean of the two written
+    at steps N and 2N) against the steady state's step, as a share of training at :data:`CHECKPOINT_INTERVAL`."""
+    data = work / f"checkpoint-{shape}.jsonl"
+    write_jsonl(make_rows("dpo", shape, 256), data)
+    run_dir = work / f"checkpoint-{model_dir.name}"
+    command = _our_command("dpo_fp32", model_dir, data, run_dir, batch, steps, threads, work / "cache",
+                           [*extra, f"train.save_every_steps={steps}"])
+    result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"rlhf (checkpoints) failed:\n{result.stderr[-3000:]}")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    saves = [line["perf/checkpoint_time_s"] for line in lines if "perf/checkpoint_time_s" in line]
+    step_s = [line["perf/step_time_s"] for line in lines if "perf/step_time_s" in line][-1]
+    checkpoint_s = sum(saves) / len(saves)
+    return {"checkpoint_s": checkpoint_s, "step_s": step_s, "share": checkpoint_s / (CHECKPOINT_INTERVAL * step_s)}
+
+
 def run_trl(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int) -> dict:
     spec = {"case": case, "model_dir": str(model_dir), "data": str(data), "batch": batch, "steps": steps,
             "threads": threads, "out": str(work / f"trl-{case}")}
@@ -275,10 +300,11 @@ def versions() -> str:
             f"TRL {trl.__version__}")
 
 
-def markdown(results: list[dict], losses: dict, header: dict) -> str:
+def markdown(results: list[dict], losses: dict, checkpoints: dict, header: dict) -> str:
     lines = [f"Measured {header['date']} on {header['machine']}, {header['threads']} torch thread(s), one process; "
-             f"{header['versions']}. `python scripts/bench.py {header['args']}`: {header['steps']} steps timed after "
-             f"{header['steps']} untimed, {header['batch']} samples per step; rlhf with its defaults"
+             f"{header['versions']}. `python scripts/bench.py {header['args']}`: per size, N steps timed after N untimed "
+             f"({', '.join(f'{k} N={v}' for k, v in header['steps'].items())}), {header['batch']} samples per step; "
+             "rlhf with its defaults"
              + (f" and {', '.join(f'`{o}`' for o in header['ours'])}" if header["ours"] else "") + ".", "",
              "Same computation first (float32, same batch; DPO with a reference that differs from the policy):", "",
              "| size | DPO loss rlhf | DPO loss TRL | abs diff | SFT loss rlhf | SFT loss TRL | abs diff |",
@@ -297,6 +323,11 @@ def markdown(results: list[dict], losses: dict, header: dict) -> str:
                      f"{r['ours']['samples_per_s']:.1f} | {r['trl']['samples_per_s']:.1f} | **{r['ratio']:.2f}x** | "
                      f"{r['ours']['tokens_per_s']:.0f} | {r['ours']['mfu']:.1%} | {r['trl']['mfu']:.1%} | "
                      f"{r['ours']['peak_mem_mb']:.0f} | {r['trl']['peak_mem_mb']:.0f} |")
+    lines += ["", f"Checkpoints (rlhf, DPO, float32): a checkpoint's seconds against a step's, as a share of training at "
+              f"one every {CHECKPOINT_INTERVAL} steps (`train.save_every_steps`' default):", "",
+              "| size | checkpoint s | step s | share |", "|---|---:|---:|---:|"]
+    for size, cost in checkpoints.items():
+        lines.append(f"| {size} | {cost['checkpoint_s']:.2f} | {cost['step_s']:.3f} | {cost['share']:.2%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -329,7 +360,8 @@ def main() -> int:
                         "the smallest size only unless --long-everywhere")
     parser.add_argument("--long-everywhere", action="store_true", help="every shape at every size")
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"cases ({', '.join(CASES)})")
-    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps (as many run untimed first)")
+    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps (as many run untimed first; "
+                        f"default by size: {', '.join(f'{k} {v}' for k, v in STEPS.items())})")
     parser.add_argument("--batch", type=int, default=8, help="samples (pairs, rows) per optimizer step")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of each side (default: the CPUs)")
     parser.add_argument("--rows", type=int, default=512, help="training rows written per shape")
@@ -369,15 +401,20 @@ def main() -> int:
     print(f"peak: {', '.join(f'{k} {v / 1e9:.0f} GFLOP/s' for k, v in peaks.items())} ({threads} threads)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results, losses = [], {}
+    results, losses, checkpoints = [], {}, {}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for size in sizes:
             model_dir = work / f"model-{size}"
             params = build_model(size, model_dir)
+            steps = args.steps or STEPS[size]
             losses[size] = check_losses(model_dir, "short")
             print(f"{size}: {params / 1e6:.1f}M parameters; first-step losses (rlhf, TRL): {losses[size]}", flush=True)
+            checkpoints[size] = checkpoint_cost(model_dir, work, shapes[0], args.batch, steps, threads, args.ours)
+            print(f"{size}: a checkpoint takes {checkpoints[size]['checkpoint_s']:.2f} s, a step "
+                  f"{checkpoints[size]['step_s']:.3f} s: {checkpoints[size]['share']:.2%} of training at one every "
+                  f"{CHECKPOINT_INTERVAL} steps", flush=True)
             for shape in shapes:
                 if shape != shapes[0] and size != sizes[0] and not args.long_everywhere:
                     continue
@@ -386,7 +423,7 @@ def main() -> int:
                     write_jsonl(rows, work / f"{algo}-{shape}.jsonl")
                 for case in cases:
                     algo = CASES[case][0]
-                    row = {"size": size, "shape": shape, "case": case, "params": params}
+                    row = {"size": size, "shape": shape, "case": case, "params": params, "steps": steps}
                     needs_bf16 = case in BF16 or case in SHIPPED_TRL_BF16
                     if needs_bf16 and not has_bf16:
                         results.append({**row, "skipped": "skipped: no bf16 matrix instructions on this CPU"})
@@ -395,8 +432,8 @@ def main() -> int:
                     case_dir = work / f"{size}-{shape}"
                     case_dir.mkdir(exist_ok=True)
                     per_sample = tokens_per_sample(algo, make_rows(algo, shape, args.rows))
-                    ours = run_ours(case, model_dir, data, case_dir, args.batch, args.steps, threads, args.ours)
-                    theirs = run_trl(case, model_dir, data, case_dir, args.batch, args.steps, threads)
+                    ours = run_ours(case, model_dir, data, case_dir, args.batch, steps, threads, args.ours)
+                    theirs = run_trl(case, model_dir, data, case_dir, args.batch, steps, threads)
                     live = algo == "dpo" and "precomputed" not in case  # a reference runs forward each step
                     flops = 6.0 * params + (2.0 * params if live else 0.0)  # rlhf.perf.flops_per_token's formula
                     for side, bf16 in ((ours, case in BF16), (theirs, case in BF16 or case in SHIPPED_TRL_BF16)):
@@ -408,10 +445,10 @@ def main() -> int:
                           f"{theirs['samples_per_s']:.2f} ({row['ratio']:.2f}x); peak MB {ours['peak_mem_mb']:.0f} "
                           f"vs {theirs['peak_mem_mb']:.0f} [{time.perf_counter() - started:.0f} s]", flush=True)
     header = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "threads": threads, "versions": versions(),
-              "steps": args.steps, "batch": args.batch, "ours": args.ours, "args": " ".join(sys.argv[1:]) or "(defaults)"}
+              "steps": {size: args.steps or STEPS[size] for size in sizes}, "batch": args.batch, "ours": args.ours, "args": " ".join(sys.argv[1:]) or "(defaults)"}
     (out / "bench.json").write_text(json.dumps({"header": header, "peaks": peaks, "losses": losses,
-                                                "results": results}, indent=1))
-    (out / "bench.md").write_text(markdown(results, losses, header))
+                                                "checkpoints": checkpoints, "results": results}, indent=1))
+    (out / "bench.md").write_text(markdown(results, losses, checkpoints, header))
     chart(results, header, out / "bench.png")
     print((out / "bench.md").read_text())
     worst = max(abs(a - b) for pair in losses.values() for a, b in pair.values())

@@ -76,10 +76,10 @@ PY
       done
       echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
       $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" ;;
-    generation)  # "Online RL", Hardware: what sampling costs per step on 1 process and on 2 (DDP, FSDP2, ZeRO-3)
+    generation)  # "Online RL", Hardware: what sampling costs per step on 1 process and on 2 (DDP, FSDP2, ZeRO-3), 16 prompts x 8 per step
       for hw in cpu cpu_ddp fsdp zero3; do
         rm -rf $OUT/generation-$hw
-        $PY train.py experiment=grpo_reverse hardware=$hw train.global_batch_size=16 train.max_steps=40 \
+        $PY train.py experiment=grpo_reverse hardware=$hw train.per_device_batch_size=$([ $hw = cpu ] && echo 16 || echo 8) train.max_steps=40 \
           train.eval_at_start=false train.save_every_steps=0 train.save_final=false \
           hydra.run.dir=$OUT/generation-$hw >/dev/null 2>&1
         $PY - "$OUT/generation-$hw" <<'PY'

@@ -51,3 +51,6 @@ def test_the_benchmark_runs_at_a_tiny_size_and_both_sides_compute_the_same_losse
     table = (tmp_path / "bench.md").read_text()
     assert "| 3m (3.7M) | short | dpo_fp32 |" in table and "| 3m (3.7M) | short | sft_fp32 |" in table
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+    cost = report["checkpoints"]["3m"]  # two checkpoints written, timed against a step
+    assert cost["checkpoint_s"] > 0 and cost["share"] == pytest.approx(cost["checkpoint_s"] / (100 * cost["step_s"]))
+    assert "| 3m |" in table.split("Checkpoints")[1]
