@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Regenerate the measured numbers in README.md (a few minutes on 2 CPU cores). Each part prints its table.
-#   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation]
-#   (default: all eleven; the online ones run experiment=<part>_reverse over seeds 0-2)
+#   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation] [ddp_speed]
+#   (default: all twelve; the online ones run experiment=<part>_reverse over seeds 0-2)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=outputs/readme
-parts=${*:-main optimizers dpo_search sft_dpo hardware grpo rloo reinforce_pp ppo iterative_sft generation}
+parts=${*:-main optimizers dpo_search sft_dpo hardware grpo rloo reinforce_pp ppo iterative_sft generation ddp_speed}
 for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
@@ -93,6 +93,21 @@ print(f"{run.path.name:22s} sampling {gen:.3f} s of a {step:.3f} s step ({gen / 
 PY
       done
       echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)" ;;
-    *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, hardware, grpo, rloo, reinforce_pp, ppo, iterative_sft, generation)" >&2; exit 2 ;;
+    ddp_speed)  # "Speed": steady-state samples/s of the main job on 1 process x 2 threads and 2 processes x 1 thread
+      for hw in cpu cpu_ddp; do
+        rm -rf $OUT/ddp_speed-$hw
+        $PY train.py algo=dpo optimizer=lion hardware=$hw train.global_batch_size=32 \
+          train.per_device_batch_size=$([ $hw = cpu ] && echo 32 || echo 16) train.max_steps=150 train.eval_at_start=false \
+          train.eval_every_steps=0 train.save_every_steps=0 train.save_final=false hydra.run.dir=$OUT/ddp_speed-$hw >/dev/null 2>&1
+        $PY - "$OUT/ddp_speed-$hw" <<'PY'
+import sys
+from rlhf.results import Run
+run = Run(sys.argv[1])
+rates = [r["perf/samples_per_s"] for r in run.metrics if "perf/samples_per_s" in r][1:]  # the first window: start-up
+print(f"{run.path.name:20s} samples/s over steps 11-150: mean {sum(rates) / len(rates):.0f}, {min(rates):.0f}-{max(rates):.0f}")
+PY
+      done
+      echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)" ;;
+    *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, hardware, grpo, rloo, reinforce_pp, ppo, iterative_sft, generation, ddp_speed)" >&2; exit 2 ;;
   esac
 done
