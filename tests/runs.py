@@ -36,9 +36,11 @@ def start(run: Path, *overrides: str, wait: bool = True, env: dict | None = None
 
 
 def metrics(run: Path) -> list[dict]:
-    """Every logged line without perf/* (timings), values as exact floats."""
+    """Every logged line without perf/* (timings), values as exact floats. A line of timings only (a checkpoint's
+    perf/checkpoint_time_s) is left out: a run killed right after a checkpoint may not have written it."""
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: float(v).hex() for k, v in line.items() if not k.startswith("perf/")} for line in lines]
+    kept = [{k: float(v).hex() for k, v in line.items() if not k.startswith("perf/")} for line in lines]
+    return [line for line in kept if set(line) != {"step"}]
 
 
 def assert_same_run(a: Path, b: Path, last_step: int, processes: int = 1) -> None:
