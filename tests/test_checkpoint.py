@@ -373,8 +373,11 @@ def test_every_folder_of_a_checkpoint_is_synced_before_it_counts(tmp_path, monke
 
 
 # --- a resume that cannot mix runs -------------------------------------------------------------------------------
-def _logged_steps(run: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+def _logged_steps(run: Path, checkpoints: bool = False) -> list[int]:
+    """The steps of metrics.jsonl's lines: training and evaluation lines, or (``checkpoints``) the lines of the
+    checkpoints' seconds."""
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [line["step"] for line in lines if ("perf/checkpoint_time_s" in line) == checkpoints]
 
 
 def test_a_resume_from_an_older_checkpoint_sets_the_newer_branch_aside(fast_config, tmp_path, caplog):
@@ -397,6 +400,7 @@ def test_a_resume_from_an_older_checkpoint_sets_the_newer_branch_aside(fast_conf
     assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "step_00000004"]
     assert (aside / "metrics.jsonl").read_text().splitlines() == [x for x in lines if json.loads(x)["step"] > 2]
     assert _logged_steps(run) == [0, 1, 2, 3, 3]  # the branch that goes on: its own lines after step 2
+    assert _logged_steps(run, checkpoints=True) == [2, 3]
     (said,) = [r.getMessage() for r in caplog.records if "moved to" in r.getMessage()]
     assert "step_00000004" in said and str(aside) in said
 

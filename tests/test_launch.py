@@ -54,8 +54,10 @@ def test_a_single_run_is_checked_built_and_resolved_once(tmp_path):
     resumed = _counts(f"hydra.run.dir={tmp_path}", "resume=auto", "train.max_steps=4",
                       "resume_changes=[train.max_steps]")
     assert resumed == {"check_config": 1, "strategy": 1, "resume_resolved": 1}
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [line["step"] for line in lines if "perf/checkpoint_time_s" not in line]
     assert steps == [0, 1, 2, 3, 3, 4, 4]  # it did resume: step 4's train and eval lines follow step 3's
+    assert [line["step"] for line in lines if "perf/checkpoint_time_s" in line] == [3]  # the checkpoint's seconds
     assert {p.name: p.read_text() for p in (tmp_path / ".hydra").glob("*.yaml")} == record  # the run's own record
     (attempt,) = (tmp_path / ".hydra").glob("attempt-*")  # the resumed attempt's, beside it
     assert (attempt / "resumed_from.txt").read_text().strip().endswith("step_00000003")
