@@ -63,7 +63,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: str | os.Pat
     return measured.get(name) or measured["float32"]
 
 
-def _machine(device: torch.device) -> str:
+def machine_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model and count: what a peak (and a benchmark) was measured on."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
@@ -76,7 +77,7 @@ def _machine(device: torch.device) -> str:
 
 def _cached_probe(device: torch.device, cache_dir: str | os.PathLike | None) -> dict[str, float]:
     folder = Path(os.path.expanduser(cache_dir or os.environ.get("RLHF_CACHE", "~/.cache/rlhf"))) / "peak_flops"
-    what = {"machine": _machine(device), "threads": torch.get_num_threads() if device.type == "cpu" else None,
+    what = {"machine": machine_name(device), "threads": torch.get_num_threads() if device.type == "cpu" else None,
             "torch": torch.__version__}
     path = folder / f"{hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]}.json"
     try:

@@ -285,9 +285,9 @@ def _env(threads: int) -> dict[str, str]:
 def machine() -> str:
     import torch
 
-    from rlhf.perf import _machine
+    from rlhf.perf import machine_name
 
-    return f"{_machine(torch.device('cpu'))}, {platform.system()}"
+    return f"{machine_name(torch.device('cpu'))}, {platform.system()}"
 
 
 def versions() -> str:

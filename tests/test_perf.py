@@ -87,13 +87,13 @@ def test_a_checkpoints_seconds_are_logged_at_its_step_and_left_out_of_the_speed(
     save = loop._save_checkpoint
 
     def slow(run, state):
-        time.sleep(1.0)
+        time.sleep(2.0)
         return save(run, state)
 
     monkeypatch.setattr(loop, "_save_checkpoint", slow)
     train(fast_config("algo=sft", "train.save_every_steps=1", "train.max_steps=2", "train.log_every_steps=1"))
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     saved = [line for line in lines if "perf/checkpoint_time_s" in line]
-    assert [line["step"] for line in saved] == [1, 2] and all(line["perf/checkpoint_time_s"] >= 1.0 for line in saved)
+    assert [line["step"] for line in saved] == [1, 2] and all(line["perf/checkpoint_time_s"] >= 2.0 for line in saved)
     second = next(line for line in lines if line["step"] == 2 and "train/loss" in line)
-    assert second["perf/step_time_s"] < 1.0
+    assert second["perf/step_time_s"] < 2.0  # step 1's checkpoint is not in step 2's window

@@ -174,7 +174,7 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
 LOGITS_TO_KEEP = "logits_to_keep"  # a batch key: compute the output layer only at the last this many positions
 
 
-def completion_logits_only(batch: dict[str, Any]) -> dict[str, Any]:
+def keep_completion_logits(batch: dict[str, Any]) -> dict[str, Any]:
     """``batch`` with :data:`LOGITS_TO_KEEP` set so that :func:`completion_stats` computes the output layer (and
     its log-softmax over the vocabulary) only from the position before the batch's earliest completion token on:
     the positions that score a completion token. The prompt's positions before it cost no ``[B, T, V]`` logits.
@@ -188,7 +188,7 @@ def completion_logits_only(batch: dict[str, Any]) -> dict[str, Any]:
 
 def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> CompletionStats:
     """One forward pass; log-probabilities of each sequence's completion given its prompt. With
-    :data:`LOGITS_TO_KEEP` in the batch (:func:`completion_logits_only`) only the last positions get logits; the
+    :data:`LOGITS_TO_KEEP` in the batch (:func:`keep_completion_logits`) only the last positions get logits; the
     statistics keep their ``[B, T-1]`` shape, 0 (and masked out) before them."""
     keep = int(batch.get(LOGITS_TO_KEEP) or 0)
     extra = {"logits_to_keep": keep} if keep else {}

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from rlhf.algos.base import completion_logits_only, completion_stats
+from rlhf.algos.base import completion_stats, keep_completion_logits
 from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.algos.sft import nll_loss
@@ -43,7 +43,7 @@ class DPO(ReferenceRegularized):
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
         completion_logits_only: compute the output layer only where it scores completion tokens (from the batch's
-            earliest one on), for the policy and the reference alike (:func:`~rlhf.algos.base.completion_logits_only`);
+            earliest one on), for the policy and the reference alike (:func:`~rlhf.algos.base.keep_completion_logits`);
             not with ``nll_on_prompt``, which scores the prompt too.
 
     The allowed values (``@limits`` above, and :class:`ReferenceRegularized`'s) are checked by
@@ -90,7 +90,7 @@ class DPO(ReferenceRegularized):
         """The pairs' sequences (:meth:`sequences`) and the reference strategy's columns (precomputed
         log-probabilities)."""
         batch = {**self.sequences(rows), **self.reference.collate(rows)}
-        return completion_logits_only(batch) if self.completion_logits_only else batch
+        return keep_completion_logits(batch) if self.completion_logits_only else batch
 
     def sequences(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass (sequence ``k`` is

@@ -194,9 +194,8 @@ class OnlineAlgorithm(Algorithm):
         completion = torch.where(completion_mask.bool(), completion, torch.full_like(completion, self.pad_id))
         texts = [self.tokenizer.decode(row[:n], skip_special_tokens=True)
                  for row, n in zip(completion.tolist(), completion_mask.sum(-1).tolist())]
-        if seed is not None:  # a training rollout's (greedy evaluation is not training time)
-            _synchronize(ids.device)
-            self.generation_s += time.perf_counter() - started
+        if seed is not None:  # a training rollout's (greedy evaluation is not training time); .tolist() above
+            self.generation_s += time.perf_counter() - started  # has waited for the device
         return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion,
                 "completion_mask": completion_mask, "truncated": ~ended, "completions": texts}
 
@@ -242,11 +241,6 @@ class OnlineAlgorithm(Algorithm):
         reward, per_function = self.score(batch, sampled["completions"], 1, keep=False)
         metrics = self.reward_metrics(reward, per_function, sampled)
         return {k: v for k, v in metrics.items() if k not in ("reward_std", "completions/clipped_ratio")}
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Rollouts:

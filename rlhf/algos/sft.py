@@ -14,8 +14,8 @@ from rlhf.algos.base import (
     PROMPT_TOKENS,
     SEQUENCE_TOKENS,
     Algorithm,
-    completion_logits_only,
     completion_stats,
+    keep_completion_logits,
     prompt_leaves_room,
 )
 from rlhf.data.collate import collate_sequences, encode, require_completion
@@ -36,7 +36,7 @@ class SFT(Algorithm):
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
         completion_logits_only: compute the output layer only where it scores completion tokens (from the batch's
-            earliest one on; :func:`~rlhf.algos.base.completion_logits_only`).
+            earliest one on; :func:`~rlhf.algos.base.keep_completion_logits`).
     """
 
     columns = ("prompt", "completion")
@@ -62,7 +62,7 @@ class SFT(Algorithm):
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         batch = collate_sequences([r["input_ids"] for r in rows], [r["completion_mask"] for r in rows], self.pad_id)
-        return completion_logits_only(batch) if self.completion_logits_only else batch
+        return keep_completion_logits(batch) if self.completion_logits_only else batch
 
     def loss(self, model, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         stats = completion_stats(model, batch)
