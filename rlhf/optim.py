@@ -1,9 +1,10 @@
 """Parameter groups for optimizers built from ``conf/optimizer/*.yaml``, the schedule of a run of known length,
-and the values every optimizer and scheduler accepts."""
+the warmup schedules of ``conf/scheduler/*.yaml``, and the values every optimizer and scheduler accepts."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -34,6 +35,56 @@ def schedule(make: functools.partial, optimizer: torch.optim.Optimizer, total_st
     if make.keywords.get("num_training_steps", 0) is None:
         return make(optimizer, num_training_steps=total_steps)
     return make(optimizer)
+
+
+# --- schedules with a linear warmup ---------------------------------------------------------------------------
+# The multipliers of the peak learning rate that Hugging Face's schedules apply (documented at
+# huggingface.co/docs/transformers/main_classes/optimizer_schedules), computed in the same order of float
+# operations, so a run's learning rates are the same to the last bit. Here rather than imported: importing
+# transformers.optimization imports peft, bitsandbytes and torch's compiler, about 0.9 s of every run's start-up.
+# Each is a LambdaLR of a functools.partial (a checkpoint's scheduler state holds no function).
+
+def _warmup(step: int, num_warmup_steps: int) -> float:
+    return float(step) / float(max(1.0, num_warmup_steps))
+
+
+def _constant(step: int, *, num_warmup_steps: int) -> float:
+    return _warmup(step, num_warmup_steps) if step < num_warmup_steps else 1.0
+
+
+def _linear(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    return max(0.0, float(num_training_steps - step) / float(max(1, num_training_steps - num_warmup_steps)))
+
+
+def _cosine(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
+
+
+def constant_with_warmup(optimizer: torch.optim.Optimizer, num_warmup_steps: int = 0, last_epoch: int = -1):
+    """Linear warmup from 0 to the optimizer's lr over ``num_warmup_steps`` optimizer steps, then constant."""
+    lr_lambda = functools.partial(_constant, num_warmup_steps=num_warmup_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda, last_epoch)
+
+
+def linear_with_warmup(optimizer: torch.optim.Optimizer, num_warmup_steps: int = 0, *, num_training_steps: int,
+                       last_epoch: int = -1):
+    """Linear warmup over ``num_warmup_steps``, then linear decay to 0 at ``num_training_steps``."""
+    lr_lambda = functools.partial(_linear, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda, last_epoch)
+
+
+def cosine_with_warmup(optimizer: torch.optim.Optimizer, num_warmup_steps: int = 0, *, num_training_steps: int,
+                       num_cycles: float = 0.5, last_epoch: int = -1):
+    """Linear warmup over ``num_warmup_steps``, then a cosine over ``num_cycles`` periods until
+    ``num_training_steps`` (0.5: one decay from the peak to 0)."""
+    lr_lambda = functools.partial(_cosine, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps,
+                                  num_cycles=num_cycles)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda, last_epoch)
 
 
 # --- allowed values ------------------------------------------------------------------------------------------

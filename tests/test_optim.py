@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from rlhf import optim
 from rlhf.models.tiny import TinySpec
 from rlhf.optim import param_groups
 
@@ -16,3 +18,43 @@ def test_no_decay_on_biases_and_norms_and_frozen_parameters_left_out():
     assert id(model.model.embed_tokens.weight) not in everything
     optimizer = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+
+
+@pytest.mark.parametrize("ours, theirs, settings", [
+    ("constant_with_warmup", "get_constant_schedule_with_warmup", {"num_warmup_steps": 7}),
+    ("linear_with_warmup", "get_linear_schedule_with_warmup", {"num_warmup_steps": 7, "num_training_steps": 53}),
+    ("linear_with_warmup", "get_linear_schedule_with_warmup", {"num_warmup_steps": 0, "num_training_steps": 40}),
+    ("cosine_with_warmup", "get_cosine_schedule_with_warmup",
+     {"num_warmup_steps": 7, "num_training_steps": 53, "num_cycles": 0.37}),
+    ("cosine_with_warmup", "get_cosine_schedule_with_warmup", {"num_warmup_steps": 3, "num_training_steps": 30}),
+])
+def test_warmup_schedules_give_hugging_faces_learning_rates_to_the_last_bit(ours, theirs, settings):
+    import transformers
+
+    rates = []
+    for make in (getattr(optim, ours), getattr(transformers, theirs)):
+        parameter = torch.nn.Parameter(torch.zeros(1))
+        optimizer = torch.optim.SGD([parameter], lr=3.7e-4)
+        scheduler = make(optimizer, **settings)
+        rates.append([])
+        for _ in range(60):  # past the end of training too (0, or the cosine's next period)
+            rates[-1].append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+    assert rates[0] == rates[1]
+    assert len(set(rates[0])) > 5  # a schedule that moves
+
+
+def test_a_schedules_checkpoint_holds_no_function_and_resumes_where_it_was():
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=1.0)
+    scheduler = optim.cosine_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=10)
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    state = scheduler.state_dict()
+    assert state["lr_lambdas"] == [{}]  # a functools.partial: nothing to pickle but its (empty) __dict__
+    again = optim.cosine_with_warmup(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                                     num_warmup_steps=2, num_training_steps=10)
+    again.load_state_dict(state)
+    assert again.get_last_lr() == scheduler.get_last_lr() and again.last_epoch == 4

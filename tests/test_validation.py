@@ -104,7 +104,7 @@ def test_eps_and_momentum():
 
 @pytest.mark.parametrize(("option", "override", "message"), [
     ("cosine", "scheduler.num_warmup_steps=-1", "must be a whole number >= 0"),
-    ("linear", "scheduler.num_warmup_steps=2.5", "must be a whole number >= 0"),
+    ("linear", "scheduler.num_warmup_steps=2.5", "expects int for 'num_warmup_steps'. Fix: e.g. scheduler.num_warmup_steps=0"),
     ("cosine", "scheduler.num_training_steps=-1", "must be a whole number >= 0"),
     ("cosine", "scheduler.num_cycles=0", "must be > 0"),
     ("step", "scheduler.step_size=0", "must be a whole number >= 1"),

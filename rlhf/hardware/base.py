@@ -270,7 +270,12 @@ class DataParallel:
 
     # --- saving -------------------------------------------------------------------------------------------
     def unwrap(self, model) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(model)
+        """The model inside DDP's (or DataParallel's) wrapper; the model itself when it has none. What
+        ``Accelerator.unwrap_model`` does for these two, without its check for DeepSpeed, which imports DeepSpeed
+        where it is installed (about 0.2 s of a run's start-up); ZeRO overrides this method."""
+        while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        return model
 
     def save_state(self, model, optimizer, folder: Path) -> None:
         """Write the model's and the optimizer's state for an exact resume into ``folder`` (every process calls

@@ -31,6 +31,7 @@ from rlhf.data.tasks import ReverseTask
 from rlhf.files import use_umask
 from rlhf.models.loading import HEADS, Policy
 from rlhf.models.tokenizer import VOCAB_SIZE, byte_tokenizer
+from rlhf.optim import linear_with_warmup
 
 
 class TinySpec:
@@ -123,10 +124,6 @@ class TinySpec:
         return Policy(model, causal.tokenizer)
 
     def _train_and_save(self, folder: Path) -> None:
-        # Here, not above: transformers.optimization imports peft, bitsandbytes and torch's compiler (about 1 s),
-        # which a run that loads the cached warm start never needs.
-        from transformers import get_linear_schedule_with_warmup
-
         policy = self.random_init()
         model, tokenizer = policy.model, policy.tokenizer
         sft = SFT()
@@ -136,7 +133,7 @@ class TinySpec:
         # Recipe measured to reach ~50% exact match in 150 steps on the default task and size.
         optimizer = torch.optim.AdamW(model.parameters(), lr=self.warm_start["lr"], betas=(0.9, 0.98),
                                       weight_decay=0.01)
-        scheduler = get_linear_schedule_with_warmup(optimizer, min(50, steps // 3), steps * 4)
+        scheduler = linear_with_warmup(optimizer, min(50, steps // 3), num_training_steps=steps * 4)
         generator = torch.Generator().manual_seed(self.init_seed)
         model.train()
         for _ in tqdm(range(steps), desc=f"tiny model: SFT warm start (cached in {self.cache_dir})"):
