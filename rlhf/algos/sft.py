@@ -36,7 +36,8 @@ class SFT(Algorithm):
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
         completion_logits_only: compute the output layer only where it scores completion tokens (from the batch's
-            earliest one on; :func:`~rlhf.algos.base.keep_completion_logits`).
+            earliest one on; :func:`~rlhf.algos.base.keep_completion_logits`). On by default; it saves nothing with
+            ``completion_only_loss=false`` (every token is scored).
     """
 
     columns = ("prompt", "completion")
@@ -44,7 +45,7 @@ class SFT(Algorithm):
     eval_metrics = ("loss", "num_tokens", "exact_match")
 
     def __init__(self, completion_only_loss: bool = True, max_prompt_length: int | None = 512,
-                 max_length: int | None = 1024, completion_logits_only: bool = False) -> None:
+                 max_length: int | None = 1024, completion_logits_only: bool = True) -> None:
         self.completion_only_loss, self.completion_logits_only = completion_only_loss, completion_logits_only
         self.max_prompt_length, self.max_length = max_prompt_length, max_length
         self.pad_id = 0

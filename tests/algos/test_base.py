@@ -74,10 +74,7 @@ def test_defaults_of_the_optional_parts():
 
 
 def test_completion_logits_only_computes_fewer_logits_and_the_same_losses_and_gradients():
-    import pytest
-
     from rlhf.data.tasks import ReverseTask
-    from rlhf.errors import UserError
 
     policy = TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0).build()
     model, tok = policy.model, policy.tokenizer
@@ -101,5 +98,5 @@ def test_completion_logits_only_computes_fewer_logits_and_the_same_losses_and_gr
         assert torch.equal(loss, fast_loss) and all(torch.equal(metrics[k], fast_metrics[k]) for k in metrics)
         for g, h in zip(grads, fast_grads):  # the output layer's gradient sums fewer rows: the last bits may move
             torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
-    with pytest.raises(UserError, match="nll_on_prompt"):
-        DPO(completion_logits_only=True, nll_on_prompt=True)
+    assert DPO().completion_logits_only and SFT().completion_logits_only  # the default
+    assert not DPO(completion_logits_only=True, nll_on_prompt=True).completion_logits_only  # the NLL scores prompts
