@@ -96,7 +96,13 @@ class DataParallel:
             free port on 127.0.0.1 (one machine).
         node_rank: this machine's rank among ``num_nodes`` (``multinode``; 0 is the main one).
         timeout_s: how long a process waits for the others in a collective before failing.
+        compile: ``torch.compile`` the policy and its frozen models (the reference), each in place
+            (``nn.Module.compile``: the checkpoints' keys are unchanged), shapes dynamic after the first recompile.
+            The first steps (and the first evaluation) wait for the compiler: tens of seconds on a CPU. One process
+            or DDP; the sharding options refuse it (not built there yet).
     """
+
+    compiles = True  # whether this strategy can compile the models it places (hardware.compile)
 
     def __init__(
         self,
@@ -108,7 +114,11 @@ class DataParallel:
         rdzv_endpoint: str | None = None,
         node_rank: int = 0,
         timeout_s: int = 600,
+        compile: bool = False,
     ) -> None:
+        if compile and not self.compiles:
+            raise UserError(f"hardware.compile=true is not built for {type(self).__name__} (a sharding option). "
+                            "Fix: hardware.compile=false, or hardware=cpu / cpu_ddp / gpu / ddp")
         if device not in DEVICES:
             raise UserError(f"hardware.device={device!r} is not one of {list(DEVICES)}. Fix: e.g. hardware.device=cpu")
         check_precision(mixed_precision)
@@ -125,6 +135,7 @@ class DataParallel:
         self.device, self.num_processes, self.num_nodes = device, num_processes, num_nodes
         self.mixed_precision, self.threads_per_process = mixed_precision, threads_per_process
         self.rdzv_endpoint, self.node_rank, self.timeout_s = rdzv_endpoint, node_rank, timeout_s
+        self.compile = compile
         self.accelerator: Accelerator | None = None
         self.frozen_held: dict[str, FrozenHolding] = {}  # by name, what prepare_frozen left on this process
         self._sharding = ""  # set by a sharding strategy's prepare(): what this process holds of the policy
@@ -199,6 +210,8 @@ class DataParallel:
         recorded in :attr:`frozen_held` and printed in :meth:`describe`."""
         module.eval().requires_grad_(False)
         placed = self._place_frozen(module)
+        if self.compile:
+            self.unwrap(placed).compile()
         params = list(self.unwrap(placed).parameters())
         self.frozen_held[name] = FrozenHolding(
             local_elements=sum(local_numel(p) for p in params), total_elements=sum(global_numel(p) for p in params),
@@ -240,7 +253,10 @@ class DataParallel:
     def prepare(self, model, make_optimizer, train_loader):
         """Wrap the model for this hardware, build its optimizer with ``make_optimizer(model)`` and shard the
         training loader; return ``(model, optimizer, train_loader)``. The scheduler is built on that optimizer."""
-        return self.accelerator.prepare(model, make_optimizer(model), train_loader)
+        model, optimizer, train_loader = self.accelerator.prepare(model, make_optimizer(model), train_loader)
+        if self.compile:  # in place, inside DDP's wrapper: DDP calls the compiled module
+            self.unwrap(model).compile()
+        return model, optimizer, train_loader
 
     @contextlib.contextmanager
     def accumulate(self, model, sync: bool) -> Iterator[None]:

@@ -67,12 +67,14 @@ class FSDP2(Sharded):
         rdzv_endpoint: str | None = None,
         node_rank: int = 0,
         timeout_s: int = 600,
+        compile: bool = False,
         reshard_after_forward: bool = True,
         layer_classes: list[str] | None = None,
     ) -> None:
         super().__init__(device=device, num_processes=num_processes, num_nodes=num_nodes,
                          mixed_precision=mixed_precision, threads_per_process=threads_per_process,
-                         rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, timeout_s=timeout_s)
+                         rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, timeout_s=timeout_s,
+                         compile=compile)
         self.reshard_after_forward = reshard_after_forward
         self.layer_classes = list(layer_classes) if layer_classes is not None else None
 

@@ -23,6 +23,8 @@ def name_deepspeed_accelerator(cuda: bool) -> None:
 class Sharded(DataParallel):
     """Base of the strategies that split the model's state over processes."""
 
+    compiles = False  # hardware.compile: per-block compilation after sharding is not built yet
+
     def processes_per_node(self) -> int:
         """``num_processes``, or when null one per local GPU, or on a machine without GPU ``CPU_PROCESSES``."""
         if self.num_processes is None and not self.uses_cuda():

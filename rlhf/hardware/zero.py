@@ -128,10 +128,12 @@ class ZeRO(Sharded):
         rdzv_endpoint: str | None = None,
         node_rank: int = 0,
         timeout_s: int = 600,
+        compile: bool = False,
     ) -> None:
         super().__init__(device=device, num_processes=num_processes, num_nodes=num_nodes,
                          mixed_precision=mixed_precision, threads_per_process=threads_per_process,
-                         rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, timeout_s=timeout_s)
+                         rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, timeout_s=timeout_s,
+                         compile=compile)
         if stage not in STAGES:
             raise UserError(f"hardware.stage={stage} is not a ZeRO stage. Fix: 1, 2 or 3 (hardware=zero1/2/3).")
         if max_grad_norm is not None and max_grad_norm <= 0:

@@ -106,6 +106,33 @@ def test_the_dpo_reference_goes_through_prepare_frozen_and_runs_in_the_policys_p
     assert {autocast for autocast, _, _ in policy} == {torch.bfloat16}
     assert (torch.bfloat16, True, True) in policy  # it trained
 
+def test_compile_runs_the_compiled_policy_and_reference_and_trains_as_eager_does(tmp_path, monkeypatch):
+    """hardware.compile=true: both models are compiled in place (the compiler's graphs are made, a checkpoint's
+    keys are the eager model's) and the run's losses match the eager run's to float32 rounding."""
+    from torch._dynamo.utils import counters
+
+    compiled = []
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append(self) or compile_module(self, **kw))
+    counters.clear()
+    runs = {}
+    for setting in ("false", "true"):
+        runs[setting] = tmp_path / setting
+        train(compose_config(*FAST, "algo=dpo", f"hardware.compile={setting}", "train.eval_at_start=false",
+                             output_dir=runs[setting]))
+    assert len(compiled) == 2 and {type(m) for m in compiled} == {LlamaForCausalLM}  # the policy and the reference
+    assert counters["stats"]["unique_graphs"] > 0  # the compiler ran
+    eager, fast = (_lines(runs[s]) for s in ("false", "true"))
+    losses = [[line["train/loss"] for line in lines if "train/loss" in line] for lines in (eager, fast)]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
+    for a, b in zip(_params(runs["false"]), _params(runs["true"])):  # loaded by key from the saved final model
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    with pytest.raises(UserError, match="hardware.compile=true is not built for FSDP2"):
+        from rlhf.hardware.fsdp import FSDP2
+
+        FSDP2(device="cpu", compile=True)
+
+
 # --- several processes ---------------------------------------------------------------------------------------
 # The keys compared at the end of the run, per algorithm. GRPO on the random-init FAST model: a graded reward (the
 # exact match is 0 everywhere), the same prompts and the same sampling seeds on 2 processes as on 1.
