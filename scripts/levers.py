@@ -52,7 +52,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default: bench.py's by size)")
     parser.add_argument("--batch", type=int, default=8, help="samples (pairs, rows) per optimizer step")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPUs)")
-    parser.add_argument("--out", default=str(ROOT / "outputs" / "levers"), help="where the table goes")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "levers"), help="where the table goes")
     args = parser.parse_args()
     variants = {"defaults": []}
     for lever in args.levers:
