@@ -126,7 +126,7 @@ class TinySpec:
     def _train_and_save(self, folder: Path) -> None:
         policy = self.random_init()
         model, tokenizer = policy.model, policy.tokenizer
-        sft = SFT()
+        sft = SFT(completion_logits_only=False)  # the recipe the cached warm starts were built with, bit for bit
         sft.setup(model, tokenizer)
         rows = [sft.tokenize(r, tokenizer) for r in self.task.rows("train", ("prompt", "completion"))]
         steps, batch_size = self.warm_start["steps"], self.warm_start["batch_size"]
