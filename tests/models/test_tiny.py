@@ -30,3 +30,29 @@ def test_warm_start_trains_once_and_is_then_loaded_from_cache(tmp_path, monkeypa
     again = spec.build()
     assert torch.equal(next(trained.model.parameters()), next(again.model.parameters()))
     assert len(list(tmp_path.iterdir())) == 1  # no second entry, no leftover staging folder
+
+
+def test_the_warm_start_recipe_does_not_follow_sfts_defaults(tmp_path, monkeypatch):
+    """The cached warm start is built by an explicit recipe: SFT with every option given, so a change of SFT's
+    defaults (as ``completion_logits_only`` once changed) cannot change a fresh warm start."""
+    import inspect
+
+    import rlhf.models.tiny as tiny
+    from rlhf.algos.sft import SFT
+
+    def build(folder):
+        spec = TinySpec(**SMALL, warm_start_steps=3, warm_start_batch_size=4, cache_dir=str(tmp_path / folder),
+                        task=ReverseTask(num_train=16, num_eval=4))
+        return [p.detach().clone() for p in spec.build().model.parameters()]
+
+    before = build("a")
+    flipped = {name: (not p.default if isinstance(p.default, bool) else 64)
+               for name, p in inspect.signature(SFT.__init__).parameters.items() if name != "self"}
+
+    class OtherDefaults(SFT):
+        def __init__(self, **given):
+            super().__init__(**{**flipped, **given})
+
+    monkeypatch.setattr(tiny, "SFT", OtherDefaults)
+    after = build("b")
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
