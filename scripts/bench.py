@@ -196,11 +196,16 @@ def _our_command(case: str, model_dir: Path, data: Path, run_dir: Path, batch: i
 
 def run_ours(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int,
              extra: list[str]) -> dict:
-    run_dir = work / f"ours-{case}"
-    command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, work / "cache", extra)
+    return run_ours_into(work / f"ours-{case}", case, model_dir, data, work / "cache", batch, steps, threads, extra)
+
+
+def run_ours_into(run_dir: Path, case: str, model_dir: Path, data: Path, cache: Path, batch: int, steps: int,
+                  threads: int, extra: list[str]) -> dict:
+    """One of our runs into ``run_dir``: its steady-state samples/s (the last logged window) and peak memory."""
+    command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, cache, extra)
     result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT)
     if result.returncode != 0:
-        raise RuntimeError(f"rlhf ({case}) failed:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"rlhf ({case} {' '.join(extra)}) failed:\n{result.stderr[-3000:]}")
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     windows = [line for line in lines if "perf/samples_per_s" in line]
     summary = json.loads((run_dir / "summary.json").read_text())

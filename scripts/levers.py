@@ -17,7 +17,6 @@ Written to ``--out`` as ``levers-<size>-<shape>-<algo>.md`` and printed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -27,19 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (scripts/bench.py: sizes, rows, the command of one of our runs)
 
 ROOT = bench.ROOT
-
-
-def measure(command: list[str], run_dir: Path, threads: int) -> dict:
-    import subprocess
-
-    result = subprocess.run(command, capture_output=True, text=True, env=bench._env(threads), cwd=ROOT)
-    if result.returncode != 0:
-        raise RuntimeError(f"the run failed ({' '.join(command[2:])}):\n{result.stderr[-3000:]}")
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    window = [line for line in lines if "perf/samples_per_s" in line][-1]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {"samples_per_s": window["perf/samples_per_s"], "peak_mem_mb": summary["final"]["perf/peak_mem_mb"],
-            "loss": window.get("train/loss")}
 
 
 def main() -> int:
@@ -75,10 +61,8 @@ def main() -> int:
         bench.write_jsonl(bench.make_rows(args.algo, args.shape, 512), data)
         for round_ in range(args.rounds):
             for name, overrides in variants.items():
-                run_dir = work / f"{name}-{round_}"
-                command = bench._our_command(case, work / "model", data, run_dir, args.batch, steps, threads,
-                                             work / "cache", overrides)
-                results[name].append(measure(command, run_dir, threads))
+                results[name].append(bench.run_ours_into(work / f"{name}-{round_}", case, work / "model", data,
+                                                         work / "cache", args.batch, steps, threads, overrides))
                 print(f"round {round_ + 1} {name}: {results[name][-1]['samples_per_s']:.2f} samples/s "
                       f"[{time.perf_counter() - started:.0f} s]", flush=True)
     base = max(r["samples_per_s"] for r in results["defaults"])
