@@ -2,8 +2,9 @@
 
 Every checkpoint holds ``config.json`` (written before ``meta.json``): the run's resolved config, flattened to
 dotted keys, minus what cannot change the optimization (:data:`NOT_OPTIMIZING`: where the run writes and how it
-reports, when it evaluates and saves, and where its processes run), with ``hardware.device: auto`` and
-``hardware.num_processes: null`` replaced by what they mean on the machine that wrote it; plus a fingerprint of the
+reports, when it evaluates and saves, and where its processes run), with ``hardware.device: auto``,
+``hardware.mixed_precision: auto`` and ``hardware.num_processes: null`` replaced by what they mean on the machine
+that wrote it; plus a fingerprint of the
 tokenized training split (:func:`rlhf.data.fingerprint.data_fingerprint`). Everything else is compared on resume: the whole config is
 the list, so a key added to any component is covered without a change here.
 
@@ -67,10 +68,13 @@ def optimizing(key: str) -> bool:
 
 def recorded_config(cfg: DictConfig, strategy) -> dict[str, Any]:
     """What a checkpoint records of ``cfg``: the optimizing keys, resolved, as JSON reads them back. ``strategy``
-    (built from ``cfg.hardware``) says what ``device: auto`` and ``num_processes: null`` mean here."""
+    (built from ``cfg.hardware``) says what ``device: auto``, ``mixed_precision: auto`` and ``num_processes: null``
+    mean here."""
     flat = {k: v for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items() if optimizing(k)}
     if "hardware.device" in flat:
         flat["hardware.device"] = "cuda" if strategy.uses_cuda() else "cpu"
+    if flat.get("hardware.mixed_precision") == "auto":
+        flat["hardware.mixed_precision"] = strategy.mixed_precision  # resolved when the strategy was built
     if "hardware.num_processes" in flat:
         flat["hardware.num_processes"] = strategy.processes_per_node()
     return json.loads(json.dumps(flat))

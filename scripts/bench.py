@@ -4,6 +4,7 @@ batch, lengths, precision and threads.
     pip install -e ".[bench]"            # TRL, only for this script (scripts/setup.sh installs it)
     python scripts/bench.py              # the README's table: docs/bench.md and docs/bench.png
     python scripts/bench.py --sizes 3m --shapes short --cases dpo_fp32,sft_fp32 --steps 3 --out /tmp/bench
+    python scripts/bench.py --device cuda --sizes 100m --shapes short --out /tmp/bench-gpu   # on one GPU
 
 For each model size (a Llama of random weights built from a config, saved once: ``SIZES``) and each data shape
 (random lowercase strings for prompt and completions, each row's lengths drawn between half and all of the shape's:
@@ -11,7 +12,8 @@ For each model size (a Llama of random weights built from a config, saved once: 
 implementation, in a process of its own, and times the second half (steady state: start-up, tokenizing, the first steps' allocations and the
 final evaluation are left out). Both use AdamW at a constant lr, weight decay 0, gradient clipping at 1.0, the
 byte-level tokenizer of the embedded default (prompt and completion tokenized separately, EOS after the
-completion), ``--threads`` torch threads, one process. Reported per case and implementation:
+completion), ``--threads`` torch threads, one process, on ``--device`` (``cpu``, or ``cuda``: one GPU, our side with
+``hardware=gpu``). Reported per case and implementation:
 
 - ``samples/s``: pairs (DPO) or rows (SFT) per second; the ratio rlhf / TRL is the headline;
 - ``tokens/s``: samples/s times the mean tokens of a sample in the data (prompt and completion, both sides of a
@@ -32,8 +34,9 @@ different computations means nothing.
 
 Cases (``--cases``): ``dpo_fp32`` and ``dpo_bf16`` (equal settings: live reference, no gradient checkpointing,
 float32 or bf16 autocast), ``dpo_fp32_gc`` (both with gradient checkpointing), ``dpo_precomputed`` (both with
-reference log-probabilities computed before training), ``dpo_shipped`` (each as it ships: our defaults against
-TRL's, which are bf16 autocast and gradient checkpointing), ``dpo_precomputed_shipped`` (ours with the precomputed
+reference log-probabilities computed before training), ``dpo_shipped`` (each as it ships: our defaults, float32
+on a CPU and bf16 autocast on a GPU (``hardware.mixed_precision: auto``), against TRL's, which are bf16 autocast
+and gradient checkpointing), ``dpo_precomputed_shipped`` (ours with the precomputed
 reference against TRL as shipped), ``sft_fp32`` and ``sft_bf16``. A bf16 case on a CPU without bf16 matrix
 instructions is skipped (noted in the table).
 """
@@ -182,10 +185,21 @@ def check_losses(model_dir: Path, shape: str, rows_count: int = 8) -> dict[str, 
 
 
 # ---- one timed run per process ----------------------------------------------------------------------------------
+def _hardware(case: str, device: str, threads: int) -> list[str]:
+    """Our hardware overrides: ``hardware=cpu``, or ``hardware=gpu`` (bf16 autocast unless the case is float32;
+    as shipped, bf16 like ``hardware=auto`` on a GPU with bf16)."""
+    if device == "cpu":
+        return ["hardware=cpu", f"hardware.threads_per_process={threads}"]
+    fp32 = case not in BF16 and case not in SHIPPED_TRL_BF16
+    return ["hardware=gpu", f"hardware.threads_per_process={threads}", *(["hardware.mixed_precision=no"] if fp32 else [])]
+
+
 def _our_command(case: str, model_dir: Path, data: Path, run_dir: Path, batch: int, steps: int, threads: int,
-                 cache: Path, extra: list[str]) -> list[str]:
+                 cache: Path, extra: list[str], device: str = "cpu") -> list[str]:
     algo, overrides, _ = CASES[case]
-    return [sys.executable, str(ROOT / "train.py"), f"algo={algo}", "hardware=cpu", f"hardware.threads_per_process={threads}",
+    if device != "cpu":  # hardware=gpu is bf16 already
+        overrides = [o for o in overrides if not o.startswith("hardware.mixed_precision=")]
+    return [sys.executable, str(ROOT / "train.py"), f"algo={algo}", *_hardware(case, device, threads),
             f"model.name_or_path={model_dir}", f"data.path={data}", "data.eval_size=8", f"data.cache_dir={cache}",
             f"train.per_device_batch_size={batch}", f"train.max_steps={2 * steps}", f"train.log_every_steps={steps}",
             "train.eval_at_start=false", "train.eval_every_steps=0", "train.save_every_steps=0",
@@ -195,14 +209,15 @@ def _our_command(case: str, model_dir: Path, data: Path, run_dir: Path, batch: i
 
 
 def run_ours(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int,
-             extra: list[str]) -> dict:
-    return run_ours_into(work / f"ours-{case}", case, model_dir, data, work / "cache", batch, steps, threads, extra)
+             extra: list[str], device: str = "cpu") -> dict:
+    return run_ours_into(work / f"ours-{case}", case, model_dir, data, work / "cache", batch, steps, threads, extra,
+                         device)
 
 
 def run_ours_into(run_dir: Path, case: str, model_dir: Path, data: Path, cache: Path, batch: int, steps: int,
-                  threads: int, extra: list[str]) -> dict:
+                  threads: int, extra: list[str], device: str = "cpu") -> dict:
     """One of our runs into ``run_dir``: its steady-state samples/s (the last logged window) and peak memory."""
-    command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, cache, extra)
+    command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, cache, extra, device)
     result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"rlhf ({case} {' '.join(extra)}) failed:\n{result.stderr[-3000:]}")
@@ -213,14 +228,14 @@ def run_ours_into(run_dir: Path, case: str, model_dir: Path, data: Path, cache: 
 
 
 def checkpoint_cost(model_dir: Path, work: Path, shape: str, batch: int, steps: int, threads: int,
-                    extra: list[str]) -> dict:
+                    extra: list[str], device: str = "cpu") -> dict:
     """What a checkpoint of our DPO run costs: its seconds (``perf/checkpoint_time_s``, the mean of the two written
     at steps N and 2N) against the steady state's step, as a share of training at :data:`CHECKPOINT_INTERVAL`."""
     data = work / f"checkpoint-{shape}.jsonl"
     write_jsonl(make_rows("dpo", shape, 256), data)
     run_dir = work / f"checkpoint-{model_dir.name}"
     command = _our_command("dpo_fp32", model_dir, data, run_dir, batch, steps, threads, work / "cache",
-                           [*extra, f"train.save_every_steps={steps}"])
+                           [*extra, f"train.save_every_steps={steps}"], device)
     result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"rlhf (checkpoints) failed:\n{result.stderr[-3000:]}")
@@ -231,9 +246,10 @@ def checkpoint_cost(model_dir: Path, work: Path, shape: str, batch: int, steps: 
     return {"checkpoint_s": checkpoint_s, "step_s": step_s, "share": checkpoint_s / (CHECKPOINT_INTERVAL * step_s)}
 
 
-def run_trl(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int) -> dict:
+def run_trl(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int,
+            device: str = "cpu") -> dict:
     spec = {"case": case, "model_dir": str(model_dir), "data": str(data), "batch": batch, "steps": steps,
-            "threads": threads, "out": str(work / f"trl-{case}")}
+            "threads": threads, "out": str(work / f"trl-{case}"), "device": device}
     result = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], capture_output=True,
                             text=True, env=_env(threads), cwd=ROOT)
     if result.returncode != 0:
@@ -249,7 +265,8 @@ def trl_worker(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     from rlhf.memory import PeakMemory
 
-    peak = PeakMemory(torch.device("cpu"))  # before the model: the figure our loop reports
+    device = torch.device(spec.get("device", "cpu"))
+    peak = PeakMemory(device)  # before the model: the figure our loop reports
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
@@ -258,6 +275,8 @@ def trl_worker(spec: dict) -> None:
         times: list[float] = []
 
         def on_step_end(self, args, state, control, **kwargs):
+            if device.type == "cuda" and state.global_step in (steps, 2 * steps):
+                torch.cuda.synchronize()  # the window's two ends wait for the GPU (ours: its logged windows do)
             self.times.append(time.perf_counter())
 
     algo, _, fields = CASES[spec["case"]]
@@ -267,7 +286,7 @@ def trl_worker(spec: dict) -> None:
     rows = load_dataset("json", data_files=spec["data"], split="train")
     common = {"output_dir": spec["out"], "per_device_train_batch_size": spec["batch"], "learning_rate": LR,
               "max_steps": 2 * steps, "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
-              "max_grad_norm": 1.0, "report_to": [], "use_cpu": True, "logging_steps": steps,
+              "max_grad_norm": 1.0, "report_to": [], "use_cpu": device.type == "cpu", "logging_steps": steps,
               "save_strategy": "no", "eval_strategy": "no", "disable_tqdm": True, "seed": 0, **fields}
     if algo == "dpo":
         trainer = DPOTrainer(model=model, args=DPOConfig(beta=BETA, **common), processing_class=tokenizer,
@@ -287,12 +306,12 @@ def _env(threads: int) -> dict[str, str]:
 
 
 # ---- the table and the chart ------------------------------------------------------------------------------------
-def machine() -> str:
+def machine(device: str = "cpu") -> str:
     import torch
 
     from rlhf.perf import machine_name
 
-    return f"{machine_name(torch.device('cpu'))}, {platform.system()}"
+    return f"{machine_name(torch.device(device))}, {platform.system()}"
 
 
 def versions() -> str:
@@ -373,6 +392,8 @@ def main() -> int:
     parser.add_argument("--ours", action="append", default=[], metavar="OVERRIDE",
                         help="an override added to every rlhf run, e.g. --ours algo.completion_logits_only=true "
                              "(repeatable; shown in the table's header): how a lever is measured")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where both train: the CPU, or one GPU (ours with hardware=gpu)")
     parser.add_argument("--out", default=str(ROOT / "docs"), help="where bench.md, bench.png and bench.json go")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -401,9 +422,13 @@ def main() -> int:
     transformers.logging.set_verbosity_error()
     threads = args.threads or cpus_available()
     torch.set_num_threads(threads)
-    peaks = probe(torch.device("cpu"))
-    has_bf16 = bf16_supported(torch.device("cpu"))
-    print(f"peak: {', '.join(f'{k} {v / 1e9:.0f} GFLOP/s' for k, v in peaks.items())} ({threads} threads)", flush=True)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU here")
+    peaks = probe(torch.device(device))
+    has_bf16 = bf16_supported(torch.device(device))
+    print(f"peak: {', '.join(f'{k} {v / 1e9:.0f} GFLOP/s' for k, v in peaks.items())} ({device}, {threads} threads)",
+          flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results, losses, checkpoints = [], {}, {}
@@ -416,7 +441,8 @@ def main() -> int:
             steps = args.steps or STEPS[size]
             losses[size] = check_losses(model_dir, "short")
             print(f"{size}: {params / 1e6:.1f}M parameters; first-step losses (rlhf, TRL): {losses[size]}", flush=True)
-            checkpoints[size] = checkpoint_cost(model_dir, work, shapes[0], args.batch, steps, threads, args.ours)
+            checkpoints[size] = checkpoint_cost(model_dir, work, shapes[0], args.batch, steps, threads, args.ours,
+                                                device)
             print(f"{size}: a checkpoint takes {checkpoints[size]['checkpoint_s']:.2f} s, a step "
                   f"{checkpoints[size]['step_s']:.3f} s: {checkpoints[size]['share']:.2%} of training at one every "
                   f"{CHECKPOINT_INTERVAL} steps", flush=True)
@@ -431,17 +457,18 @@ def main() -> int:
                     row = {"size": size, "shape": shape, "case": case, "params": params, "steps": steps}
                     needs_bf16 = case in BF16 or case in SHIPPED_TRL_BF16
                     if needs_bf16 and not has_bf16:
-                        results.append({**row, "skipped": "skipped: no bf16 matrix instructions on this CPU"})
+                        results.append({**row, "skipped": f"skipped: no bf16 matrix instructions on this {device}"})
                         continue
                     data = work / f"{algo}-{shape}.jsonl"
                     case_dir = work / f"{size}-{shape}"
                     case_dir.mkdir(exist_ok=True)
                     per_sample = tokens_per_sample(algo, make_rows(algo, shape, args.rows))
-                    ours = run_ours(case, model_dir, data, case_dir, args.batch, steps, threads, args.ours)
-                    theirs = run_trl(case, model_dir, data, case_dir, args.batch, steps, threads)
+                    ours = run_ours(case, model_dir, data, case_dir, args.batch, steps, threads, args.ours, device)
+                    theirs = run_trl(case, model_dir, data, case_dir, args.batch, steps, threads, device)
                     live = algo == "dpo" and "precomputed" not in case  # a reference runs forward each step
                     flops = 6.0 * params + (2.0 * params if live else 0.0)  # rlhf.perf.flops_per_token's formula
-                    for side, bf16 in ((ours, case in BF16), (theirs, case in BF16 or case in SHIPPED_TRL_BF16)):
+                    ours_bf16 = case in BF16 or (device == "cuda" and case in SHIPPED_TRL_BF16)  # auto: bf16 on a GPU
+                    for side, bf16 in ((ours, ours_bf16), (theirs, case in BF16 or case in SHIPPED_TRL_BF16)):
                         side["tokens_per_s"] = side["samples_per_s"] * per_sample
                         side["mfu"] = flops * side["tokens_per_s"] / peaks["bfloat16" if bf16 else "float32"]
                     row.update(ours=ours, trl=theirs, ratio=ours["samples_per_s"] / theirs["samples_per_s"])
@@ -449,7 +476,7 @@ def main() -> int:
                     print(f"{size} {shape} {case}: rlhf {ours['samples_per_s']:.2f} samples/s, TRL "
                           f"{theirs['samples_per_s']:.2f} ({row['ratio']:.2f}x); peak MB {ours['peak_mem_mb']:.0f} "
                           f"vs {theirs['peak_mem_mb']:.0f} [{time.perf_counter() - started:.0f} s]", flush=True)
-    header = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "threads": threads, "versions": versions(),
+    header = {"date": time.strftime("%Y-%m-%d"), "machine": machine(device), "threads": threads, "versions": versions(),
               "steps": {size: args.steps or STEPS[size] for size in sizes}, "batch": args.batch, "ours": args.ours, "args": " ".join(sys.argv[1:]) or "(defaults)"}
     (out / "bench.json").write_text(json.dumps({"header": header, "peaks": peaks, "losses": losses,
                                                 "checkpoints": checkpoints, "results": results}, indent=1))

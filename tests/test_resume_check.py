@@ -17,10 +17,12 @@ from tests.conftest import ROOT, compose_config
 
 
 class _Strategy:
-    """What the record asks of a hardware strategy: what ``device: auto`` and ``num_processes: null`` mean here."""
+    """What the record asks of a hardware strategy: what ``device: auto``, ``mixed_precision: auto`` (on a GPU with
+    bf16) and ``num_processes: null`` mean here."""
 
     def __init__(self, cuda: bool = False, processes: int = 1) -> None:
         self.cuda, self.processes = cuda, processes
+        self.mixed_precision = "bf16" if cuda else "no"
 
     def uses_cuda(self) -> bool:
         return self.cuda
@@ -47,7 +49,10 @@ def test_the_hardware_that_shapes_the_training_is_recorded():
     assert "hardware._target_" in _changed(["hardware=cpu_ddp"], ["hardware=fsdp"], _Strategy(processes=2),
                                            _Strategy(processes=2))
     assert _changed(["hardware=auto"], ["hardware=cpu"]) == set()  # auto is the CPU on this (stub) machine
-    assert _changed(["hardware=auto"], ["hardware=cpu"], _Strategy(cuda=True)) == {"hardware.device"}
+    assert _changed(["hardware=auto"], ["hardware=cpu"], _Strategy(cuda=True)) == {"hardware.device",
+                                                                                 "hardware.mixed_precision"}
+    # auto's bf16 on a GPU that has it is hardware=gpu's bf16: the same record
+    assert _changed(["hardware=auto"], ["hardware=gpu"], _Strategy(cuda=True), _Strategy(cuda=True)) == set()
     where = ["hardware.timeout_s=60", "hardware.threads_per_process=1", "hardware.rdzv_endpoint=h:1",
              "train.log_every_steps=3", "train.eval_every_steps=5", "train.save_every_steps=7", "train.keep_last=9",
              "train.eval_batch_size=3", "logger=wandb", "resume=auto", "resume_changes=[seed]",

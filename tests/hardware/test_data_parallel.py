@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from rlhf import train
 from rlhf.errors import UserError
 from rlhf.hardware import DataParallel, cpus_available, free_port
+from rlhf.hardware.base import resolve_precision
 from tests.conftest import FAST, ROOT, compose_config, fast_initial_model
 
 
@@ -43,6 +44,18 @@ def test_threads_never_exceed_the_cpus_of_the_job(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert DataParallel(device="cpu").threads(local_processes=1) == len(os.sched_getaffinity(0))
+
+
+def test_auto_precision_is_bf16_on_a_gpu_that_has_it_and_float32_on_a_cpu(monkeypatch):
+    """hardware=auto's default: a run on this CPU keeps float32; on an Ampere-or-later GPU it autocasts to bf16, on
+    an older one it does not; an explicit choice is kept everywhere."""
+    assert DataParallel(device="cpu", mixed_precision="auto").mixed_precision == "no"
+    assert resolve_precision("bf16", cuda=False) == "bf16" and resolve_precision("no", cuda=True) == "no"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, expected in (((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "no")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        assert DataParallel(device="auto", mixed_precision="auto").mixed_precision == expected
+        assert DataParallel(device="cpu", mixed_precision="auto").mixed_precision == "no"  # a CPU run on a GPU machine
 
 
 def test_impossible_hardware_settings_are_clear_errors():
