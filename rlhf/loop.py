@@ -30,6 +30,7 @@ from rlhf.logging import Loggers, log_file
 from rlhf.metrics import any_process, evaluate, max_over_processes, window_means
 from rlhf.nonfinite import CAUSES, NonFinite, skip_or_stop
 from rlhf.perf import mfu
+from rlhf.profiling import StepProfiler
 from rlhf.signals import Stopped, catch_stop_signals
 from rlhf.state import TrainState
 
@@ -97,13 +98,17 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
                disable=not accelerator.is_main_process or run.max_steps == 0,
                mininterval=0.5 if sys.stderr.isatty() else 15.0)
     run.model.train()  # a model loaded with from_pretrained comes in eval mode (dropout off); evaluations set it back
+    profiler = StepProfiler(settings.profile_steps, state.step + settings.log_every_steps + 1, run.run_dir,
+                            accelerator.device, accelerator.is_main_process)
     with logging_redirect_tqdm():  # log lines print above the progress bar
         saved, first = None, state.step
         while state.step < run.max_steps:
             signals.reached(f"step_{state.step + 1}")
+            profiler.before(state.step + 1)
             outcome = train_step(run, state, batches, stop)
             bar.update(1)
             step = state.step
+            profiler.after(step)
             record_tables(step)
             if step % settings.log_every_steps == 0 or step == run.max_steps:
                 metrics = window_metrics(run, state, outcome.grad_norm, time.perf_counter() - window_start)

@@ -57,6 +57,7 @@ def _count(meaning: str, fix: Any, low: int = 1) -> Range:
     keep_last=_count("checkpoints kept; null keeps all", 2),
     max_nonfinite_in_row=_count("non-finite steps in a row before the run stops", 5),
     empty_cache_every_steps=_count("optimizer steps between freeing the device's cached memory; 0 never", 50, low=0),
+    profile_steps=_count("optimizer steps recorded by torch.profiler after the first log window; 0 off", 5, low=0),
 )
 @dataclass(frozen=True)
 class TrainSettings:
@@ -79,6 +80,7 @@ class TrainSettings:
     on_nonfinite: str
     max_nonfinite_in_row: int
     empty_cache_every_steps: int
+    profile_steps: int = 0
 
     def accumulation_steps(self, processes: int) -> int:
         """Micro-batches per optimizer step: set, or derived from ``global_batch_size`` for this many processes,

@@ -49,6 +49,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import string
 import subprocess
 import sys
@@ -91,6 +92,7 @@ BF16 = {"dpo_bf16", "sft_bf16"}  # cases in bf16 on both sides (MFU against the 
 SHIPPED_TRL_BF16 = {"dpo_shipped", "dpo_precomputed_shipped"}  # TRL's side runs in its default bf16
 DEFAULT_CASES = list(CASES)
 LR, BETA, LOSS_TOLERANCE = 1e-4, 0.1, 1e-4
+PROFILED_STEPS = 3  # --profile: steps recorded by torch.profiler on each side, from the timed window's first
 
 
 # ---- data and models ----------------------------------------------------------------------------------------------
@@ -247,9 +249,10 @@ def checkpoint_cost(model_dir: Path, work: Path, shape: str, batch: int, steps: 
 
 
 def run_trl(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", profile_to: Path | None = None) -> dict:
     spec = {"case": case, "model_dir": str(model_dir), "data": str(data), "batch": batch, "steps": steps,
-            "threads": threads, "out": str(work / f"trl-{case}"), "device": device}
+            "threads": threads, "out": str(work / f"trl-{case}"), "device": device,
+            "profile_to": str(profile_to) if profile_to else None}
     result = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], capture_output=True,
                             text=True, env=_env(threads), cwd=ROOT)
     if result.returncode != 0:
@@ -271,13 +274,23 @@ def trl_worker(spec: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
+    from rlhf.profiling import StepProfiler
+
+    # --profile: the same steps as ours (after the first window of `steps`), the same files (rlhf.profiling)
+    profiler = StepProfiler(PROFILED_STEPS if spec.get("profile_to") else 0, spec["steps"] + 1,
+                            Path(spec["profile_to"] or "."), device, writes=True)
+
     class Clock(TrainerCallback):
         times: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            profiler.before(state.global_step + 1)
 
         def on_step_end(self, args, state, control, **kwargs):
             if device.type == "cuda" and state.global_step in (steps, 2 * steps):
                 torch.cuda.synchronize()  # the window's two ends wait for the GPU (ours: its logged windows do)
             self.times.append(time.perf_counter())
+            profiler.after(state.global_step)
 
     algo, _, fields = CASES[spec["case"]]
     steps = spec["steps"]
@@ -394,6 +407,10 @@ def main() -> int:
                              "(repeatable; shown in the table's header): how a lever is measured")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where both train: the CPU, or one GPU (ours with hardware=gpu)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"also profile {PROFILED_STEPS} steps of each side (torch.profiler; the timed window "
+                             "holds them, so its figures are slower): <out>/profile/<size>-<shape>-<case>-<side>/"
+                             "profile.txt and profile_trace.json")
     parser.add_argument("--out", default=str(ROOT / "docs"), help="where bench.md, bench.png and bench.json go")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -463,8 +480,16 @@ def main() -> int:
                     case_dir = work / f"{size}-{shape}"
                     case_dir.mkdir(exist_ok=True)
                     per_sample = tokens_per_sample(algo, make_rows(algo, shape, args.rows))
-                    ours = run_ours(case, model_dir, data, case_dir, args.batch, steps, threads, args.ours, device)
-                    theirs = run_trl(case, model_dir, data, case_dir, args.batch, steps, threads, device)
+                    profiles = out / "profile" / f"{size}-{shape}-{case}"
+                    ours = run_ours(case, model_dir, data, case_dir, args.batch, steps, threads,
+                                    [*args.ours, *([f"train.profile_steps={PROFILED_STEPS}"] if args.profile else [])],
+                                    device)
+                    theirs = run_trl(case, model_dir, data, case_dir, args.batch, steps, threads, device,
+                                     profiles.with_name(profiles.name + "-trl") if args.profile else None)
+                    if args.profile:
+                        for name in ("profile.txt", "profile_trace.json"):
+                            (profiles.with_name(profiles.name + "-rlhf")).mkdir(parents=True, exist_ok=True)
+                            shutil.copy(case_dir / f"ours-{case}" / name, profiles.with_name(profiles.name + "-rlhf") / name)
                     live = algo == "dpo" and "precomputed" not in case  # a reference runs forward each step
                     flops = 6.0 * params + (2.0 * params if live else 0.0)  # rlhf.perf.flops_per_token's formula
                     ours_bf16 = case in BF16 or (device == "cuda" and case in SHIPPED_TRL_BF16)  # auto: bf16 on a GPU
@@ -476,7 +501,7 @@ def main() -> int:
                     print(f"{size} {shape} {case}: rlhf {ours['samples_per_s']:.2f} samples/s, TRL "
                           f"{theirs['samples_per_s']:.2f} ({row['ratio']:.2f}x); peak MB {ours['peak_mem_mb']:.0f} "
                           f"vs {theirs['peak_mem_mb']:.0f} [{time.perf_counter() - started:.0f} s]", flush=True)
-    header = {"date": time.strftime("%Y-%m-%d"), "machine": machine(device), "threads": threads, "versions": versions(),
+    header = {"date": time.strftime("%Y-%m-%d"), "machine": machine(device) + (" (profiled: the timings include torch.profiler's overhead)" if args.profile else ""), "threads": threads, "versions": versions(),
               "steps": {size: args.steps or STEPS[size] for size in sizes}, "batch": args.batch, "ours": args.ours, "args": " ".join(sys.argv[1:]) or "(defaults)"}
     (out / "bench.json").write_text(json.dumps({"header": header, "peaks": peaks, "losses": losses,
                                                 "checkpoints": checkpoints, "results": results}, indent=1))

@@ -168,6 +168,20 @@ def test_the_device_cache_is_emptied_every_n_steps(fast_config, monkeypatch):
     assert len(steps) == 2  # 0: never
 
 
+def test_profile_steps_write_the_operators_table_and_a_trace_of_the_steps_after_the_first_log_window(
+        fast_config, tmp_path):
+    train(fast_config("train.max_steps=6", "train.log_every_steps=2", "train.profile_steps=2"))
+    run = tmp_path / "run"
+    table = (run / "profile.txt").read_text()
+    assert table.startswith("steps 3-4: ") and " ms per step " in table
+    assert "aten::mm" in table or "aten::addmm" in table  # the model's matrix products were recorded
+    events = json.loads((run / "profile_trace.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" or e.get("name") == "aten::addmm" for e in events)
+    (run / "profile.txt").unlink()
+    train(fast_config("train.max_steps=2"))  # 0: off
+    assert not (run / "profile.txt").exists()
+
+
 def test_every_training_step_runs_in_training_mode_even_without_an_evaluation_first(fast_config, monkeypatch):
     """A model loaded with from_pretrained (the cached warm start, a Hub model) comes in eval mode: dropout off. The
     loop puts it in training mode before its first step, not only after an evaluation (train.eval_at_start=false)."""
