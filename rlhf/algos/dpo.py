@@ -108,11 +108,13 @@ class DPO(ReferenceRegularized):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss_state = {name: value.clone() for name, value in state.get("loss", {}).items()}
+        self.forget_untrained_policy()  # a resume: the policy holds the checkpoint's weights
 
     def loss(self, model, batch: dict[str, Tensor], training: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
         """``training=False`` (held-out batches): the loss state is read but not updated."""
         policy = completion_stats(model, batch)
-        ref_logps = self.reference_logps(batch, model)  # zeros with algo/reference=none
+        ref_logps = self.reference_logps(batch, model, held_out=not training,
+                                         policy_logps=None if training else policy.logps)  # zeros: reference=none
         n = batch["input_ids"].shape[0] // 2
         pairs = PairLogps(policy.logps[:n], policy.logps[n:], ref_logps[:n], ref_logps[n:],
                           policy.num_tokens[:n], policy.num_tokens[n:])

@@ -128,10 +128,12 @@ class KTO(ReferenceRegularized):
         masks = [([0] * len(p) + [1] * len(c))[:end] for p, c in zip(prompts, completions)]
         return collate_sequences(ids, masks, self.pad_id)
 
-    def logratios(self, model, batch: dict[str, Tensor]):
+    def logratios(self, model, batch: dict[str, Tensor], held_out: bool = False):
         """Completion statistics of the policy on ``batch``'s sequences (with gradient), and their log-ratios."""
         policy = completion_stats(model, batch)
-        return policy, policy.logps - self.reference_logps(batch, model)
+        reference = self.reference_logps(batch, model, held_out=held_out,
+                                         policy_logps=policy.logps if held_out else None)
+        return policy, policy.logps - reference
 
     def loss(self, model, batch: dict[str, Tensor], training: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
         desirable = batch["label"]
@@ -139,10 +141,10 @@ class KTO(ReferenceRegularized):
             raise UserError("algo=kto estimates its KL term from each prompt paired with another row's completion of "
                             "the same micro-batch, so a micro-batch needs at least 2 rows; it has 1. Fix: "
                             "train.per_device_batch_size=2 or more.")
-        policy, logratios = self.logratios(model, batch)
+        policy, logratios = self.logratios(model, batch, held_out=not training)
         with torch.no_grad():  # the reference point is not differentiated: no graph for the mismatched pairs
             mismatched = {name.removeprefix(KL): value for name, value in batch.items() if name.startswith(KL)}
-            kl = kl_estimate(self.logratios(model, mismatched)[1])
+            kl = kl_estimate(self.logratios(model, mismatched, held_out=not training)[1])
         loss = kto_loss(logratios, desirable, kl, self.beta, self.desirable_weight, self.undesirable_weight).mean()
         rewards, logps = self.beta * logratios.detach(), policy.logps.detach()
         metrics = {"loss": loss.detach(), "kl": kl}  # TRL's names; a side absent from the batch is not logged

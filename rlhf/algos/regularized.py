@@ -1,8 +1,17 @@
 """What the algorithms regularized toward a frozen reference model share (DPO and its loss family, KTO): building
-the reference from the ``algo/reference`` strategy, turning dropout off, and the reference's log-probabilities."""
+the reference from the ``algo/reference`` strategy, turning dropout off, and the reference's log-probabilities.
+
+Held-out batches cost one forward pass, not two, after the first evaluation: the reference is frozen, so its
+log-probabilities of a held-out batch are kept (in memory, by the batch's tokens) and read back at every later
+evaluation of the same batch. At the first evaluation of a run whose reference is a copy of the initial policy
+(``algo/reference=copy``, :attr:`~rlhf.models.reference.Reference.copies_policy`), before any training step, they
+are the policy's own: the same weights compute the same values, bit for bit (tested), so that evaluation needs no
+reference pass either.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -30,6 +39,7 @@ class ReferenceRegularized(Algorithm):
     reference: Any
     disable_dropout: bool = True
     pad_id: int = 0
+    HELD_OUT_BATCHES_KEPT = 100_000  # held-out batches whose reference values are kept (a [B] tensor each)
 
     def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id
@@ -41,14 +51,58 @@ class ReferenceRegularized(Algorithm):
                 disable_dropout(model)
         # The loop puts it where it runs (prepare_frozen); none for a reference-free objective.
         self.frozen = {"reference": reference} if reference is not None else {}
+        self._held_out_reference: dict[bytes, Tensor] = {}
+        # The reference model that computes what the untrained policy computes, until a training batch (or a
+        # checkpoint's state) says the policy moved. Placing it (prepare_frozen) keeps the object, but for ZeRO.
+        self._copy_of_policy = reference if getattr(self.reference, "copies_policy", False) else None
 
     @property
     def ref_model(self) -> torch.nn.Module | None:
         return self.frozen.get("reference")
 
-    def reference_logps(self, batch: dict[str, Tensor], policy: torch.nn.Module) -> Tensor:
+    def reference_logps(self, batch: dict[str, Tensor], policy: torch.nn.Module, held_out: bool = False,
+                        policy_logps: Tensor | None = None) -> Tensor:
         """``[B]``: the reference's summed completion log-probability of each of ``batch``'s sequences, without
         gradient, as the ``algo/reference`` strategy gives it: a forward pass of the reference model, the batch's
-        precomputed column, or zeros (``none``: the log-ratios are then the log-probabilities)."""
-        with torch.no_grad():
-            return self.reference.logps(batch, self.ref_model, policy)
+        precomputed column, or zeros (``none``: the log-ratios are then the log-probabilities).
+
+        ``held_out``: an evaluation batch, whose values are kept and read back at the next evaluation (a training
+        batch marks the policy as trained). ``policy_logps``: the policy's values of the same batch, which are the
+        reference's while the policy is the untrained copy's twin (see the module's docstring)."""
+        model = self.ref_model
+        if not held_out:
+            self._copy_of_policy = None  # the policy trains from here on
+        if not held_out or model is None:  # no forward pass to save (precomputed, none), or training
+            with torch.no_grad():
+                return self.reference.logps(batch, model, policy)
+        kept = self.__dict__.setdefault("_held_out_reference", {})
+        key = _tokens_key(batch)
+        if key in kept:
+            return kept[key]
+        if policy_logps is not None and model is self.__dict__.get("_copy_of_policy"):
+            values = policy_logps.detach()
+        else:
+            with torch.no_grad():
+                values = self.reference.logps(batch, model, policy)
+        if len(kept) < self.HELD_OUT_BATCHES_KEPT:
+            kept[key] = values
+        return values
+
+    def forget_untrained_policy(self) -> None:
+        """The policy is no longer the one the reference was copied from (a checkpoint's weights were loaded)."""
+        self._copy_of_policy = None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.forget_untrained_policy()  # a resume: the policy holds the checkpoint's weights
+
+
+def _tokens_key(batch: dict[str, Tensor]) -> bytes:
+    """What a batch's reference values depend on besides the frozen model: its token ids, attention and completion
+    masks and the logits kept (a digest of their bytes and shapes)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in ("input_ids", "attention_mask", "completion_mask", "logits_to_keep"):
+        value = batch.get(name)
+        if isinstance(value, Tensor):
+            digest.update(f"{name}{tuple(value.shape)}".encode())
+            digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.digest()

@@ -55,6 +55,10 @@ class Reference:
     needs_adapter: bool = False
     # Whether its model keeps 8-bit weights (a sharding strategy may keep such a model whole: frozen_share).
     quantized: bool = False
+    # Whether its model computes what the initial policy computes, bit for bit (a copy of its weights in the same
+    # dtype): until the policy trains, the policy's own log-probabilities are the reference's (held-out batches at
+    # the start of a run; rlhf.algos.regularized).
+    copies_policy: bool = False
 
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module | None:
         """The frozen reference model built from the initial ``policy`` (None: no model during training)."""
@@ -85,6 +89,8 @@ class Reference:
 
 class FrozenCopy(Reference):
     """A frozen deep copy of the initial policy, in eval mode."""
+
+    copies_policy = True
 
     def __call__(self, policy: torch.nn.Module, tokenizer: Any = None) -> torch.nn.Module:
         return copy.deepcopy(policy).eval().requires_grad_(False)

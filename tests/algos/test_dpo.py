@@ -48,6 +48,49 @@ def test_dpo_at_init_has_zero_rewards_and_log2_loss():
     assert metrics["rewards/accuracies"].item() == 0.0  # ties do not count, as in TRL
 
 
+def test_held_out_reference_values_are_the_untrained_policys_then_kept_and_equal_to_a_reference_pass(monkeypatch):
+    """The evaluation at the start of a run with a copied reference runs no reference pass (the policy's values are
+    the reference's, bit for bit); later evaluations read the kept values; a training batch or a checkpoint's state
+    ends the first shortcut. Every value equals what a reference pass gives."""
+    torch.manual_seed(0)
+    policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+    algo = DPO(beta=0.1, reference=FrozenCopy())
+    algo.setup(policy.model, policy.tokenizer)
+    batch = _batch(policy, algo)
+    passes = []
+    forward = FrozenCopy.logps
+    monkeypatch.setattr(FrozenCopy, "logps", lambda self, *a: passes.append(1) or forward(self, *a))
+
+    def by_a_reference_pass():
+        with torch.no_grad():
+            return forward(algo.reference, batch, algo.ref_model, policy.model)
+
+    assert torch.equal(by_a_reference_pass(), algo.reference_logps(batch, policy.model, held_out=True,
+                                                                   policy_logps=by_a_reference_pass()))
+    start = algo.evaluate(policy.model, _batch(policy, algo))
+    assert start["rewards/chosen"].item() == 0.0 and start["rewards/margins"].item() == 0.0  # exactly: same values
+    assert not passes
+    algo.loss(policy.model, batch)  # a training batch: the policy trains from here on
+    passes.clear()
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    later = algo.evaluate(policy.model, batch)  # kept from the first evaluation: no pass
+    assert not passes
+    fresh = DPO(beta=0.1, reference=FrozenCopy())
+    fresh.frozen = {"reference": algo.ref_model}
+    assert {k: v.item() for k, v in later.items()} == {k: v.item() for k, v in fresh.loss(policy.model, batch)[1].items()}
+    assert later["rewards/margins"].item() != 0.0
+    resumed = DPO(beta=0.1, reference=FrozenCopy())
+    resumed.setup(policy.model, policy.tokenizer)
+    resumed.frozen = {"reference": algo.ref_model}  # the checkpoint's policy beside the initial policy's copy
+    resumed._copy_of_policy = algo.ref_model
+    resumed.load_state_dict({})
+    passes.clear()
+    resumed.evaluate(policy.model, batch)
+    assert passes  # after a checkpoint's state: the reference runs
+
+
 def test_dpo_rewards_are_beta_times_logratios_and_nll_term_is_weight_times_chosen_nll():
     policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
     algo = DPO(beta=0.5, reference=FrozenCopy())
