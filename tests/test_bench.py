@@ -54,3 +54,19 @@ def test_the_benchmark_runs_at_a_tiny_size_and_both_sides_compute_the_same_losse
     cost = report["checkpoints"]["3m"]  # two checkpoints written, timed against a step
     assert cost["checkpoint_s"] > 0 and cost["share"] == pytest.approx(cost["checkpoint_s"] / (100 * cost["step_s"]))
     assert "| 3m |" in table.split("Checkpoints")[1]
+
+
+def test_on_a_gpu_our_side_runs_hardware_gpu_in_the_precision_of_the_case():
+    """--device cuda: float32 cases turn hardware=gpu's bf16 off, bf16 cases keep it (no duplicate override, which
+    Hydra would refuse), and as shipped ours is bf16 like hardware=auto on a GPU; on a CPU nothing changes."""
+    def hardware(case, device):
+        command = bench._our_command(case, ROOT, ROOT, ROOT, 8, 2, 2, ROOT, [], device)
+        return [a for a in command if a.startswith("hardware")]
+
+    assert hardware("dpo_fp32", "cuda") == ["hardware=gpu", "hardware.threads_per_process=2",
+                                            "hardware.mixed_precision=no"]
+    assert hardware("dpo_bf16", "cuda") == ["hardware=gpu", "hardware.threads_per_process=2"]
+    assert hardware("dpo_shipped", "cuda") == ["hardware=gpu", "hardware.threads_per_process=2"]
+    assert hardware("dpo_bf16", "cpu") == ["hardware=cpu", "hardware.threads_per_process=2",
+                                           "hardware.mixed_precision=bf16"]
+    assert hardware("dpo_shipped", "cpu") == ["hardware=cpu", "hardware.threads_per_process=2"]
