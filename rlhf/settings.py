@@ -80,7 +80,7 @@ class TrainSettings:
     on_nonfinite: str
     max_nonfinite_in_row: int
     empty_cache_every_steps: int
-    profile_steps: int = 0
+    profile_steps: int
 
     def accumulation_steps(self, processes: int) -> int:
         """Micro-batches per optimizer step: set, or derived from ``global_batch_size`` for this many processes,

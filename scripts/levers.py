@@ -3,7 +3,7 @@
     python scripts/levers.py fused=optimizer.fused=true                       # 3m, short rows, DPO, 3 rounds
     python scripts/levers.py --size 100m --rounds 2 logits=algo.completion_logits_only=true \\
         "both=algo.completion_logits_only=true optimizer.fused=true"
-    python scripts/levers.py --algo sft compile=model.compile=true
+    python scripts/levers.py --algo sft compile=hardware.compile=true
 
 Each lever is ``NAME=OVERRIDES`` (space-separated overrides in one argument). The runs are bench.py's (the same
 random-init Llama sizes, random rows, batch, threads and shared settings; float32 unless an override says

@@ -70,3 +70,19 @@ def test_on_a_gpu_our_side_runs_hardware_gpu_in_the_precision_of_the_case():
     assert hardware("dpo_bf16", "cpu") == ["hardware=cpu", "hardware.threads_per_process=2",
                                            "hardware.mixed_precision=bf16"]
     assert hardware("dpo_shipped", "cpu") == ["hardware=cpu", "hardware.threads_per_process=2"]
+
+
+def test_levers_runs_each_variant_and_writes_its_table(tmp_path):
+    """scripts/levers.py at the smallest size: every variant runs (a bad override would fail its run), and the
+    table has a row per variant with its rounds' values and the ratio to the defaults (1.00 for the defaults)."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "levers.py"), "--rounds", "1", "--steps", "2",
+                             "--out", str(tmp_path), "loop=optimizer.fused=false"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in (tmp_path / "levers-3m-short-dpo.md").read_text().splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == ["| defaults", "| loop"]  # after the header
+    defaults, loop = (row.split(" | ") for row in rows[1:])
+    assert defaults[4] == "1.00" and float(loop[3]) > 0 and loop[1] == "optimizer.fused=false"
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "levers.py"), "nonsense"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "write a lever as NAME=OVERRIDES" in bad.stderr
