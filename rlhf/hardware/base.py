@@ -205,6 +205,8 @@ class DataParallel:
         kind = f"{type(self).__name__}, {_IN_WORDS.get(acc.distributed_type.value, acc.distributed_type.value)}" \
             if acc.num_processes > 1 else "one process"
         precision = "no mixed precision" if self.mixed_precision == "no" else f"{self.mixed_precision} mixed precision"
+        if self.compile:
+            precision += ", models compiled (torch.compile)"
         frozen = "".join(f"; {name}: {held}" for name, held in self.frozen_held.items())
         return (f"{acc.num_processes} process(es) ({kind}) on {acc.device}, {torch.get_num_threads()} thread(s) "
                 f"each, {local} process(es) on {cpus_available()} CPU(s) here, {precision}{self._sharding}{frozen}")

@@ -183,6 +183,26 @@ def _cli(*args: str, cwd: Path, launcher: list[str] | None = None, timeout: int 
 
 
 @pytest.mark.serial
+def test_compile_under_ddp_trains_as_eager_ddp_does(tmp_path, monkeypatch):
+    """hardware=cpu_ddp hardware.compile=true: each rank compiles its models (the compiler writes kernels to the
+    cache folder the ranks inherit) and the two processes train as eager DDP does, to float32 rounding."""
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # read by each spawned rank when it imports inductor
+    common = [*FAST, "algo=dpo", "hardware=cpu_ddp", "train.eval_at_start=false", "train.max_steps=3"]
+    train(compose_config(*common, output_dir=tmp_path / "eager"))
+    assert not cache.exists() or not any(cache.rglob("*.py"))  # eager compiles nothing
+    train(compose_config(*common, "hardware.compile=true", output_dir=tmp_path / "compiled"))
+    assert any(cache.rglob("*.py")), "no kernel was compiled"
+    assert "2 process(es) (DataParallel, DDP over CPUs)" in (tmp_path / "compiled" / "train.log").read_text()
+    assert "models compiled (torch.compile)" in (tmp_path / "compiled" / "train.log").read_text()
+    losses = [[line["train/loss"] for line in _lines(tmp_path / run) if "train/loss" in line]
+              for run in ("eager", "compiled")]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
+    for a, b in zip(_params(tmp_path / "eager"), _params(tmp_path / "compiled")):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.serial
 def test_torchrun_with_default_hardware_is_real_ddp_in_one_run_folder(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-backend", "c10d"]
