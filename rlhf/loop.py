@@ -108,7 +108,7 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
             outcome = train_step(run, state, batches, stop)
             bar.update(1)
             step = state.step
-            profiler.after(step)
+            profiler.after(step, run.max_steps)
             record_tables(step)
             if step % settings.log_every_steps == 0 or step == run.max_steps:
                 metrics = window_metrics(run, state, outcome.grad_norm, time.perf_counter() - window_start)

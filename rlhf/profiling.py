@@ -28,8 +28,8 @@ TABLE, TRACE = "profile.txt", "profile_trace.json"
 class StepProfiler:
     """Profile optimizer steps ``first_step .. first_step + steps - 1`` (1-based, as the loop counts them).
 
-    Call :meth:`before` with the number of the step about to run and :meth:`after` with the step just done. With
-    ``steps=0`` both do nothing."""
+    Call :meth:`before` with the number of the step about to run and :meth:`after` with the step just done (and
+    the run's last step, where a short run ends the recording early). With ``steps=0`` both do nothing."""
 
     def __init__(self, steps: int, first_step: int, out_dir: Path, device: torch.device, writes: bool) -> None:
         self.steps, self.first, self.last = steps, first_step, first_step + steps - 1
@@ -47,16 +47,16 @@ class StepProfiler:
             self._profiler.__enter__()
             self._started_s = time.perf_counter()
 
-    def after(self, step: int) -> None:
-        if self._profiler is None or step != self.last:
+    def after(self, step: int, final_step: int | None = None) -> None:
+        if self._profiler is None or step not in (self.last, final_step):
             return
         self._synchronize()
-        per_step_ms = 1000 * (time.perf_counter() - self._started_s) / self.steps
+        per_step_ms = 1000 * (time.perf_counter() - self._started_s) / (step - self.first + 1)
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
         if not self.writes:
             return
-        write_profile(profiler, self.out_dir, self.device, f"steps {self.first}-{self.last}", per_step_ms)
+        write_profile(profiler, self.out_dir, self.device, f"steps {self.first}-{step}", per_step_ms)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

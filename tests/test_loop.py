@@ -177,6 +177,8 @@ def test_profile_steps_write_the_operators_table_and_a_trace_of_the_steps_after_
     assert "aten::mm" in table or "aten::addmm" in table  # the model's matrix products were recorded
     events = json.loads((run / "profile_trace.json").read_text())["traceEvents"]
     assert any(e.get("name") == "aten::mm" or e.get("name") == "aten::addmm" for e in events)
+    train(fast_config("train.max_steps=3", "train.log_every_steps=1", "train.profile_steps=5"))  # ends at step 3
+    assert (run / "profile.txt").read_text().startswith("steps 2-3: ")
     (run / "profile.txt").unlink()
     train(fast_config("train.max_steps=2"))  # 0: off
     assert not (run / "profile.txt").exists()
