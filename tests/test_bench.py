@@ -36,7 +36,8 @@ def test_rows_fit_their_shape_and_are_credited_the_tokens_they_tokenize_to(shape
 def test_the_benchmark_runs_at_a_tiny_size_and_both_sides_compute_the_same_losses(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--sizes", "3m", "--shapes", "short", "--cases",
-         "dpo_fp32,sft_fp32", "--steps", "2", "--batch", "2", "--rows", "32", "--threads", "1", "--out", str(tmp_path)],
+         "dpo_fp32,sft_fp32", "--steps", "2", "--batch", "2", "--rows", "32", "--threads", "1", "--out", str(tmp_path),
+         "--profile"],
         capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -54,6 +55,11 @@ def test_the_benchmark_runs_at_a_tiny_size_and_both_sides_compute_the_same_losse
     cost = report["checkpoints"]["3m"]  # two checkpoints written, timed against a step
     assert cost["checkpoint_s"] > 0 and cost["share"] == pytest.approx(cost["checkpoint_s"] / (100 * cost["step_s"]))
     assert "| 3m |" in table.split("Checkpoints")[1]
+    for case in ("dpo_fp32", "sft_fp32"):  # --profile: both sides' operator tables, the same steps (3-4 of 4)
+        for side in ("rlhf", "trl"):
+            profile = (tmp_path / "profile" / f"3m-short-{case}-{side}" / "profile.txt").read_text()
+            assert profile.startswith("steps 3-4: ") and "aten::" in profile, (case, side)
+    assert "profiled" in table.splitlines()[0]  # the header says the timings carry the profiler
 
 
 def test_on_a_gpu_our_side_runs_hardware_gpu_in_the_precision_of_the_case():

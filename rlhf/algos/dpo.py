@@ -108,7 +108,7 @@ class DPO(ReferenceRegularized):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss_state = {name: value.clone() for name, value in state.get("loss", {}).items()}
-        self.forget_untrained_policy()  # a resume: the policy holds the checkpoint's weights
+        super().load_state_dict(state)  # a resume: the policy holds the checkpoint's weights
 
     def loss(self, model, batch: dict[str, Tensor], training: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
         """``training=False`` (held-out batches): the loss state is read but not updated."""

@@ -40,6 +40,7 @@ class ReferenceRegularized(Algorithm):
     disable_dropout: bool = True
     pad_id: int = 0
     HELD_OUT_BATCHES_KEPT = 100_000  # held-out batches whose reference values are kept (a [B] tensor each)
+    _copy_of_policy: torch.nn.Module | None = None  # see setup()
 
     def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id
@@ -79,7 +80,7 @@ class ReferenceRegularized(Algorithm):
         key = _tokens_key(batch)
         if key in kept:
             return kept[key]
-        if policy_logps is not None and model is self.__dict__.get("_copy_of_policy"):
+        if policy_logps is not None and model is self._copy_of_policy:
             values = policy_logps.detach()
         else:
             with torch.no_grad():

@@ -81,10 +81,8 @@ def test_held_out_reference_values_are_the_untrained_policys_then_kept_and_equal
     fresh.frozen = {"reference": algo.ref_model}
     assert {k: v.item() for k, v in later.items()} == {k: v.item() for k, v in fresh.loss(policy.model, batch)[1].items()}
     assert later["rewards/margins"].item() != 0.0
-    resumed = DPO(beta=0.1, reference=FrozenCopy())
+    resumed = DPO(beta=0.1, reference=FrozenCopy())  # a resume: setup, then the checkpoint's state
     resumed.setup(policy.model, policy.tokenizer)
-    resumed.frozen = {"reference": algo.ref_model}  # the checkpoint's policy beside the initial policy's copy
-    resumed._copy_of_policy = algo.ref_model
     resumed.load_state_dict({})
     passes.clear()
     resumed.evaluate(policy.model, batch)
