@@ -1,11 +1,17 @@
 """Entry point: compose the config with Hydra, then run `rlhf.train(cfg)`. See README.md and `--help`."""
 
+import gc
 import signal
 import sys
 from pathlib import Path
 
 if __name__ == "__main__":  # a stop signal during the imports waits, then counts once the handler is installed
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2))
+    # The imports (torch, transformers, datasets, Hydra: about 600,000 objects that live as long as the process) run
+    # without the cyclic garbage collector, which would otherwise walk them again and again as they are made; then
+    # they are frozen out of every later collection. Measured: 5.3 s -> 4.4 s to the first step of `python train.py`
+    # (scripts/startup_time.py).
+    gc.disable()
 
 import logging  # noqa: E402
 import shlex  # noqa: E402
@@ -69,6 +75,8 @@ def resume_command(run_dir) -> str:
 
 
 if __name__ == "__main__":
+    gc.freeze()  # the objects made by the imports: never garbage, never walked again
+    gc.enable()
     install()  # stop signals are recorded from here on (and those that came during the imports are delivered now)
     check_overrides(sys.argv[1:])  # a mistyped group, key or option: the project's message, before Hydra's
     sys.argv += hydra_overrides_for_this_rank()  # under torchrun, only rank 0 writes .hydra/ and train.log

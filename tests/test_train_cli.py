@@ -109,16 +109,21 @@ def test_a_default_run_imports_no_library_it_does_not_use(tmp_path):
     """Start-up time: the default run (DPO, AdamW, cosine schedule, one process) never imports peft, bitsandbytes,
     DeepSpeed or transformers' Trainer helpers (together about 1.1 s of every run's start here), which only LoRA,
     8-bit optimizers and ZeRO need. The run is train.py's own, in a process that lists its modules at exit; it
-    saves no final model (transformers' save_pretrained looks for DeepSpeed, which imports it where installed)."""
+    saves no final model (transformers' save_pretrained looks for DeepSpeed, which imports it where installed).
+    The imports ran without the garbage collector, which is on again for the run, their objects frozen out of it."""
     listing = tmp_path / "modules.txt"
-    code = ("import atexit, runpy, sys; "
-            f"atexit.register(lambda: open({str(listing)!r}, 'w').write('\\n'.join(sys.modules))); "
+    code = ("import atexit, gc, runpy, sys; "
+            f"atexit.register(lambda: open({str(listing)!r}, 'w').write('\\n'.join(["
+            "f'gc {gc.isenabled()} {gc.get_freeze_count()}', *sys.modules]))); "
             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", code, str(ROOT / "train.py"), *FAST, "train.max_steps=1",
                           "train.save_final=false", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
-    imported = set(listing.read_text().splitlines())
+    gc_line, *modules = listing.read_text().splitlines()
+    enabled, frozen = gc_line.split()[1:]
+    assert enabled == "True" and int(frozen) > 100_000, gc_line  # about 600,000 objects made by the imports
+    imported = set(modules)
     assert {"torch", "accelerate", "transformers.models.llama.modeling_llama", "rlhf.loop"} <= imported
     unused = {"peft", "bitsandbytes", "deepspeed", "transformers.trainer_utils", "transformers.optimization"}
     assert not unused & imported
