@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from rlhf.algos.token_logps import selective_log_softmax
 from rlhf.data.loaders import Batches
 from rlhf.errors import UserError
 from rlhf.state import TrainState
@@ -165,12 +166,6 @@ class CompletionStats:
     every_token_logps: Tensor  # [B, T-1] log-probability of each next token, prompt and padding included
 
 
-def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
-    """``log_softmax(logits)[..., index]`` without materializing the full log-softmax. Shapes [B,T,V],[B,T]."""
-    picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
 LOGITS_TO_KEEP = "logits_to_keep"  # a batch key: compute the output layer only at the last this many positions
 
 
@@ -197,12 +192,11 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
         raise UserError(f"this algorithm needs next-token logits, but the model outputs shape {list(logits.shape)}: "
                         "it has another head. Fix: model.head=causal_lm")
     skipped = batch["input_ids"].shape[1] - logits.shape[1]  # leading positions without logits
-    logits = logits[:, :-1].float()
     labels = batch["input_ids"][:, skipped + 1:]
     mask = batch["completion_mask"][:, skipped + 1:].bool()
-    every_token_logps = selective_log_softmax(logits, labels)
+    every_token_logps, greedy_tokens = selective_log_softmax(logits, labels, with_argmax=True)  # positions 0..T-2
     token_logps = every_token_logps * mask
-    greedy = ((logits.argmax(-1) == labels) | ~mask).all(-1)
+    greedy = ((greedy_tokens == labels) | ~mask).all(-1)
     if skipped:
         every_token_logps, token_logps = (torch.nn.functional.pad(x, (skipped, 0)) for x in (every_token_logps,
                                                                                              token_logps))

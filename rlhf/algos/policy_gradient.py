@@ -26,7 +26,7 @@ from accelerate.utils import extract_model_from_parallel
 from torch import Tensor
 
 from rlhf.algos.advantages import completions_in_kept_groups, frac_reward_zero_std, masked_mean
-from rlhf.algos.base import selective_log_softmax
+from rlhf.algos.token_logps import selective_log_softmax
 from rlhf.algos.online import (
     OnlineAlgorithm,
     concat_samples,
@@ -257,7 +257,7 @@ def completion_part(logits: Tensor, batch: dict[str, Tensor], with_logits: bool 
                     ) -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`completion_logps` from the logits ``[N, P + C, V]`` of a forward pass over the batch."""
     prompt = int(batch["prompt_length"])
-    logits = logits[:, prompt - 1:-1].float()
     labels = batch["input_ids"][:, prompt:]
     mask = batch["attention_mask"][:, prompt:]
-    return selective_log_softmax(logits, labels) * mask, mask, logits if with_logits else None
+    token_logps = selective_log_softmax(logits, labels, start=prompt - 1) * mask
+    return token_logps, mask, logits[:, prompt - 1:-1] if with_logits else None

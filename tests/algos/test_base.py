@@ -1,7 +1,7 @@
 import torch
 
 from rlhf import train
-from rlhf.algos.base import Algorithm, completion_stats, selective_log_softmax
+from rlhf.algos.base import Algorithm, completion_stats
 from rlhf.algos.dpo import DPO
 from rlhf.algos.sft import SFT
 from rlhf.data.collate import collate_sequences
@@ -9,13 +9,6 @@ from rlhf.data.loaders import Batches
 from rlhf.models.tiny import TinySpec
 from rlhf.state import TrainState
 from tests.conftest import FAST, compose_config
-
-
-def test_selective_log_softmax_equals_gather_of_log_softmax():
-    logits = torch.randn(2, 5, 11)
-    index = torch.randint(11, (2, 5))
-    expected = logits.log_softmax(-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
-    assert torch.allclose(selective_log_softmax(logits, index), expected, atol=1e-6)
 
 
 def test_completion_stats_sum_completion_tokens_and_greedy_match_agrees_with_generate():
