@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 
 # Bytes of float32 values per block: a few MiB stay in a CPU's caches (measured best between 2 and 8 MiB at
-# V = 4096 to 32000); on a GPU, where each block costs kernel launches, blocks are as large as memory allows.
+# V = 4096 to 32000); on a GPU, where each block costs about ten kernel launches, larger blocks, yet small beside
+# the logits: a block's float32 temporaries are what the pass adds to the peak memory.
 BLOCK_BYTES_CPU = 2 * 2**20
-BLOCK_BYTES_GPU = 256 * 2**20
+BLOCK_BYTES_GPU = 64 * 2**20
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor, start: int = 0, with_argmax: bool = False

@@ -62,3 +62,15 @@ def test_the_saved_tensors_are_the_logits_not_a_float32_copy():
     saved = logps.grad_fn.saved_tensors
     assert saved[0] is logits or saved[0].data_ptr() == logits.data_ptr()
     assert sum(t.numel() * t.element_size() for t in saved if t.dtype == torch.float32) == 2 * 4 * 4
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: any device that is not a CPU gets the GPU's block size
+@pytest.mark.parametrize("batch,length,vocab", [(3, 5, 11), (16, 49, 32000), (2, 4096, 152064), (1, 1, 7), (4, 0, 9)])
+def test_blocks_cover_every_position_once_within_the_block_size(device, batch, length, vocab):
+    budget = token_logps.BLOCK_BYTES_CPU if device == "cpu" else token_logps.BLOCK_BYTES_GPU
+    seen = torch.zeros(batch, length, dtype=torch.int)
+    for rows, positions in token_logps._blocks(batch, length, vocab, torch.device(device)):
+        block = seen[rows, positions]
+        assert block.numel() > 0 and (block.numel() * vocab * 4 <= budget or block.numel() == 1)
+        seen[rows, positions] += 1
+    assert bool((seen == 1).all())
