@@ -8,7 +8,7 @@ batch, lengths, precision and threads.
 
 For each model size (a Llama of random weights built from a config, saved once: ``SIZES``) and each data shape
 (random lowercase strings for prompt and completions, each row's lengths drawn between half and all of the shape's:
-``SHAPES``), every case (``CASES``) trains ``2 x --steps`` optimizer steps (by default ``STEPS[size]``) with each
+``SHAPES``), every case (``CASES``) trains ``2 x --steps`` optimizer steps (by default ``STEPS[size]``; ``STEPS_GPU[size]`` on a GPU) with each
 implementation, in a process of its own, and times the second half (steady state: start-up, tokenizing, the first steps' allocations and the
 final evaluation are left out). Both use AdamW at a constant lr, weight decay 0, gradient clipping at 1.0, the
 byte-level tokenizer of the embedded default (prompt and completion tokenized separately, EOS after the
@@ -69,8 +69,10 @@ SIZES = {
     "100m": {"vocab_size": 32000, "hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12,
              "intermediate_size": 2048},
 }
-# Timed steps per size when --steps is not given: a few seconds of steady state or more on 2 CPU cores.
+# Timed steps per size when --steps is not given: a few seconds of steady state or more on 2 CPU cores. On a GPU a
+# step of these sizes takes 30-150 ms, and a 10-step window there moved by a factor of 2 between two runs (H200).
 STEPS = {"3m": 32, "25m": 12, "100m": 6}
+STEPS_GPU = {"3m": 100, "25m": 100, "100m": 60}
 CHECKPOINT_INTERVAL = 100  # conf/config.yaml's train.save_every_steps: the interval whose cost is reported
 # (prompt tokens, completion tokens) at most; each row draws its lengths from [half, all] of them.
 SHAPES = {"short": (32, 32), "long": (128, 128)}
@@ -398,7 +400,8 @@ def main() -> int:
     parser.add_argument("--long-everywhere", action="store_true", help="every shape at every size")
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"cases ({', '.join(CASES)})")
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps (as many run untimed first; "
-                        f"default by size: {', '.join(f'{k} {v}' for k, v in STEPS.items())})")
+                        f"default by size: {', '.join(f'{k} {v}' for k, v in STEPS.items())}; on a GPU "
+                        f"{', '.join(f'{k} {v}' for k, v in STEPS_GPU.items())})")
     parser.add_argument("--batch", type=int, default=8, help="samples (pairs, rows) per optimizer step")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of each side (default: the CPUs)")
     parser.add_argument("--rows", type=int, default=512, help="training rows written per shape")
@@ -455,7 +458,7 @@ def main() -> int:
         for size in sizes:
             model_dir = work / f"model-{size}"
             params = build_model(size, model_dir)
-            steps = args.steps or STEPS[size]
+            steps = args.steps or (STEPS_GPU if device == "cuda" else STEPS)[size]
             losses[size] = check_losses(model_dir, "short")
             print(f"{size}: {params / 1e6:.1f}M parameters; first-step losses (rlhf, TRL): {losses[size]}", flush=True)
             checkpoints[size] = checkpoint_cost(model_dir, work, shapes[0], args.batch, steps, threads, args.ours,
@@ -502,7 +505,7 @@ def main() -> int:
                           f"{theirs['samples_per_s']:.2f} ({row['ratio']:.2f}x); peak MB {ours['peak_mem_mb']:.0f} "
                           f"vs {theirs['peak_mem_mb']:.0f} [{time.perf_counter() - started:.0f} s]", flush=True)
     header = {"date": time.strftime("%Y-%m-%d"), "machine": machine(device) + (" (profiled: the timings include torch.profiler's overhead)" if args.profile else ""), "threads": threads, "versions": versions(),
-              "steps": {size: args.steps or STEPS[size] for size in sizes}, "batch": args.batch, "ours": args.ours, "args": " ".join(sys.argv[1:]) or "(defaults)"}
+              "steps": {size: args.steps or (STEPS_GPU if device == "cuda" else STEPS)[size] for size in sizes}, "batch": args.batch, "ours": args.ours, "args": " ".join(sys.argv[1:]) or "(defaults)"}
     (out / "bench.json").write_text(json.dumps({"header": header, "peaks": peaks, "losses": losses,
                                                 "checkpoints": checkpoints, "results": results}, indent=1))
     (out / "bench.md").write_text(markdown(results, losses, checkpoints, header))

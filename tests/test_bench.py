@@ -92,3 +92,15 @@ def test_levers_runs_each_variant_and_writes_its_table(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "levers.py"), "nonsense"], capture_output=True,
                          text=True, cwd=ROOT)
     assert bad.returncode == 2 and "write a lever as NAME=OVERRIDES" in bad.stderr
+
+
+def test_logps_kernels_times_both_ways_and_finds_them_equal(monkeypatch, capsys):
+    """scripts/logps_kernels.py at small shapes: both ways run, and they agree bit for bit ("equal")."""
+    spec = importlib.util.spec_from_file_location("logps_kernels", ROOT / "scripts" / "logps_kernels.py")
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    monkeypatch.setattr(kernels, "SHAPES", [(2, 9, 300), (3, 5, 2000)])
+    monkeypatch.setattr(sys, "argv", ["logps_kernels.py"])
+    kernels.main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "one pass" in line]
+    assert len(lines) == 4 and all(line.endswith(", equal") for line in lines), lines

@@ -26,7 +26,6 @@ from accelerate.utils import extract_model_from_parallel
 from torch import Tensor
 
 from rlhf.algos.advantages import completions_in_kept_groups, frac_reward_zero_std, masked_mean
-from rlhf.algos.token_logps import selective_log_softmax
 from rlhf.algos.online import (
     OnlineAlgorithm,
     concat_samples,
@@ -42,6 +41,7 @@ from rlhf.algos.policy_losses import (
     token_log_ratio,
 )
 from rlhf.algos.reward_shaping import Moments, batch_moments, combine_moments
+from rlhf.algos.token_logps import selective_log_softmax
 from rlhf.errors import UserError
 from rlhf.models.reference import FrozenCopy, Reference, disable_dropout
 from rlhf.validate import Range, limits
