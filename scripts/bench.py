@@ -443,6 +443,7 @@ def main() -> int:
     threads = args.threads or cpus_available()
     torch.set_num_threads(threads)
     device = args.device
+    default_steps = STEPS_GPU if device == "cuda" else STEPS  # timed steps per size where --steps is not given
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no GPU here")
     peaks = probe(torch.device(device))
@@ -458,7 +459,7 @@ def main() -> int:
         for size in sizes:
             model_dir = work / f"model-{size}"
             params = build_model(size, model_dir)
-            steps = args.steps or (STEPS_GPU if device == "cuda" else STEPS)[size]
+            steps = args.steps or default_steps[size]
             losses[size] = check_losses(model_dir, "short")
             print(f"{size}: {params / 1e6:.1f}M parameters; first-step losses (rlhf, TRL): {losses[size]}", flush=True)
             checkpoints[size] = checkpoint_cost(model_dir, work, shapes[0], args.batch, steps, threads, args.ours,
@@ -505,7 +506,7 @@ def main() -> int:
                           f"{theirs['samples_per_s']:.2f} ({row['ratio']:.2f}x); peak MB {ours['peak_mem_mb']:.0f} "
                           f"vs {theirs['peak_mem_mb']:.0f} [{time.perf_counter() - started:.0f} s]", flush=True)
     header = {"date": time.strftime("%Y-%m-%d"), "machine": machine(device) + (" (profiled: the timings include torch.profiler's overhead)" if args.profile else ""), "threads": threads, "versions": versions(),
-              "steps": {size: args.steps or (STEPS_GPU if device == "cuda" else STEPS)[size] for size in sizes}, "batch": args.batch, "ours": args.ours, "args": " ".join(sys.argv[1:]) or "(defaults)"}
+              "steps": {size: args.steps or default_steps[size] for size in sizes}, "batch": args.batch, "ours": args.ours, "args": " ".join(sys.argv[1:]) or "(defaults)"}
     (out / "bench.json").write_text(json.dumps({"header": header, "peaks": peaks, "losses": losses,
                                                 "checkpoints": checkpoints, "results": results}, indent=1))
     (out / "bench.md").write_text(markdown(results, losses, checkpoints, header))

@@ -34,9 +34,6 @@ def selective_log_softmax(logits: Tensor, index: Tensor, start: int = 0, with_ar
     log-probability ``[B, L]`` of each given token, from logits ``[B, T, V]`` of any float dtype (``L <= T -
     start``; positions outside the window get a zero gradient). With ``with_argmax``, also the ``[B, L]`` argmax
     of each position's logits (the greedy token), found on the same pass."""
-    if logits.dim() == 2:  # [N, V]: one position per row
-        out = selective_log_softmax(logits.unsqueeze(0), index.unsqueeze(0), start, with_argmax)
-        return tuple(x.squeeze(0) for x in out) if with_argmax else out.squeeze(0)
     if logits.dim() != 3 or index.dim() != 2 or index.shape[0] != logits.shape[0] \
             or start < 0 or start + index.shape[1] > logits.shape[1]:
         raise ValueError(f"logits {list(logits.shape)} and index {list(index.shape)} from position {start}: expected "

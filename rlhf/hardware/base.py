@@ -56,7 +56,8 @@ def check_precision(mixed_precision: Any, key: str = "hardware.mixed_precision")
 def resolve_precision(mixed_precision: str, cuda: bool) -> str:
     """What ``mixed_precision`` means on this machine: ``auto`` is ``bf16`` on a CUDA GPU with bf16 matrix units
     (compute capability 8.0 on: as fast as fp16 there, and no loss scaler), else ``no``. On a CPU, even one with
-    AVX-512 BF16 or AMX, ``auto`` keeps float32: the same run then gives the same numbers on every CPU (measured
+    AVX-512 BF16 or AMX, ``auto`` keeps float32: a run's precision then does not depend on the CPU's instructions
+    (its numbers still differ in the last bits between kinds of CPU, as float32 kernels do) (measured
     gains of bf16 on a 2-core AVX-512 BF16 CPU: 1.3-1.6x for DPO; ``hardware.mixed_precision=bf16`` asks for them)."""
     if mixed_precision != "auto":
         return mixed_precision

@@ -38,12 +38,10 @@ def test_values_argmax_and_gradient_equal_autograds_bit_for_bit(monkeypatch, dty
     assert not got_grad[:, outside].any()  # positions outside the window: zero gradient
 
 
-def test_equals_a_gather_of_log_softmax_and_takes_rows_of_one_position():
+def test_equals_a_gather_of_log_softmax():
     logits, index = torch.randn(2, 5, 11), torch.randint(11, (2, 5))
     expected = logits.log_softmax(-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(selective_log_softmax(logits, index), expected, atol=1e-6)
-    rows = selective_log_softmax(logits[0], index[0])  # [N, V] and [N]
-    assert torch.equal(rows, selective_log_softmax(logits, index)[0])
 
 
 def test_no_argmax_unless_asked_and_bad_shapes_are_refused():
@@ -53,6 +51,8 @@ def test_no_argmax_unless_asked_and_bad_shapes_are_refused():
         selective_log_softmax(logits, torch.zeros(2, 5, dtype=torch.long), start=1)
     with pytest.raises(ValueError, match="expected"):
         selective_log_softmax(logits, torch.zeros(3, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="expected"):  # [N, V] rows: one batch row of positions is [1, N, V]
+        selective_log_softmax(logits[0], torch.zeros(5, dtype=torch.long))
 
 
 def test_the_saved_tensors_are_the_logits_not_a_float32_copy():
