@@ -146,12 +146,22 @@ def _launch_and_wait(launch, request, *args) -> dict:
             thread.join(0.05)
             forward()
     except KeyboardInterrupt:  # the second Ctrl-C
+        _quiet_teardown()
         forward.kill_all()
         thread.join(30)
         raise
     if "error" in outcome:
         raise outcome["error"]
     return outcome["results"]
+
+
+def _quiet_teardown() -> None:
+    """Silence torch's elastic agent and spawn helpers for an abort: the ranks are killed on purpose, and the
+    agent would otherwise log, depending on which of them it notices first, a traceback for each killed rank
+    (torch's loggers set their own levels, so each is disabled by name)."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).disabled = True
 
 
 def _plain(error: Exception) -> Exception:
