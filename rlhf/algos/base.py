@@ -12,6 +12,7 @@ from torch import Tensor
 from rlhf.algos.token_logps import selective_log_softmax
 from rlhf.data.loaders import Batches
 from rlhf.errors import UserError
+from rlhf.models.output_layer import token_request
 from rlhf.state import TrainState
 from rlhf.validate import Range
 
@@ -184,17 +185,29 @@ def keep_completion_logits(batch: dict[str, Any]) -> dict[str, Any]:
 def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> CompletionStats:
     """One forward pass; log-probabilities of each sequence's completion given its prompt. With
     :data:`LOGITS_TO_KEEP` in the batch (:func:`keep_completion_logits`) only the last positions get logits; the
-    statistics keep their ``[B, T-1]`` shape, 0 (and masked out) before them."""
+    statistics keep their ``[B, T-1]`` shape, 0 (and masked out) before them. A model whose output layer is tapped
+    (:func:`rlhf.models.output_layer.tap_output_layer`) answers with the log-probabilities themselves, the logits
+    never whole; any other computes logits and :func:`selective_log_softmax` reads them."""
     keep = int(batch.get(LOGITS_TO_KEEP) or 0)
     extra = {"logits_to_keep": keep} if keep else {}
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
-    if logits.dim() != 3 or logits.shape[-1] == 1:  # a sequence-classification or value head: one scalar each
-        raise UserError(f"this algorithm needs next-token logits, but the model outputs shape {list(logits.shape)}: "
-                        "it has another head. Fix: model.head=causal_lm")
-    skipped = batch["input_ids"].shape[1] - logits.shape[1]  # leading positions without logits
+    skipped = batch["input_ids"].shape[1] - keep if keep else 0  # leading positions without logits
     labels = batch["input_ids"][:, skipped + 1:]
+    with token_request(labels, with_argmax=True) as request:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
+    if request.logps is not None:
+        # The model's output, not the layer's: a strategy may have wrapped it in a hook of its backward pass
+        # (ZeRO-3 gathers the layer's weight again there). The same values in the same memory, or a transform.
+        if logits.shape != request.logps.shape or logits.data_ptr() != request.logps.data_ptr():
+            raise UserError("the model changed what its output layer returned (a transform of its logits after "
+                            "the output layer): its log-probabilities cannot be computed inside that layer. "
+                            "Fix: algo.fused_output_layer=false")
+        every_token_logps, greedy_tokens = logits, request.argmax
+    else:
+        if logits.dim() != 3 or logits.shape[-1] == 1:  # a sequence-classification or value head: one scalar each
+            raise UserError(f"this algorithm needs next-token logits, but the model outputs shape "
+                            f"{list(logits.shape)}: it has another head. Fix: model.head=causal_lm")
+        every_token_logps, greedy_tokens = selective_log_softmax(logits, labels, with_argmax=True)  # positions 0..
     mask = batch["completion_mask"][:, skipped + 1:].bool()
-    every_token_logps, greedy_tokens = selective_log_softmax(logits, labels, with_argmax=True)  # positions 0..T-2
     token_logps = every_token_logps * mask
     greedy = ((greedy_tokens == labels) | ~mask).all(-1)
     if skipped:

@@ -19,6 +19,7 @@ from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.algos.sft import nll_loss
 from rlhf.data.collate import collate_sequences, encode, require_completion
+from rlhf.models.output_layer import check_when
 from rlhf.models.reference import FrozenCopy, Reference
 from rlhf.validate import Range, limits
 
@@ -45,6 +46,11 @@ class DPO(ReferenceRegularized):
             earliest one on), for the policy and the reference alike (:func:`~rlhf.algos.base.keep_completion_logits`).
             On by default (measured faster: ``scripts/levers.py``); off by itself with ``nll_on_prompt``, which
             scores the prompt too.
+        fused_output_layer: where the output layer computes the token log-probabilities itself, block by block,
+            so that the ``[B, T, V]`` logits and their gradient never exist whole (policy and reference;
+            :mod:`rlhf.models.output_layer`): ``auto`` (on a GPU, where those are a step's largest tensors),
+            ``true`` (also on a CPU, where it measured slower: the backward pass computes the logits again), or
+            ``false``. Models that transform their logits after the output layer compute logits whatever this says.
 
     The allowed values (``@limits`` above, and :class:`ReferenceRegularized`'s) are checked by
     :func:`rlhf.config.check_config` before anything is built.
@@ -66,7 +72,9 @@ class DPO(ReferenceRegularized):
         max_prompt_length: int | None = 512,
         max_length: int | None = 1024,
         completion_logits_only: bool = True,
+        fused_output_layer: bool | str = "auto",
     ) -> None:
+        self.fused_output_layer = check_when(fused_output_layer)
         self.completion_logits_only = completion_logits_only and not nll_on_prompt  # that NLL scores the prompt
         self.beta, self.loss_fn, self.nll_weight, self.nll_on_prompt = beta, loss, nll_weight, nll_on_prompt
         self.reference = reference if reference is not None else FrozenCopy()

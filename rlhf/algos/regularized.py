@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
+from rlhf.models.output_layer import tap_output_layer
 from rlhf.models.reference import disable_dropout
 from rlhf.validate import Range, limits
 
@@ -42,8 +43,11 @@ class ReferenceRegularized(Algorithm):
     HELD_OUT_BATCHES_KEPT = 100_000  # held-out batches whose reference values are kept (a [B] tensor each)
     _copy_of_policy: torch.nn.Module | None = None  # see setup()
 
+    fused_output_layer: bool | str = False  # tap the policy's output layer (rlhf.models.output_layer): DPO sets it
+
     def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id
+        tap_output_layer(policy, self.fused_output_layer)  # before the reference is made: a copy inherits it
         if self.disable_dropout:
             disable_dropout(policy)  # before the reference is made: a copy inherits it
         reference = self.reference(policy, tokenizer)

@@ -19,6 +19,7 @@ from rlhf.algos.base import (
     prompt_leaves_room,
 )
 from rlhf.data.collate import collate_sequences, encode, require_completion
+from rlhf.models.output_layer import check_when, tap_output_layer
 from rlhf.validate import limits
 
 
@@ -38,6 +39,9 @@ class SFT(Algorithm):
         completion_logits_only: compute the output layer only where it scores completion tokens (from the batch's
             earliest one on; :func:`~rlhf.algos.base.keep_completion_logits`). On by default; it saves nothing with
             ``completion_only_loss=false`` (every token is scored).
+        fused_output_layer: where the output layer computes the token log-probabilities itself, block by block,
+            the ``[B, T, V]`` logits never whole (:mod:`rlhf.models.output_layer`): ``auto`` (on a GPU), ``true``
+            (also on a CPU, where it measured slower) or ``false``.
     """
 
     columns = ("prompt", "completion")
@@ -45,8 +49,10 @@ class SFT(Algorithm):
     eval_metrics = ("loss", "num_tokens", "exact_match")
 
     def __init__(self, completion_only_loss: bool = True, max_prompt_length: int | None = 512,
-                 max_length: int | None = 1024, completion_logits_only: bool = True) -> None:
+                 max_length: int | None = 1024, completion_logits_only: bool = True,
+                 fused_output_layer: bool | str = "auto") -> None:
         self.completion_only_loss, self.completion_logits_only = completion_only_loss, completion_logits_only
+        self.fused_output_layer = check_when(fused_output_layer)
         self.max_prompt_length, self.max_length = max_prompt_length, max_length
         self.pad_id = 0
 
@@ -60,6 +66,7 @@ class SFT(Algorithm):
 
     def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id
+        tap_output_layer(policy, self.fused_output_layer)
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         batch = collate_sequences([r["input_ids"] for r in rows], [r["completion_mask"] for r in rows], self.pad_id)

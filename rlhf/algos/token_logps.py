@@ -97,3 +97,111 @@ class _LogSoftmaxAt(torch.autograd.Function):
             block.scatter_add_(-1, index[rows, positions].unsqueeze(-1), g)
             window[rows, positions] = block
         return grad, None, None, None
+
+
+# Output-layer rows per block of :func:`linear_log_softmax`, in bytes of float32 logits. Each block is a matrix
+# product against the whole ``[V, H]`` weight, so a block must have enough rows for that product to run at the
+# matrix units' speed rather than at the speed of reading the weight (measured: scripts/logps_kernels.py --fused).
+LINEAR_BLOCK_BYTES_CPU = 16 * 2**20
+LINEAR_BLOCK_BYTES_GPU = 64 * 2**20
+
+
+def linear_log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, start: int = 0,
+                       with_argmax: bool = False) -> tuple[Tensor, Tensor]:
+    """The output layer and :func:`selective_log_softmax` in one: the float32 log-probability ``[B, L]`` of each
+    token of ``index`` under ``logits = hidden @ weight.T + bias`` at positions ``start .. start + L`` of
+    ``hidden`` (``[B, T, H]``), and the ``[B, L]`` greedy tokens (empty unless ``with_argmax``). The ``[B, T, V]``
+    logits and their gradient never exist: each block of rows gets its logits, uses them and frees them, and the
+    backward pass computes each block's logits again (one more output-layer product, only for the rows whose
+    log-probability has a gradient: prompt and padding positions cost nothing there). The products run in the
+    dtype the output layer would use: autocast's where it is on (bf16 on bf16 weights and inputs), else the
+    weight's. The values equal those of :func:`selective_log_softmax` on ``F.linear``'s logits up to the matrix
+    product's rounding (the same product, in blocks of rows; tested)."""
+    if hidden.dim() != 3 or index.dim() != 2 or index.shape[0] != hidden.shape[0] \
+            or start < 0 or start + index.shape[1] > hidden.shape[1]:
+        raise ValueError(f"hidden {list(hidden.shape)} and index {list(index.shape)} from position {start}: expected "
+                         "[B, T, H] and [B, L] with start + L <= T")
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return _LinearLogSoftmaxAt.apply(hidden, weight, bias, index, start, with_argmax, dtype)
+
+
+def rows_per_block(vocab: int, device: torch.device) -> int:
+    """Rows of :func:`linear_log_softmax`'s blocks: the device's block size (:data:`LINEAR_BLOCK_BYTES_CPU` /
+    ``_GPU``) in float32 logits."""
+    return max(1, (LINEAR_BLOCK_BYTES_CPU if device.type == "cpu" else LINEAR_BLOCK_BYTES_GPU) // (4 * max(vocab, 1)))
+
+
+def _row_blocks(rows: int, vocab: int, device: torch.device):
+    step = rows_per_block(vocab, device)
+    for r in range(0, rows, step):
+        yield slice(r, r + step)
+
+
+def _logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return (torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()).float()
+
+
+class _LinearLogSoftmaxAt(torch.autograd.Function):
+    """:func:`linear_log_softmax`'s forward and backward, block by block of rows (:func:`_row_blocks`)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, start: int,
+                with_argmax: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        batch, length = index.shape
+        with torch.autocast(hidden.device.type, enabled=False):
+            h = hidden[:, start:start + length].reshape(-1, hidden.shape[-1]).to(dtype)
+            w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+            flat = index.reshape(-1, 1)
+            logps = torch.empty(h.shape[0], dtype=torch.float32, device=hidden.device)
+            lse = torch.empty_like(logps)
+            argmax = torch.empty(h.shape[0] if with_argmax else 0, dtype=torch.long, device=hidden.device)
+            for rows in _row_blocks(h.shape[0], w.shape[0], hidden.device):
+                logits = _logits(h[rows], w, b)
+                lse[rows] = torch.logsumexp(logits, dim=-1)
+                logps[rows] = logits.gather(-1, flat[rows]).squeeze(-1) - lse[rows]
+                if with_argmax:
+                    argmax[rows] = logits.argmax(-1)
+                del logits
+        ctx.save_for_backward(h, weight, bias, index, lse)  # the window's rows, in the products' dtype
+        ctx.start, ctx.dtype, ctx.hidden = start, dtype, (hidden.shape, hidden.dtype)
+        ctx.mark_non_differentiable(argmax)
+        return logps.view(batch, length), argmax.view(batch, length if with_argmax else 0)
+
+    @staticmethod
+    def backward(ctx, grad_logps: Tensor, _grad_argmax: Tensor | None):
+        h, weight, bias, index, lse = ctx.saved_tensors
+        start, dtype, (batch, length), (shape, hidden_dtype) = ctx.start, ctx.dtype, index.shape, ctx.hidden
+        with torch.autocast(h.device.type, enabled=False):
+            g_all = grad_logps.reshape(-1)
+            live = g_all.nonzero().squeeze(-1)  # rows with a gradient: the others contribute exact zeros
+            h = h[live]
+            w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+            flat, lse, g_all = index.reshape(-1, 1)[live], lse[live], g_all[live]
+            need_h, need_w, need_b = ctx.needs_input_grad[:3]  # a frozen output layer (LoRA elsewhere): no weight grad
+            grad_h = torch.empty_like(h)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+            for rows in _row_blocks(h.shape[0], w.shape[0], h.device):
+                g = g_all[rows].unsqueeze(-1)
+                # d logp / d logits = 1[v = token] - softmax: -g * softmax, then +g at the token
+                block = (_logits(h[rows], w, b) - lse[rows].unsqueeze(-1)).exp_().mul_(-g)
+                block.scatter_add_(-1, flat[rows], g)
+                if grad_b is not None:
+                    grad_b += block.sum(0)
+                block = block.to(dtype)
+                if need_h:
+                    grad_h[rows] = block @ w
+                if need_w and dtype == torch.float32:
+                    grad_w.addmm_(block.t(), h[rows])
+                elif need_w:
+                    grad_w += (block.t() @ h[rows]).float()
+                del block
+            grad_hidden = None
+            if need_h:
+                grad_hidden = torch.zeros(shape, dtype=hidden_dtype, device=h.device)
+                window = torch.zeros(batch * length, shape[-1], dtype=hidden_dtype, device=h.device)
+                window[live] = grad_h.to(hidden_dtype)
+                grad_hidden[:, start:start + length] = window.view(batch, length, -1)
+        return (grad_hidden, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)

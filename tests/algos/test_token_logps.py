@@ -74,3 +74,66 @@ def test_blocks_cover_every_position_once_within_the_block_size(device, batch, l
         assert block.numel() > 0 and (block.numel() * vocab * 4 <= budget or block.numel() == 1)
         seen[rows, positions] += 1
     assert bool((seen == 1).all())
+
+
+# --- the output layer and the log-softmax in one (linear_log_softmax) --------------------------------------------
+def _linear_reference(hidden, weight, bias, index, start, bf16):
+    """F.linear's logits (under the same autocast), then selective_log_softmax."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+    return selective_log_softmax(logits, index, start=start, with_argmax=True)
+
+
+def _fused(hidden, weight, bias, index, start, bf16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return token_logps.linear_log_softmax(hidden, weight, bias, index, start=start, with_argmax=True)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("block_bytes", [4 * 13, 4 * 13 * 5, 2**20], ids=["one-row", "rows", "all"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_log_softmax_equals_the_output_layer_then_the_log_softmax(monkeypatch, bf16, block_bytes, bias):
+    """Blocks of one row, several rows or all; a window from position 1; masked positions (zero gradient): the
+    values and greedy tokens of F.linear then selective_log_softmax, and the gradients of hidden states, weight and
+    bias up to the matrix products' rounding (bf16 autocast: bf16's; the weight's gradient is summed over blocks in
+    float32, so it is not less exact than one bf16 product)."""
+    monkeypatch.setattr(token_logps, "LINEAR_BLOCK_BYTES_CPU", block_bytes)  # 13 float32 logits = one row
+    torch.manual_seed(0)
+    h0, w0, b0 = torch.randn(3, 7, 5), torch.randn(13, 5), torch.randn(13)
+    index, g = torch.randint(13, (3, 5)), torch.randn(3, 5)
+    g[0, :2] = 0.0  # masked positions: rows the backward pass skips
+    outputs = []
+    for fn in (_linear_reference, _fused):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        b = b0.clone().requires_grad_() if bias else None
+        logps, argmax = fn(h, w, b, index, 1, bf16)
+        (logps * g).sum().backward()
+        outputs.append((logps.detach(), argmax, h.grad, w.grad, b.grad if bias else None))
+    (want, want_argmax, *want_grads), (got, got_argmax, *got_grads) = outputs
+    assert got.dtype == torch.float32 and torch.equal(got_argmax, want_argmax)
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if bf16 else {"atol": 1e-6, "rtol": 1e-5}
+    torch.testing.assert_close(got, want, **tolerance)
+    for mine, theirs in zip(got_grads, want_grads):
+        if theirs is not None:
+            assert mine.dtype == theirs.dtype
+            torch.testing.assert_close(mine, theirs, **tolerance)
+    assert not got_grads[0][:, [0, 6]].any() and not got_grads[0][0, 1:3].any()  # outside the window; masked
+
+
+def test_linear_log_softmax_is_exact_in_float32_with_one_block():
+    """One block: the same product as F.linear, so the same values bit for bit."""
+    torch.manual_seed(1)
+    hidden, weight, index = torch.randn(2, 6, 8), torch.randn(40, 8), torch.randint(40, (2, 5))
+    want, want_argmax = _linear_reference(hidden, weight, None, index, 0, False)
+    got, got_argmax = _fused(hidden, weight, None, index, 0, False)
+    assert torch.equal(got, want) and torch.equal(got_argmax, want_argmax)
+
+
+def test_linear_log_softmax_gives_no_gradient_to_a_frozen_weight_and_refuses_bad_shapes():
+    hidden = torch.randn(2, 4, 3, requires_grad=True)
+    weight = torch.randn(9, 3)  # frozen: LoRA elsewhere in the model
+    logps, argmax = token_logps.linear_log_softmax(hidden, weight, None, torch.randint(9, (2, 3)))
+    logps.sum().backward()
+    assert hidden.grad is not None and weight.grad is None and argmax.numel() == 0
+    with pytest.raises(ValueError, match=r"expected \[B, T, H\] and \[B, L\]"):
+        token_logps.linear_log_softmax(hidden, weight, None, torch.randint(9, (2, 4)), start=1)

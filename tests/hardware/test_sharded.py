@@ -73,6 +73,7 @@ def full_disk(rank: int = 1) -> list[str]:
             f"+algo.limit_bytes={room}", "train.save_every_steps=1", "train.keep_last=null", "hardware.timeout_s=60"]
 
 
+FUSED = "_fused"  # a run <strategy>_fused has algo.fused_output_layer=true: it must train as "ddp" does
 REF_MODEL = "_refmodel"  # a run <strategy>_refmodel has algo/reference=model: the "ddp" run's final/ (not its policy)
 
 RUNS: dict[str, list[str]] = {  # name -> overrides, in the order they run
@@ -89,6 +90,9 @@ RUNS: dict[str, list[str]] = {  # name -> overrides, in the order they run
     "ddp_long_resumed": ["hardware=cpu_ddp", f"train.max_grad_norm={CLIP}", *RESUME],
     f"ddp{FULL_DISK}": ["hardware=cpu_ddp", *full_disk()],
     f"fsdp{FULL_DISK}": ["hardware=fsdp", *full_disk()],
+    # the output layer answers with log-probabilities (rlhf.models.output_layer); tied embeddings, as the tiny model
+    f"ddp{FUSED}": ["hardware=cpu_ddp", f"train.max_grad_norm={CLIP}", "algo.fused_output_layer=true"],
+    f"fsdp{FUSED}": ["hardware=fsdp", f"train.max_grad_norm={CLIP}", "algo.fused_output_layer=true"],
 }
 if HAS_DEEPSPEED:
     RUNS |= {
@@ -104,6 +108,7 @@ if HAS_DEEPSPEED:
         "zero3_long": [*ZERO3, f"train.max_grad_norm={CLIP}", *RESUME],
         "zero3_long_resumed": [*ZERO3, f"train.max_grad_norm={CLIP}", *RESUME],
         "zero3_noclip": [*ZERO3, "train.max_grad_norm=null"],
+        f"zero3{FUSED}": [*ZERO3, f"train.max_grad_norm={CLIP}", "algo.fused_output_layer=true"],
         # a checkpoint at the last step: its fp32 master weights show the update that the bf16 final/ rounds away
         "zero3_bf16": [*ZERO3, "hardware.mixed_precision=bf16", f"train.max_grad_norm={CLIP}", "train.save_every_steps=3"],
     }
@@ -164,7 +169,7 @@ def _run_all(runs: dict[str, dict], env: dict[str, str]) -> dict[str, str]:
     logger.setLevel(logging.INFO)
     described = {}
     for name, container in runs.items():
-        start = time.perf_counter()
+        start, seen = time.perf_counter(), len(lines.messages)
         cfg = OmegaConf.create(container)
         loads: list[tuple[str, object]] = []
         try:
@@ -178,6 +183,8 @@ def _run_all(runs: dict[str, dict], env: dict[str, str]) -> dict[str, str]:
             full_disk.restore()
         described[f"loads:{name}"] = loads
         described[f"seconds:{name}"] = f"{time.perf_counter() - start:.1f}"
+        described[f"fused:{name}"] = any(m.startswith("the output layer computes the token log-probabilities")
+                                         for m in lines.messages[seen:])
         described[name] = next(m for m in reversed(lines.messages) if m.startswith("hardware:"))
     return described
 
@@ -311,6 +318,26 @@ def test_training_equals_ddp(name, runs):
                 assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-5), (mine["step"], key)
             else:
                 assert key not in mine, (mine["step"], key)
+
+
+@pytest.mark.serial
+def test_the_output_layer_answers_with_log_probabilities_on_every_strategy_and_trains_as_ddp(runs):
+    """algo.fused_output_layer=true: the output layer computed the log-probabilities on both ranks (and only where
+    asked), inside the layer's own forward, so DDP, FSDP2 and ZeRO-3 (which gather its sharded, tied weight there)
+    train as the plain DDP run does."""
+    root, described = runs
+    fused = [name for name in RUNS if name.endswith(FUSED)]
+    assert {"ddp_fused", "fsdp_fused"} <= set(fused)
+    for rank in (0, 1):
+        assert all(described[rank][f"fused:{name}"] for name in fused), described[rank]
+        assert not any(described[rank][f"fused:{name}"] for name in RUNS if name not in fused)
+    for name in fused:
+        for a, b in zip(_model(root / "ddp").parameters(), _model(root / name).parameters(), strict=True):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+        for mine, ref in zip(_metrics(root / name), _metrics(root / "ddp"), strict=True):
+            for key in ("train/loss", "train/grad_norm", "eval/loss", "eval/logps/chosen", "eval/exact_match"):
+                if key in ref:
+                    assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-5), (name, mine["step"], key)
 
 
 # --- (d) exact resume from each rank's shards ------------------------------------------------------------------

@@ -1,0 +1,114 @@
+"""The output layer that can answer with token log-probabilities instead of logits.
+
+A causal LM's forward pass ends with its output layer, ``logits = hidden @ W.T``: ``[B, T, V]`` values, and in
+training as many again for their gradient. Where only the log-probability of one given token per position is
+wanted (SFT, the DPO family), :func:`tap_output_layer` lets the output layer compute that directly, block by block
+(:func:`rlhf.algos.token_logps.linear_log_softmax`), so the logits never exist whole: on a GPU they are the largest
+tensors of a step (``B x T x 152k`` at Qwen's vocabulary). It happens inside the output layer's own forward, so
+whatever a strategy hooks there (FSDP2's gathering of the sharded weight, DeepSpeed ZeRO-3's) runs as for any
+other forward, and the model's own forward is unchanged otherwise.
+
+:func:`completion_stats <rlhf.algos.base.completion_stats>` asks with :func:`token_request`; a tapped layer
+answers (and the model's output ``logits`` is then that ``[B, L]`` answer), an untapped one computes logits as
+always and the caller does the log-softmax itself. A model that changes its logits after the output layer
+(Gemma 2's soft-capping, Cohere's and Granite's logit scales) is not tapped: its output would not be the answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhf.algos.token_logps import linear_log_softmax, rows_per_block
+from rlhf.errors import UserError
+
+log = logging.getLogger(__name__)
+
+WHEN = ("auto", True, False)  # algo.fused_output_layer's values
+# Config keys of models that transform the logits after the output layer (transformers' *ForCausalLM forward).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+
+
+@dataclass
+class TokenRequest:
+    """What :func:`completion_stats <rlhf.algos.base.completion_stats>` asks of the next output layer forward: the
+    log-probabilities of ``index`` (``[B, L]``) at positions ``0 .. L-1`` of the layer's input. ``logps`` and
+    ``argmax`` are set when a tapped layer answered."""
+
+    index: Tensor
+    with_argmax: bool = False
+    logps: Tensor | None = None
+    argmax: Tensor | None = field(default=None, repr=False)
+
+
+_PENDING: list[TokenRequest] = []  # at most one: the request of the forward pass under way
+
+
+@contextlib.contextmanager
+def token_request(index: Tensor, with_argmax: bool = False) -> Iterator[TokenRequest]:
+    """Ask the output layer of the forward pass run inside this block for log-probabilities (see the module)."""
+    request = TokenRequest(index, with_argmax)
+    _PENDING.append(request)
+    try:
+        yield request
+    finally:
+        _PENDING.remove(request)
+
+
+class FusedOutputLayer(torch.nn.Linear):
+    """An ``nn.Linear`` output layer (the class is swapped in place by :func:`tap_output_layer`: same parameters,
+    same state-dict keys) that answers a pending :class:`TokenRequest` with log-probabilities: always
+    (``fused=True``), or when its input is on a GPU (``"auto"``). Without a request it is the plain layer."""
+
+    fused: bool | str = "auto"
+    answered = False  # set on the first answer, which is logged
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        request = _PENDING[-1] if _PENDING else None
+        if request is None or request.logps is not None or not (self.fused is True or hidden.device.type == "cuda"):
+            return super().forward(hidden)
+        if not self.answered:
+            self.answered = True
+            log.info("the output layer computes the token log-probabilities itself, %d rows of logits at a time "
+                     "(algo.fused_output_layer=%s)", rows_per_block(self.out_features, hidden.device),
+                     str(self.fused).lower())
+        request.logps, request.argmax = linear_log_softmax(hidden, self.weight, self.bias, request.index,
+                                                           with_argmax=request.with_argmax)
+        return request.logps
+
+
+def check_when(fused: Any, key: str = "algo.fused_output_layer") -> bool | str:
+    if fused not in WHEN or (isinstance(fused, int) and not isinstance(fused, bool)):
+        raise UserError(f"{key}={fused!r} is not one of auto, true, false. Fix: {key}=auto (on a GPU: the logits "
+                        "never whole), true (everywhere) or false (the output layer computes logits)")
+    return fused
+
+
+def tap_output_layer(model: torch.nn.Module, fused: bool | str = "auto") -> bool:
+    """Make ``model``'s output layer a :class:`FusedOutputLayer` (in place) where it can answer for the model:
+    a plain ``nn.Linear`` (not one an adapter wraps, as LoRA on the output layer does) of a model that uses its
+    logits as they come out. Returns whether it did; ``fused=False`` leaves the model as it is."""
+    check_when(fused)
+    getter = getattr(model, "get_output_embeddings", None)
+    layer = getter() if callable(getter) else None
+    if fused is False or layer is None:
+        return False
+    if type(layer) not in (torch.nn.Linear, FusedOutputLayer):
+        log.info("the output layer is a %s, not a plain linear layer: it computes logits (algo.fused_output_layer "
+                 "has no effect)", type(layer).__name__)
+        return False
+    config = getattr(model, "config", None)
+    transforms = [k for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
+    if transforms:
+        log.info("the model changes its logits after the output layer (%s): it computes logits "
+                 "(algo.fused_output_layer has no effect)", ", ".join(transforms))
+        return False
+    layer.__class__ = FusedOutputLayer
+    layer.fused = fused
+    return True
