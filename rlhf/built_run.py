@@ -25,6 +25,7 @@ from rlhf.errors import UserError
 from rlhf.hardware import global_numel
 from rlhf.memory import MemoryPlan, PeakMemory, activation_bytes, measured_plan, optimizer_bytes_per_parameter
 from rlhf.models.adapters import NoAdapter
+from rlhf.models.output_layer import logits_rows
 from rlhf.optim import param_groups, schedule
 from rlhf.resume_check import record
 from rlhf.settings import TrainSettings
@@ -130,7 +131,8 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     precision = strategy.mixed_precision
     value_bytes = 2 if precision == "bf16" else next(model.parameters()).element_size()
     activations = activation_bytes(model.config, sequences, tokens, value_bytes,
-                                   checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)))
+                                   checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
+                                   logits_rows=logits_rows(model, strategy.accelerator.device))
     precision = strategy.stored_precision()
     trainable = next((p for p in model.parameters() if p.requires_grad), None)
     state_dtype = precision.optimizer_dtype or (trainable.dtype if trainable is not None else torch.float32)

@@ -82,7 +82,8 @@ def _config_value(config, names: tuple[str, ...], default):
     return default
 
 
-def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, checkpointing: bool) -> int:
+def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, checkpointing: bool,
+                     logits_rows: int | None = None) -> int:
     """An estimate of what the backward pass keeps for one micro-batch of ``sequences`` x ``tokens``.
 
     Per token and decoder layer, autograd keeps about ``12 h + 4 i`` values (h: hidden size, i: MLP width): the
@@ -90,7 +91,8 @@ def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, 
     intermediates of a gated MLP; eager attention adds the softmax's ``heads x tokens``. This follows the
     accounting of Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1) without its dropout masks (dropout is off
     in preference training). Gradient checkpointing keeps one ``h`` per layer and recomputes one layer at a time.
-    The logits add ``3 V`` float32 values per token (logits, their log-softmax, and its gradient)."""
+    The logits add ``3 V`` float32 values per token (logits, their log-softmax, and its gradient); where the output
+    layer computes them ``logits_rows`` rows at a time (:mod:`rlhf.models.output_layer`), three such blocks."""
     hidden = _config_value(config, ("hidden_size", "n_embd", "d_model"), 0)
     layers = _config_value(config, ("num_hidden_layers", "n_layer", "num_layers"), 0)
     heads = _config_value(config, ("num_attention_heads", "n_head"), 1)
@@ -100,7 +102,8 @@ def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, 
     if getattr(config, "_attn_implementation", None) == "eager":
         per_layer += heads * tokens
     kept = (layers * hidden + per_layer) if checkpointing else layers * per_layer
-    return sequences * tokens * (kept * bytes_per_value + 3 * vocab * 4)
+    rows = sequences * tokens if logits_rows is None else min(logits_rows, sequences * tokens)
+    return sequences * tokens * kept * bytes_per_value + rows * 3 * vocab * 4
 
 
 def plan(weights: int, trainable: int, gradient_width: int, frozen: int, optimizer_bytes: float | None,

@@ -149,7 +149,7 @@ def test_the_preflight_of_a_run_counts_gradient_checkpointing_as_the_model_has_i
     rows = datasets.Dataset.from_list([algo.tokenize({"prompt": "abcdef=", "chosen": "fedcba", "rejected": "abcdef"},
                                                      policy.tokenizer)] * 4)
     strategy = DataParallel(device="cpu")
-    strategy.accelerator = types.SimpleNamespace(num_processes=1)
+    strategy.accelerator = types.SimpleNamespace(num_processes=1, device=torch.device("cpu"))
     settings = types.SimpleNamespace(per_device_batch_size=4)  # what the preflight reads of train:
     make_optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
     whole = preflight(policy.model, algo, rows, make_optimizer, strategy, settings)
@@ -173,8 +173,29 @@ def test_the_preflight_of_an_online_run_counts_prompts_times_completions_with_th
     algo.setup(policy.model, policy.tokenizer)
     rows = datasets.Dataset.from_list([algo.tokenize({"prompt": "abcdef="}, policy.tokenizer)] * 4)
     strategy = DataParallel(device="cpu")
-    strategy.accelerator = types.SimpleNamespace(num_processes=1)
+    strategy.accelerator = types.SimpleNamespace(num_processes=1, device=torch.device("cpu"))
     settings = types.SimpleNamespace(per_device_batch_size=4)  # 4 prompts x 8 completions, in 2 micro-batches
     memory = preflight(policy.model, algo, rows, functools.partial(torch.optim.AdamW, lr=1e-3), strategy, settings)
     prompt_tokens = len(rows[0]["prompt_ids"])
     assert memory.activations == activation_bytes(policy.model.config, 16, prompt_tokens + 16, 4, False)
+
+
+def test_an_output_layer_that_answers_in_blocks_keeps_one_block_of_logits_in_the_estimate():
+    """algo.fused_output_layer: the logits exist one block of rows at a time (on a CPU only when asked with true;
+    auto answers on a GPU), so the preflight counts one block of them, not every token's."""
+    from rlhf.algos.token_logps import rows_per_block
+    from rlhf.models.output_layer import logits_rows, tap_output_layer
+
+    cpu = torch.device("cpu")
+    auto, fused = _tiny().model, _tiny().model
+    tap_output_layer(auto, "auto")
+    tap_output_layer(fused, True)
+    config = fused.config
+    assert logits_rows(auto, cpu) is None and logits_rows(_tiny().model, cpu) is None
+    assert logits_rows(auto, torch.device("cuda")) == rows_per_block(config.vocab_size, torch.device("cuda"))
+    rows = logits_rows(fused, cpu)
+    assert rows == rows_per_block(config.vocab_size, cpu)
+    whole = activation_bytes(config, 64, 512, 4, False)
+    blocks = activation_bytes(config, 64, 512, 4, False, logits_rows=rows)
+    assert whole - blocks == (64 * 512 - rows) * 3 * config.vocab_size * 4 > 0
+    assert activation_bytes(config, 1, 3, 4, False, logits_rows=rows) == activation_bytes(config, 1, 3, 4, False)

@@ -69,9 +69,12 @@ class FusedOutputLayer(torch.nn.Linear):
     fused: bool | str = "auto"
     answered = False  # set on the first answer, which is logged
 
+    def answers_on(self, device: torch.device) -> bool:
+        return self.fused is True or device.type == "cuda"
+
     def forward(self, hidden: Tensor) -> Tensor:
         request = _PENDING[-1] if _PENDING else None
-        if request is None or request.logps is not None or not (self.fused is True or hidden.device.type == "cuda"):
+        if request is None or request.logps is not None or not self.answers_on(hidden.device):
             return super().forward(hidden)
         if not self.answered:
             self.answered = True
@@ -81,6 +84,16 @@ class FusedOutputLayer(torch.nn.Linear):
         request.logps, request.argmax = linear_log_softmax(hidden, self.weight, self.bias, request.index,
                                                            with_argmax=request.with_argmax)
         return request.logps
+
+
+def logits_rows(model: torch.nn.Module, device: torch.device) -> int | None:
+    """Rows of logits that exist at once in ``model``'s training step on ``device``: one block's where its output
+    layer answers with log-probabilities there, else ``None`` (all of them). For the memory preflight."""
+    getter = getattr(model, "get_output_embeddings", None)
+    layer = getter() if callable(getter) else None
+    if isinstance(layer, FusedOutputLayer) and layer.answers_on(device):
+        return rows_per_block(layer.out_features, device)
+    return None
 
 
 def check_when(fused: Any, key: str = "algo.fused_output_layer") -> bool | str:
