@@ -23,6 +23,7 @@ from rlhf.algos.base import completion_stats
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.data.collate import collate_sequences, encode, require_completion
 from rlhf.errors import UserError
+from rlhf.models.output_layer import check_when
 from rlhf.models.reference import FrozenCopy
 from rlhf.validate import Range, limits
 
@@ -87,6 +88,9 @@ class KTO(ReferenceRegularized):
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null); the mismatched
             sequences too.
+        fused_output_layer: where the output layer computes the token log-probabilities itself, block by block,
+            the ``[B, T, V]`` logits never whole (:mod:`rlhf.models.output_layer`): ``auto`` (on a GPU), ``true``
+            (also on a CPU) or ``false``.
     """
 
     columns = ("prompt", "completion", "label")
@@ -95,7 +99,8 @@ class KTO(ReferenceRegularized):
 
     def __init__(self, beta: float = 0.1, reference: Any = None, desirable_weight: float = 1.0,
                  undesirable_weight: float = 1.0, disable_dropout: bool = True, max_prompt_length: int | None = 512,
-                 max_length: int | None = 1024) -> None:
+                 max_length: int | None = 1024, fused_output_layer: bool | str = "auto") -> None:
+        self.fused_output_layer = check_when(fused_output_layer)
         self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
         self.reference = reference if reference is not None else FrozenCopy()
         self.disable_dropout = disable_dropout

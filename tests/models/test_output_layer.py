@@ -6,10 +6,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from rlhf.algos.base import completion_stats, keep_completion_logits
 from rlhf.algos.dpo import DPO
+from rlhf.algos.kto import KTO
 from rlhf.algos.sft import SFT
 from rlhf.data.collate import collate_sequences
 from rlhf.errors import UserError
 from rlhf.models.output_layer import FusedOutputLayer, check_when, tap_output_layer, token_request
+from rlhf.models.tiny import TinySpec
 
 
 def _model(**config) -> torch.nn.Module:
@@ -119,3 +121,19 @@ def test_bad_values_are_refused_with_the_choices(value):
         DPO(fused_output_layer=value)
     with pytest.raises(UserError, match="algo.fused_output_layer"):
         SFT(fused_output_layer=value)
+    with pytest.raises(UserError, match="algo.fused_output_layer"):
+        KTO(fused_output_layer=value)
+
+
+@pytest.mark.parametrize("cls", [SFT, DPO, KTO])
+def test_each_log_likelihood_algorithm_taps_its_policy_and_the_reference_copy_as_told(cls):
+    for fused in (True, "auto", False):
+        policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+        algo = cls(fused_output_layer=fused)
+        algo.setup(policy.model, policy.tokenizer)
+        models = [policy.model, *algo.frozen.values()]
+        assert len(models) == (1 if cls is SFT else 2)
+        for model in models:
+            layer = model.get_output_embeddings()
+            assert (type(layer) is FusedOutputLayer) == (fused is not False)
+            assert getattr(layer, "fused", fused) == fused
