@@ -3,12 +3,19 @@
 
     python scripts/logps_kernels.py             # the logits of bench.py's DPO batches (8 pairs, short rows)
     python scripts/logps_kernels.py --step      # and a whole 100m policy step (forward, backward) with each
+    python scripts/logps_kernels.py --fused     # the output layer too: F.linear then one pass, against one op
 
 The shapes: ``[16, 49, V]`` (8 pairs of short rows, positions from the earliest completion token on) at bench.py's
 vocabularies (4,096, 16,384, 32,000) and ``[16, 257, 4096]`` (3m's long rows), float32 and bfloat16 logits. Each
 way is timed 5 times (the best is printed, on shared cores the others are noise); "equal" means the values, the
 greedy tokens and the gradient are the same bit for bit. ``--step`` interleaves 4 whole steps of each way on the
 100m model (random weights), float32 and bf16 autocast, and prints the best and the median.
+
+``--fused`` times the output layer with it, forward and backward, from the last hidden states ``[16, 49, H]``
+(bench.py's 100m, 25m DPO batches) and ``[16, 257, 256]`` (3m's long rows): ``F.linear`` then the one pass,
+against ``linear_log_softmax`` (the logits block by block, never whole; ``algo.fused_output_layer``) at blocks of
+4, 16 and 64 MiB, with every position's log-probability in the loss and with half of them masked out (as prompt
+and padding positions are), float32 and bf16 autocast; and whether the values agree (to the products' rounding).
 """
 
 from __future__ import annotations
@@ -19,9 +26,12 @@ import time
 
 import torch
 
-from rlhf.algos.token_logps import selective_log_softmax
+from rlhf.algos import token_logps
+from rlhf.algos.token_logps import linear_log_softmax, selective_log_softmax
 
 SHAPES = [(16, 49, 4096), (16, 49, 16384), (16, 49, 32000), (16, 257, 4096)]
+FUSED_SHAPES = [(16, 49, 768, 32000), (16, 49, 512, 16384), (16, 257, 256, 4096)]  # batch, positions, hidden, vocab
+FUSED_BLOCKS_MIB = (4, 16, 64)
 
 
 def autograd_way(logits, labels):
@@ -82,11 +92,57 @@ def step_times() -> None:
             f"{name} best {min(t):.0f} ms (median {statistics.median(t):.0f})" for name, t in times.items()), flush=True)
 
 
+def fused_times(shape, bf16: bool, live: float) -> None:
+    """Best of 4 interleaved: F.linear + one pass against linear_log_softmax at each block size."""
+    torch.manual_seed(0)
+    batch, length, hidden_size, vocab = shape
+    hidden0, weight0 = torch.randn(batch, length, hidden_size), torch.randn(vocab, hidden_size) * 0.05
+    labels, grad = torch.randint(vocab, (batch, length - 1)), torch.randn(batch, length - 1)
+    grad[:, :int((1 - live) * (length - 1))] = 0.0  # masked positions: no gradient
+
+    def run(block_mib):
+        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            if block_mib is None:
+                logps = selective_log_softmax(torch.nn.functional.linear(hidden, weight), labels)
+            else:
+                token_logps.LINEAR_BLOCK_BYTES_CPU = block_mib * 2**20
+                logps, _ = linear_log_softmax(hidden, weight, None, labels)
+        (logps * grad).sum().backward()
+        return time.perf_counter() - start, logps.detach()
+
+    ways = [None, *FUSED_BLOCKS_MIB]
+    times, values = {way: [] for way in ways}, {}
+    saved = token_logps.LINEAR_BLOCK_BYTES_CPU
+    try:
+        for _ in range(4):
+            for way in ways:
+                seconds, values[way] = run(way)
+                times[way].append(seconds)
+    finally:
+        token_logps.LINEAR_BLOCK_BYTES_CPU = saved
+    tolerance = 2e-2 if bf16 else 1e-4
+    agree = all(torch.allclose(values[way], values[None], atol=tolerance, rtol=tolerance) for way in ways)
+    print(f"{list(shape)} {'bf16' if bf16 else 'fp32'}, {live:.0%} of positions scored: linear + one pass "
+          f"{min(times[None]) * 1000:6.1f} ms; fused " + ", ".join(
+              f"{mib} MiB {min(times[mib]) * 1000:6.1f} ms ({min(times[None]) / min(times[mib]):.2f}x)"
+              for mib in FUSED_BLOCKS_MIB) + (", agree" if agree else ", DISAGREE"), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--step", action="store_true", help="also time whole 100m policy steps with each way")
+    parser.add_argument("--fused", action="store_true", help="only the output layer with it: F.linear then one "
+                        "pass, against linear_log_softmax at several block sizes")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.fused:
+        for shape in FUSED_SHAPES:
+            for bf16 in (False, True):
+                for live in (1.0, 0.5):
+                    fused_times(shape, bf16, live)
+        return
     for shape in SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             op_times(shape, dtype)

@@ -104,3 +104,8 @@ def test_logps_kernels_times_both_ways_and_finds_them_equal(monkeypatch, capsys)
     kernels.main()
     lines = [line for line in capsys.readouterr().out.splitlines() if "one pass" in line]
     assert len(lines) == 4 and all(line.endswith(", equal") for line in lines), lines
+    monkeypatch.setattr(kernels, "FUSED_SHAPES", [(2, 9, 8, 300)])
+    monkeypatch.setattr(sys, "argv", ["logps_kernels.py", "--fused"])
+    kernels.main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "fused" in line]
+    assert len(lines) == 4 and all(line.endswith(", agree") for line in lines), lines

@@ -49,8 +49,8 @@ class DPO(ReferenceRegularized):
         fused_output_layer: where the output layer computes the token log-probabilities itself, block by block,
             so that the ``[B, T, V]`` logits and their gradient never exist whole (policy and reference;
             :mod:`rlhf.models.output_layer`): ``auto`` (on a GPU, where those are a step's largest tensors),
-            ``true`` (also on a CPU, where it measured slower: the backward pass computes the logits again), or
-            ``false``. Models that transform their logits after the output layer compute logits whatever this says.
+            ``true`` (also on a CPU, where it measured about even: the backward pass computes the logits again),
+            or ``false``. Models that transform their logits after the output layer compute logits whatever this says.
 
     The allowed values (``@limits`` above, and :class:`ReferenceRegularized`'s) are checked by
     :func:`rlhf.config.check_config` before anything is built.

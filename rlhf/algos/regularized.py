@@ -43,7 +43,7 @@ class ReferenceRegularized(Algorithm):
     HELD_OUT_BATCHES_KEPT = 100_000  # held-out batches whose reference values are kept (a [B] tensor each)
     _copy_of_policy: torch.nn.Module | None = None  # see setup()
 
-    fused_output_layer: bool | str = False  # tap the policy's output layer (rlhf.models.output_layer): DPO sets it
+    fused_output_layer: bool | str = False  # tap the policy's output layer (rlhf.models.output_layer): DPO and KTO set it
 
     def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id

@@ -41,7 +41,7 @@ class SFT(Algorithm):
             ``completion_only_loss=false`` (every token is scored).
         fused_output_layer: where the output layer computes the token log-probabilities itself, block by block,
             the ``[B, T, V]`` logits never whole (:mod:`rlhf.models.output_layer`): ``auto`` (on a GPU), ``true``
-            (also on a CPU, where it measured slower) or ``false``.
+            (also on a CPU, where it measured about even) or ``false``.
     """
 
     columns = ("prompt", "completion")

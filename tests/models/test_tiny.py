@@ -46,7 +46,8 @@ def test_the_warm_start_recipe_does_not_follow_sfts_defaults(tmp_path, monkeypat
         return [p.detach().clone() for p in spec.build().model.parameters()]
 
     before = build("a")
-    flipped = {name: (not p.default if isinstance(p.default, bool) else 64)
+    other = {bool: lambda d: not d, str: lambda d: True}  # fused_output_layer="auto" -> true
+    flipped = {name: other.get(type(p.default), lambda d: 64)(p.default)
                for name, p in inspect.signature(SFT.__init__).parameters.items() if name != "self"}
 
     class OtherDefaults(SFT):
