@@ -132,7 +132,7 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     value_bytes = 2 if precision == "bf16" else next(model.parameters()).element_size()
     activations = activation_bytes(model.config, sequences, tokens, value_bytes,
                                    checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
-                                   logits_rows=logits_rows(model, strategy.accelerator.device))
+                                   logits_rows=logits_rows(model, strategy.accelerator.device, sequences * tokens))
     precision = strategy.stored_precision()
     trainable = next((p for p in model.parameters() if p.requires_grad), None)
     state_dtype = precision.optimizer_dtype or (trainable.dtype if trainable is not None else torch.float32)

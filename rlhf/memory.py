@@ -92,7 +92,7 @@ def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, 
     accounting of Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1) without its dropout masks (dropout is off
     in preference training). Gradient checkpointing keeps one ``h`` per layer and recomputes one layer at a time.
     The logits add ``3 V`` float32 values per token (logits, their log-softmax, and its gradient); where the output
-    layer computes them ``logits_rows`` rows at a time (:mod:`rlhf.models.output_layer`), three such blocks."""
+    layer computes them a tile at a time (:mod:`rlhf.models.output_layer`), three tiles of ``logits_rows`` rows' worth."""
     hidden = _config_value(config, ("hidden_size", "n_embd", "d_model"), 0)
     layers = _config_value(config, ("num_hidden_layers", "n_layer", "num_layers"), 0)
     heads = _config_value(config, ("num_attention_heads", "n_head"), 1)

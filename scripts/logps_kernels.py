@@ -13,7 +13,7 @@ greedy tokens and the gradient are the same bit for bit. ``--step`` interleaves 
 
 ``--fused`` times the output layer with it, forward and backward, from the last hidden states ``[16, 49, H]``
 (bench.py's 100m, 25m DPO batches) and ``[16, 257, 256]`` (3m's long rows): ``F.linear`` then the one pass,
-against ``linear_log_softmax`` (the logits block by block, never whole; ``algo.fused_output_layer``) at blocks of
+against ``linear_log_softmax`` (the logits tile by tile, never whole; ``algo.fused_output_layer``) at tiles of
 4, 16 and 64 MiB, with every position's log-probability in the loss and with half of them masked out (as prompt
 and padding positions are), float32 and bf16 autocast; and whether the values agree (to the products' rounding).
 """
@@ -107,21 +107,21 @@ def fused_times(shape, bf16: bool, live: float) -> None:
             if block_mib is None:
                 logps = selective_log_softmax(torch.nn.functional.linear(hidden, weight), labels)
             else:
-                token_logps.LINEAR_BLOCK_BYTES_CPU = block_mib * 2**20
+                token_logps.LINEAR_TILE_BYTES_CPU = block_mib * 2**20
                 logps, _ = linear_log_softmax(hidden, weight, None, labels)
         (logps * grad).sum().backward()
         return time.perf_counter() - start, logps.detach()
 
     ways = [None, *FUSED_BLOCKS_MIB]
     times, values = {way: [] for way in ways}, {}
-    saved = token_logps.LINEAR_BLOCK_BYTES_CPU
+    saved = token_logps.LINEAR_TILE_BYTES_CPU
     try:
         for _ in range(4):
             for way in ways:
                 seconds, values[way] = run(way)
                 times[way].append(seconds)
     finally:
-        token_logps.LINEAR_BLOCK_BYTES_CPU = saved
+        token_logps.LINEAR_TILE_BYTES_CPU = saved
     tolerance = 2e-2 if bf16 else 1e-4
     agree = all(torch.allclose(values[way], values[None], atol=tolerance, rtol=tolerance) for way in ways)
     print(f"{list(shape)} {'bf16' if bf16 else 'fp32'}, {live:.0%} of positions scored: linear + one pass "

@@ -180,22 +180,23 @@ def test_the_preflight_of_an_online_run_counts_prompts_times_completions_with_th
     assert memory.activations == activation_bytes(policy.model.config, 16, prompt_tokens + 16, 4, False)
 
 
-def test_an_output_layer_that_answers_in_blocks_keeps_one_block_of_logits_in_the_estimate():
-    """algo.fused_output_layer: the logits exist one block of rows at a time (on a CPU only when asked with true;
-    auto answers on a GPU), so the preflight counts one block of them, not every token's."""
-    from rlhf.algos.token_logps import rows_per_block
+def test_an_output_layer_that_answers_in_tiles_keeps_one_tile_of_logits_in_the_estimate():
+    """algo.fused_output_layer: the logits exist one tile at a time (on a CPU only when asked with true; auto
+    answers on a GPU), so the preflight counts one tile's worth of rows, not every token's."""
+    from rlhf.algos.token_logps import tile_shape
     from rlhf.models.output_layer import logits_rows, tap_output_layer
 
-    cpu = torch.device("cpu")
+    cpu, gpu, tokens = torch.device("cpu"), torch.device("cuda"), 64 * 512
     auto, fused = _tiny().model, _tiny().model
     tap_output_layer(auto, "auto")
     tap_output_layer(fused, True)
     config = fused.config
-    assert logits_rows(auto, cpu) is None and logits_rows(_tiny().model, cpu) is None
-    assert logits_rows(auto, torch.device("cuda")) == rows_per_block(config.vocab_size, torch.device("cuda"))
-    rows = logits_rows(fused, cpu)
-    assert rows == rows_per_block(config.vocab_size, cpu)
+    assert logits_rows(auto, cpu, tokens) is None and logits_rows(_tiny().model, cpu, tokens) is None
+    rows, chunk = tile_shape(tokens, config.vocab_size, gpu)
+    assert logits_rows(auto, gpu, tokens) == -(-rows * chunk // config.vocab_size)
+    rows = logits_rows(fused, cpu, tokens)
+    assert 0 < rows < tokens
     whole = activation_bytes(config, 64, 512, 4, False)
-    blocks = activation_bytes(config, 64, 512, 4, False, logits_rows=rows)
-    assert whole - blocks == (64 * 512 - rows) * 3 * config.vocab_size * 4 > 0
+    tiles = activation_bytes(config, 64, 512, 4, False, logits_rows=rows)
+    assert whole - tiles == (tokens - rows) * 3 * config.vocab_size * 4 > 0
     assert activation_bytes(config, 1, 3, 4, False, logits_rows=rows) == activation_bytes(config, 1, 3, 4, False)

@@ -99,13 +99,15 @@ class _LogSoftmaxAt(torch.autograd.Function):
         return grad, None, None, None
 
 
-# Output-layer rows per block of :func:`linear_log_softmax`, in bytes of float32 logits. Each block is a matrix
-# product against the whole ``[V, H]`` weight, so a block must have enough rows for that product to run at the
-# matrix units' speed rather than at the speed of reading the weight (``python scripts/logps_kernels.py --fused``
-# on the 2-core CPU, forward and backward: 4 MiB blocks up to 2.3x slower than 16 at vocabularies of 16k-32k; 64 MiB
-# 5-15% faster than 16 at 32,000 but up to 1.6x slower at 4,096 and 16,384 in bf16).
-LINEAR_BLOCK_BYTES_CPU = 16 * 2**20
-LINEAR_BLOCK_BYTES_GPU = 64 * 2**20
+# The float32 logits of one tile of :func:`linear_log_softmax`: rows x a chunk of the vocabulary. A tile is a
+# matrix product of ``rows x H`` hidden states against a ``chunk x H`` slice of the weight: each row block reads the
+# whole weight once, so the tiles take as many rows as fit beside a chunk of at least ``MIN_VOCAB_CHUNK`` entries
+# (all of a batch's rows, unless it has more than ``bytes / 4 / MIN_VOCAB_CHUNK``). ``python
+# scripts/logps_kernels.py --fused`` on the 2-core CPU, forward and backward at bench.py's shapes: 4 MiB tiles as
+# fast as 16 or faster (up to 1.2x at vocabulary 32,000), 64 MiB up to 1.6x slower than 16 (out of cache).
+LINEAR_TILE_BYTES_CPU = 4 * 2**20
+LINEAR_TILE_BYTES_GPU = 64 * 2**20
+MIN_VOCAB_CHUNK = 1024
 
 
 def linear_log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, start: int = 0,
@@ -113,12 +115,13 @@ def linear_log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, inde
     """The output layer and :func:`selective_log_softmax` in one: the float32 log-probability ``[B, L]`` of each
     token of ``index`` under ``logits = hidden @ weight.T + bias`` at positions ``start .. start + L`` of
     ``hidden`` (``[B, T, H]``), and the ``[B, L]`` greedy tokens (empty unless ``with_argmax``). The ``[B, T, V]``
-    logits and their gradient never exist: each block of rows gets its logits, uses them and frees them, and the
-    backward pass computes each block's logits again (one more output-layer product, only for the rows whose
-    log-probability has a gradient: prompt and padding positions cost nothing there). The products run in the
-    dtype the output layer would use: autocast's where it is on (bf16 on bf16 weights and inputs), else the
-    weight's. The values equal those of :func:`selective_log_softmax` on ``F.linear``'s logits up to the matrix
-    product's rounding (the same product, in blocks of rows; tested)."""
+    logits and their gradient never exist: the logits are computed a tile at a time (:func:`tile_shape`: rows x a
+    chunk of the vocabulary), each row's logsumexp and greedy token carried from chunk to chunk, and the backward
+    pass computes each tile again (one more output-layer product, only for the rows whose log-probability has a
+    gradient: prompt and padding positions cost nothing there) and writes each chunk's weight gradient once per row
+    block. The products run in the dtype the output layer would use: autocast's where it is on, else the weight's.
+    The values equal those of :func:`selective_log_softmax` on ``F.linear``'s logits up to rounding (bit for bit
+    with one tile; tested)."""
     if hidden.dim() != 3 or index.dim() != 2 or index.shape[0] != hidden.shape[0] \
             or start < 0 or start + index.shape[1] > hidden.shape[1]:
         raise ValueError(f"hidden {list(hidden.shape)} and index {list(index.shape)} from position {start}: expected "
@@ -128,43 +131,62 @@ def linear_log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, inde
     return _LinearLogSoftmaxAt.apply(hidden, weight, bias, index, start, with_argmax, dtype)
 
 
-def rows_per_block(vocab: int, device: torch.device) -> int:
-    """Rows of :func:`linear_log_softmax`'s blocks: the device's block size (:data:`LINEAR_BLOCK_BYTES_CPU` /
-    ``_GPU``) in float32 logits."""
-    return max(1, (LINEAR_BLOCK_BYTES_CPU if device.type == "cpu" else LINEAR_BLOCK_BYTES_GPU) // (4 * max(vocab, 1)))
-
-
-def _row_blocks(rows: int, vocab: int, device: torch.device):
-    step = rows_per_block(vocab, device)
-    for r in range(0, rows, step):
-        yield slice(r, r + step)
+def tile_shape(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
+    """``(rows, vocabulary entries)`` of :func:`linear_log_softmax`'s tiles for ``rows`` rows on ``device``: at most
+    the device's tile size in float32 (:data:`LINEAR_TILE_BYTES_CPU` / ``_GPU``), chunks of at least
+    :data:`MIN_VOCAB_CHUNK` entries, and as many rows as then fit."""
+    values = (LINEAR_TILE_BYTES_CPU if device.type == "cpu" else LINEAR_TILE_BYTES_GPU) // 4
+    chunk = max(1, min(vocab, max(MIN_VOCAB_CHUNK, values // max(rows, 1))))
+    return max(1, min(rows, values // chunk)), chunk
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return (torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()).float()
 
 
+def _spans(total: int, step: int):
+    for first in range(0, total, step):
+        yield first, min(first + step, total)
+
+
 class _LinearLogSoftmaxAt(torch.autograd.Function):
-    """:func:`linear_log_softmax`'s forward and backward, block by block of rows (:func:`_row_blocks`)."""
+    """:func:`linear_log_softmax`'s forward and backward, tile by tile (:func:`tile_shape`)."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, start: int,
                 with_argmax: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         batch, length = index.shape
-        with torch.autocast(hidden.device.type, enabled=False):
+        device = hidden.device
+        with torch.autocast(device.type, enabled=False):
             h = hidden[:, start:start + length].reshape(-1, hidden.shape[-1]).to(dtype)
             w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
-            flat = index.reshape(-1, 1)
-            logps = torch.empty(h.shape[0], dtype=torch.float32, device=hidden.device)
-            lse = torch.empty_like(logps)
-            argmax = torch.empty(h.shape[0] if with_argmax else 0, dtype=torch.long, device=hidden.device)
-            for rows in _row_blocks(h.shape[0], w.shape[0], hidden.device):
-                logits = _logits(h[rows], w, b)
-                lse[rows] = torch.logsumexp(logits, dim=-1)
-                logps[rows] = logits.gather(-1, flat[rows]).squeeze(-1) - lse[rows]
-                if with_argmax:
-                    argmax[rows] = logits.argmax(-1)
-                del logits
+            tokens = index.reshape(-1)
+            count, vocab = h.shape[0], w.shape[0]
+            lse = torch.empty(count, dtype=torch.float32, device=device)
+            target = torch.empty_like(lse)
+            argmax = torch.zeros(count if with_argmax else 0, dtype=torch.long, device=device)
+            row_step, chunk = tile_shape(count, vocab, device)
+            for r0, r1 in _spans(count, row_step):
+                top = torch.full((r1 - r0,), -torch.inf, dtype=torch.float32, device=device)  # running max
+                total = torch.zeros_like(top)  # running sum of exp(logit - top)
+                best = torch.full_like(top, -torch.inf)  # the greedy token's logit so far
+                row_tokens = tokens[r0:r1]
+                for c0, c1 in _spans(vocab, chunk):
+                    logits = _logits(h[r0:r1], w[c0:c1], None if b is None else b[c0:c1])
+                    chunk_max, chunk_arg = logits.max(-1)  # the first of equal maxima, as argmax
+                    if with_argmax:
+                        better = chunk_max > best  # strictly: an equal maximum of a later chunk is not the first
+                        best = torch.where(better, chunk_max, best)
+                        argmax[r0:r1] = torch.where(better, chunk_arg + c0, argmax[r0:r1])
+                    new_top = torch.maximum(top, chunk_max)
+                    total = total * (top - new_top).exp() + (logits - new_top.unsqueeze(-1)).exp().sum(-1)
+                    top = new_top
+                    inside = (row_tokens >= c0) & (row_tokens < c1)
+                    picked = logits.gather(-1, (row_tokens - c0).clamp(0, c1 - c0 - 1).unsqueeze(-1)).squeeze(-1)
+                    target[r0:r1] = torch.where(inside, picked, target[r0:r1])
+                    del logits
+                lse[r0:r1] = top + total.log()
+            logps = target - lse
         ctx.save_for_backward(h, weight, bias, index, lse)  # the window's rows, in the products' dtype
         ctx.start, ctx.dtype, ctx.hidden = start, dtype, (hidden.shape, hidden.dtype)
         ctx.mark_non_differentiable(argmax)
@@ -174,35 +196,40 @@ class _LinearLogSoftmaxAt(torch.autograd.Function):
     def backward(ctx, grad_logps: Tensor, _grad_argmax: Tensor | None):
         h, weight, bias, index, lse = ctx.saved_tensors
         start, dtype, (batch, length), (shape, hidden_dtype) = ctx.start, ctx.dtype, index.shape, ctx.hidden
-        with torch.autocast(h.device.type, enabled=False):
+        device = h.device
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]  # a frozen output layer (LoRA elsewhere): no weight grad
+        with torch.autocast(device.type, enabled=False):
             g_all = grad_logps.reshape(-1)
             live = g_all.nonzero().squeeze(-1)  # rows with a gradient: the others contribute exact zeros
-            h = h[live]
+            h, tokens, lse, g_all = h[live], index.reshape(-1)[live], lse[live], g_all[live]
             w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
-            flat, lse, g_all = index.reshape(-1, 1)[live], lse[live], g_all[live]
-            need_h, need_w, need_b = ctx.needs_input_grad[:3]  # a frozen output layer (LoRA elsewhere): no weight grad
-            grad_h = torch.empty_like(h)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-            for rows in _row_blocks(h.shape[0], w.shape[0], h.device):
-                g = g_all[rows].unsqueeze(-1)
-                # d logp / d logits = 1[v = token] - softmax: -g * softmax, then +g at the token
-                block = (_logits(h[rows], w, b) - lse[rows].unsqueeze(-1)).exp_().mul_(-g)
-                block.scatter_add_(-1, flat[rows], g)
-                if grad_b is not None:
-                    grad_b += block.sum(0)
-                block = block.to(dtype)
-                if need_h:
-                    grad_h[rows] = block @ w
-                if need_w and dtype == torch.float32:
-                    grad_w.addmm_(block.t(), h[rows])
-                elif need_w:  # a bf16 product added into float32: no float32 [V, H] temporary per block
-                    grad_w.add_(block.t() @ h[rows])
-                del block
+            count, vocab = h.shape[0], w.shape[0]
+            grad_h = torch.zeros(h.shape, dtype=torch.float32, device=device) if need_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
+            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=device) if need_b else None
+            row_step, chunk = tile_shape(count, vocab, device)
+            for r0, r1 in _spans(count, row_step):
+                g, row_tokens = g_all[r0:r1].unsqueeze(-1), tokens[r0:r1]
+                for c0, c1 in _spans(vocab, chunk):
+                    # d logp / d logits = 1[v = token] - softmax: -g * softmax, then +g at the token
+                    block = (_logits(h[r0:r1], w[c0:c1], None if b is None else b[c0:c1])
+                             - lse[r0:r1].unsqueeze(-1)).exp_().mul_(-g)
+                    rows = ((row_tokens >= c0) & (row_tokens < c1)).nonzero().squeeze(-1)
+                    block.index_put_((rows, row_tokens[rows] - c0), g[rows, 0], accumulate=True)
+                    if grad_b is not None:
+                        grad_b[c0:c1] += block.sum(0)
+                    block = block.to(dtype)
+                    if grad_h is not None:  # a product in dtype added into float32
+                        grad_h[r0:r1].add_(block @ w[c0:c1])
+                    if grad_w is not None and dtype == torch.float32:
+                        grad_w[c0:c1].addmm_(block.t(), h[r0:r1])
+                    elif grad_w is not None:
+                        grad_w[c0:c1].add_(block.t() @ h[r0:r1])
+                    del block
             grad_hidden = None
             if need_h:
-                grad_hidden = torch.zeros(shape, dtype=hidden_dtype, device=h.device)
-                window = torch.zeros(batch * length, shape[-1], dtype=hidden_dtype, device=h.device)
+                grad_hidden = torch.zeros(shape, dtype=hidden_dtype, device=device)
+                window = torch.zeros(batch * length, shape[-1], dtype=hidden_dtype, device=device)
                 window[live] = grad_h.to(hidden_dtype)
                 grad_hidden[:, start:start + length] = window.view(batch, length, -1)
         return (grad_hidden, None if grad_w is None else grad_w.to(weight.dtype),

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf.algos.token_logps import linear_log_softmax, rows_per_block
+from rlhf.algos.token_logps import linear_log_softmax, tile_shape
 from rlhf.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -78,21 +78,23 @@ class FusedOutputLayer(torch.nn.Linear):
             return super().forward(hidden)
         if not self.answered:
             self.answered = True
-            log.info("the output layer computes the token log-probabilities itself, %d rows of logits at a time "
-                     "(algo.fused_output_layer=%s)", rows_per_block(self.out_features, hidden.device),
-                     str(self.fused).lower())
+            rows, chunk = tile_shape(request.index.numel(), self.out_features, hidden.device)
+            log.info("the output layer computes the token log-probabilities itself, %d rows x %d vocabulary entries "
+                     "of logits at a time (algo.fused_output_layer=%s)", rows, chunk, str(self.fused).lower())
         request.logps, request.argmax = linear_log_softmax(hidden, self.weight, self.bias, request.index,
                                                            with_argmax=request.with_argmax)
         return request.logps
 
 
-def logits_rows(model: torch.nn.Module, device: torch.device) -> int | None:
-    """Rows of logits that exist at once in ``model``'s training step on ``device``: one block's where its output
-    layer answers with log-probabilities there, else ``None`` (all of them). For the memory preflight."""
+def logits_rows(model: torch.nn.Module, device: torch.device, rows: int) -> int | None:
+    """How many of ``rows`` rows of logits exist at once in ``model``'s training step on ``device``: one tile's
+    worth (in whole rows) where its output layer answers with log-probabilities there, else ``None`` (all of
+    them). For the memory preflight."""
     getter = getattr(model, "get_output_embeddings", None)
     layer = getter() if callable(getter) else None
     if isinstance(layer, FusedOutputLayer) and layer.answers_on(device):
-        return rows_per_block(layer.out_features, device)
+        tile_rows, chunk = tile_shape(rows, layer.out_features, device)
+        return -(-tile_rows * chunk // layer.out_features)
     return None
 
 

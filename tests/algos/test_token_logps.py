@@ -90,16 +90,22 @@ def _fused(hidden, weight, bias, index, start, bf16):
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
-@pytest.mark.parametrize("block_bytes", [4 * 13, 4 * 13 * 5, 2**20], ids=["one-row", "rows", "all"])
+@pytest.mark.parametrize("tile", [(4 * 4, 4), (4 * 4 * 5, 4), (4 * 13 * 5, 1024), (2**20, 1024)],
+                         ids=["one-row-chunks", "rows-chunks", "rows-whole-vocab", "all"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_log_softmax_equals_the_output_layer_then_the_log_softmax(monkeypatch, bf16, block_bytes, bias):
-    """Blocks of one row, several rows or all; a window from position 1; masked positions (zero gradient): the
-    values and greedy tokens of F.linear then selective_log_softmax, and the gradients of hidden states, weight and
-    bias up to the matrix products' rounding (bf16 autocast: bf16's; the weight's gradient is summed over blocks in
-    float32, so it is not less exact than one bf16 product)."""
-    monkeypatch.setattr(token_logps, "LINEAR_BLOCK_BYTES_CPU", block_bytes)  # 13 float32 logits = one row
+def test_linear_log_softmax_equals_the_output_layer_then_the_log_softmax(monkeypatch, bf16, tile, bias):
+    """Tiles of one row or several, chunks of 4 of the 13 vocabulary entries (the last one short) or all of them, or
+    everything at once; a window from position 1; masked positions (zero gradient); a greedy token tied across
+    chunks: the values and greedy tokens of F.linear then selective_log_softmax, and the gradients of hidden
+    states, weight and bias, up to rounding (bf16 autocast: bf16's; the weight's gradient is summed over row
+    blocks in float32, so it is not less exact than one bf16 product)."""
+    tile_bytes, min_chunk = tile
+    monkeypatch.setattr(token_logps, "LINEAR_TILE_BYTES_CPU", tile_bytes)
+    monkeypatch.setattr(token_logps, "MIN_VOCAB_CHUNK", min_chunk)
     torch.manual_seed(0)
     h0, w0, b0 = torch.randn(3, 7, 5), torch.randn(13, 5), torch.randn(13)
+    w0[2], w0[9], b0[9] = torch.full((5,), 2.0), torch.full((5,), 2.0), b0[2]  # entries 2 and 9 (chunks 0, 2) ...
+    h0[1, 3] = 5.0  # ... give equal logits, the largest, at this position: the greedy token is the first, 2
     index, g = torch.randint(13, (3, 5)), torch.randn(3, 5)
     g[0, :2] = 0.0  # masked positions: rows the backward pass skips
     outputs = []
@@ -110,8 +116,8 @@ def test_linear_log_softmax_equals_the_output_layer_then_the_log_softmax(monkeyp
         (logps * g).sum().backward()
         outputs.append((logps.detach(), argmax, h.grad, w.grad, b.grad if bias else None))
     (want, want_argmax, *want_grads), (got, got_argmax, *got_grads) = outputs
-    assert got.dtype == torch.float32 and torch.equal(got_argmax, want_argmax)
-    tolerance = {"atol": 2e-2, "rtol": 2e-2} if bf16 else {"atol": 1e-6, "rtol": 1e-5}
+    assert got.dtype == torch.float32 and torch.equal(got_argmax, want_argmax) and got_argmax[1, 2] == 2
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if bf16 else {"atol": 2e-6, "rtol": 1e-5}
     torch.testing.assert_close(got, want, **tolerance)
     for mine, theirs in zip(got_grads, want_grads):
         if theirs is not None:
@@ -120,8 +126,8 @@ def test_linear_log_softmax_equals_the_output_layer_then_the_log_softmax(monkeyp
     assert not got_grads[0][:, [0, 6]].any() and not got_grads[0][0, 1:3].any()  # outside the window; masked
 
 
-def test_linear_log_softmax_is_exact_in_float32_with_one_block():
-    """One block: the same product as F.linear, so the same values bit for bit."""
+def test_linear_log_softmax_is_exact_in_float32_with_one_tile():
+    """One tile: the same product as F.linear and the same logsumexp, so the same values bit for bit."""
     torch.manual_seed(1)
     hidden, weight, index = torch.randn(2, 6, 8), torch.randn(40, 8), torch.randint(40, (2, 5))
     want, want_argmax = _linear_reference(hidden, weight, None, index, 0, False)
