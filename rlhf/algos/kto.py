@@ -88,7 +88,7 @@ class KTO(ReferenceRegularized):
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null); the mismatched
             sequences too.
-        fused_output_layer: where the output layer computes the token log-probabilities itself, block by block,
+        fused_output_layer: where the output layer computes the token log-probabilities itself, a tile of logits at a time,
             the ``[B, T, V]`` logits never whole (:mod:`rlhf.models.output_layer`): ``auto`` (on a GPU), ``true``
             (also on a CPU) or ``false``.
     """

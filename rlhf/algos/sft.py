@@ -39,9 +39,9 @@ class SFT(Algorithm):
         completion_logits_only: compute the output layer only where it scores completion tokens (from the batch's
             earliest one on; :func:`~rlhf.algos.base.keep_completion_logits`). On by default; it saves nothing with
             ``completion_only_loss=false`` (every token is scored).
-        fused_output_layer: where the output layer computes the token log-probabilities itself, block by block,
+        fused_output_layer: where the output layer computes the token log-probabilities itself, a tile of logits at a time,
             the ``[B, T, V]`` logits never whole (:mod:`rlhf.models.output_layer`): ``auto`` (on a GPU), ``true``
-            (also on a CPU, where it measured about even) or ``false``.
+            (also on a CPU, where it measured 0.91-1.11x) or ``false``.
     """
 
     columns = ("prompt", "completion")
