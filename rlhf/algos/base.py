@@ -190,9 +190,9 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
     never whole; any other computes logits and :func:`selective_log_softmax` reads them."""
     keep = int(batch.get(LOGITS_TO_KEEP) or 0)
     extra = {"logits_to_keep": keep} if keep else {}
-    skipped = batch["input_ids"].shape[1] - keep if keep else 0  # leading positions without logits
-    labels = batch["input_ids"][:, skipped + 1:]
-    with token_request(labels, with_argmax=True) as request:
+    length = batch["input_ids"].shape[1]
+    # A tapped output layer answers only if it sees the positions asked for (the last `keep`, or all)
+    with token_request(batch["input_ids"][:, length - (keep or length) + 1:], with_argmax=True) as request:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
     if request.logps is not None:
         # The model's output, not the layer's: a strategy may have wrapped it in a hook of its backward pass
@@ -201,12 +201,16 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
             raise UserError("the model changed what its output layer returned (a transform of its logits after "
                             "the output layer): its log-probabilities cannot be computed inside that layer. "
                             "Fix: algo.fused_output_layer=false")
+        skipped = length - (keep or length)  # leading positions without logits
         every_token_logps, greedy_tokens = logits, request.argmax
     else:
         if logits.dim() != 3 or logits.shape[-1] == 1:  # a sequence-classification or value head: one scalar each
             raise UserError(f"this algorithm needs next-token logits, but the model outputs shape "
                             f"{list(logits.shape)}: it has another head. Fix: model.head=causal_lm")
-        every_token_logps, greedy_tokens = selective_log_softmax(logits, labels, with_argmax=True)  # positions 0..
+        skipped = length - logits.shape[1]  # leading positions without logits
+        every_token_logps, greedy_tokens = selective_log_softmax(logits, batch["input_ids"][:, skipped + 1:],
+                                                                 with_argmax=True)  # positions 0..T-2
+    labels = batch["input_ids"][:, skipped + 1:]
     mask = batch["completion_mask"][:, skipped + 1:].bool()
     token_logps = every_token_logps * mask
     greedy = ((greedy_tokens == labels) | ~mask).all(-1)

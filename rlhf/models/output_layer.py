@@ -38,8 +38,9 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 @dataclass
 class TokenRequest:
     """What :func:`completion_stats <rlhf.algos.base.completion_stats>` asks of the next output layer forward: the
-    log-probabilities of ``index`` (``[B, L]``) at positions ``0 .. L-1`` of the layer's input. ``logps`` and
-    ``argmax`` are set when a tapped layer answered."""
+    log-probabilities of ``index`` (``[B, L]``) at positions ``0 .. L-1`` of the layer's input, which must have
+    ``L + 1`` positions (else the layer computes logits). ``logps`` and ``argmax`` are set when a tapped layer
+    answered."""
 
     index: Tensor
     with_argmax: bool = False
@@ -74,8 +75,9 @@ class FusedOutputLayer(torch.nn.Linear):
 
     def forward(self, hidden: Tensor) -> Tensor:
         request = _PENDING[-1] if _PENDING else None
-        if request is None or request.logps is not None or not self.answers_on(hidden.device):
-            return super().forward(hidden)
+        if request is None or request.logps is not None or not self.answers_on(hidden.device) \
+                or hidden.dim() != 3 or hidden.shape[:2] != (request.index.shape[0], request.index.shape[1] + 1):
+            return super().forward(hidden)  # not asked, or not the positions asked for: logits
         if not self.answered:
             self.answered = True
             rows, chunk = tile_shape(request.index.numel(), self.out_features, hidden.device)

@@ -137,3 +137,22 @@ def test_each_log_likelihood_algorithm_taps_its_policy_and_the_reference_copy_as
             layer = model.get_output_embeddings()
             assert (type(layer) is FusedOutputLayer) == (fused is not False)
             assert getattr(layer, "fused", fused) == fused
+
+
+def test_a_model_that_ignores_logits_to_keep_is_answered_with_logits_at_the_right_positions():
+    """The layer answers only for the positions asked for; a model that computed the output layer at every position
+    despite logits_to_keep gets logits, and completion_stats aligns them by their own length."""
+    plain, tapped = _model(), _model()
+    tap_output_layer(tapped, True)
+    forward = tapped.forward
+
+    def ignores_keep(*args, logits_to_keep=0, **kwargs):
+        return forward(*args, **kwargs)
+
+    tapped.forward = ignores_keep
+    batch = _batch()
+    want, got = completion_stats(plain, batch), completion_stats(tapped, batch)
+    torch.testing.assert_close(got.token_logps, want.token_logps, atol=1e-6, rtol=1e-5)  # completion positions
+    kept = batch["input_ids"].shape[1] - int(batch["logits_to_keep"])
+    assert not want.every_token_logps[:, :kept].any() and got.every_token_logps[:, :kept].all()  # logits there too
+    assert torch.equal(got.greedy_match, want.greedy_match) and torch.equal(got.mask, want.mask)
