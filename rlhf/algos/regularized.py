@@ -51,6 +51,8 @@ class ReferenceRegularized(Algorithm):
         if self.disable_dropout:
             disable_dropout(policy)  # before the reference is made: a copy inherits it
         reference = self.reference(policy, tokenizer)
+        if reference is not None:  # one loaded on its own (algo/reference=model) answers as the policy does
+            tap_output_layer(reference, self.fused_output_layer)
         if self.disable_dropout:  # again: a strategy may add modules to the policy (a second adapter)
             for model in (policy, reference) if reference is not None else (policy,):
                 disable_dropout(model)

@@ -30,7 +30,6 @@ from rlhf.errors import UserError
 
 log = logging.getLogger(__name__)
 
-WHEN = ("auto", True, False)  # algo.fused_output_layer's values
 # Config keys of models that transform the logits after the output layer (transformers' *ForCausalLM forward).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
@@ -101,7 +100,7 @@ def logits_rows(model: torch.nn.Module, device: torch.device, rows: int) -> int 
 
 
 def check_when(fused: Any, key: str = "algo.fused_output_layer") -> bool | str:
-    if fused not in WHEN or (isinstance(fused, int) and not isinstance(fused, bool)):
+    if not (fused is True or fused is False or fused == "auto"):
         raise UserError(f"{key}={fused!r} is not one of auto, true, false. Fix: {key}=auto (on a GPU: the logits "
                         "never whole), true (everywhere) or false (the output layer computes logits)")
     return fused

@@ -113,7 +113,7 @@ def test_a_transform_after_the_output_layer_is_a_clear_error():
         completion_stats(model, _batch())
 
 
-@pytest.mark.parametrize("value", ["yes", 1, None])
+@pytest.mark.parametrize("value", ["yes", 1, 0.0, None])
 def test_bad_values_are_refused_with_the_choices(value):
     with pytest.raises(UserError, match="auto, true, false"):
         check_when(value)
@@ -156,3 +156,16 @@ def test_a_model_that_ignores_logits_to_keep_is_answered_with_logits_at_the_righ
     kept = batch["input_ids"].shape[1] - int(batch["logits_to_keep"])
     assert not want.every_token_logps[:, :kept].any() and got.every_token_logps[:, :kept].all()  # logits there too
     assert torch.equal(got.greedy_match, want.greedy_match) and torch.equal(got.mask, want.mask)
+
+
+def test_a_reference_loaded_on_its_own_is_tapped_as_the_policy(tmp_path):
+    """algo/reference=model: a model of its own, not a copy of the tapped policy; it answers as the policy does."""
+    from rlhf.models.reference import Pretrained
+
+    policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+    policy.model.save_pretrained(tmp_path)
+    policy.tokenizer.save_pretrained(tmp_path)
+    algo = DPO(reference=Pretrained(str(tmp_path)), fused_output_layer=True)
+    algo.setup(policy.model, policy.tokenizer)
+    reference = algo.frozen["reference"]
+    assert reference is not policy.model and type(reference.get_output_embeddings()) is FusedOutputLayer
