@@ -31,7 +31,7 @@ from rlhf.algos.token_logps import linear_log_softmax, selective_log_softmax
 
 SHAPES = [(16, 49, 4096), (16, 49, 16384), (16, 49, 32000), (16, 257, 4096)]
 FUSED_SHAPES = [(16, 49, 768, 32000), (16, 49, 512, 16384), (16, 257, 256, 4096)]  # batch, positions, hidden, vocab
-FUSED_BLOCKS_MIB = (4, 16, 64)
+FUSED_TILES_MIB = (4, 16, 64)
 
 
 def autograd_way(logits, labels):
@@ -93,26 +93,26 @@ def step_times() -> None:
 
 
 def fused_times(shape, bf16: bool, live: float) -> None:
-    """Best of 4 interleaved: F.linear + one pass against linear_log_softmax at each block size."""
+    """Best of 4 interleaved: F.linear + one pass against linear_log_softmax at each tile size."""
     torch.manual_seed(0)
     batch, length, hidden_size, vocab = shape
     hidden0, weight0 = torch.randn(batch, length, hidden_size), torch.randn(vocab, hidden_size) * 0.05
     labels, grad = torch.randint(vocab, (batch, length - 1)), torch.randn(batch, length - 1)
     grad[:, :int((1 - live) * (length - 1))] = 0.0  # masked positions: no gradient
 
-    def run(block_mib):
+    def run(tile_mib):
         hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
         start = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            if block_mib is None:
+            if tile_mib is None:
                 logps = selective_log_softmax(torch.nn.functional.linear(hidden, weight), labels)
             else:
-                token_logps.LINEAR_TILE_BYTES_CPU = block_mib * 2**20
+                token_logps.LINEAR_TILE_BYTES_CPU = tile_mib * 2**20
                 logps, _ = linear_log_softmax(hidden, weight, None, labels)
         (logps * grad).sum().backward()
         return time.perf_counter() - start, logps.detach()
 
-    ways = [None, *FUSED_BLOCKS_MIB]
+    ways = [None, *FUSED_TILES_MIB]
     times, values = {way: [] for way in ways}, {}
     saved = token_logps.LINEAR_TILE_BYTES_CPU
     try:
@@ -127,14 +127,14 @@ def fused_times(shape, bf16: bool, live: float) -> None:
     print(f"{list(shape)} {'bf16' if bf16 else 'fp32'}, {live:.0%} of positions scored: linear + one pass "
           f"{min(times[None]) * 1000:6.1f} ms; fused " + ", ".join(
               f"{mib} MiB {min(times[mib]) * 1000:6.1f} ms ({min(times[None]) / min(times[mib]):.2f}x)"
-              for mib in FUSED_BLOCKS_MIB) + (", agree" if agree else ", DISAGREE"), flush=True)
+              for mib in FUSED_TILES_MIB) + (", agree" if agree else ", DISAGREE"), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--step", action="store_true", help="also time whole 100m policy steps with each way")
     parser.add_argument("--fused", action="store_true", help="only the output layer with it: F.linear then one "
-                        "pass, against linear_log_softmax at several block sizes")
+                        "pass, against linear_log_softmax at several tile sizes")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.fused:
