@@ -12,7 +12,7 @@ from torch import Tensor
 from rlhf.algos.token_logps import selective_log_softmax
 from rlhf.data.loaders import Batches
 from rlhf.errors import UserError
-from rlhf.models.output_layer import token_request
+from rlhf.models.output_layer import answer, token_request
 from rlhf.state import TrainState
 from rlhf.validate import Range
 
@@ -194,15 +194,10 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
     # A tapped output layer answers only if it sees the positions asked for (the last `keep`, or all)
     with token_request(batch["input_ids"][:, length - (keep or length) + 1:], with_argmax=True) as request:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
-    if request.logps is not None:
-        # The model's output, not the layer's: a strategy may have wrapped it in a hook of its backward pass
-        # (ZeRO-3 gathers the layer's weight again there). The same values in the same memory, or a transform.
-        if logits.shape != request.logps.shape or logits.data_ptr() != request.logps.data_ptr():
-            raise UserError("the model changed what its output layer returned (a transform of its logits after "
-                            "the output layer): its log-probabilities cannot be computed inside that layer. "
-                            "Fix: algo.fused_output_layer=false")
+    answered = answer(request, logits)
+    if answered is not None:
         skipped = length - (keep or length)  # leading positions without logits
-        every_token_logps, greedy_tokens = logits, request.argmax
+        every_token_logps, greedy_tokens = answered, request.argmax
     else:
         if logits.dim() != 3 or logits.shape[-1] == 1:  # a sequence-classification or value head: one scalar each
             raise UserError(f"this algorithm needs next-token logits, but the model outputs shape "

@@ -43,6 +43,7 @@ from rlhf.algos.policy_losses import (
 from rlhf.algos.reward_shaping import Moments, batch_moments, combine_moments
 from rlhf.algos.token_logps import selective_log_softmax
 from rlhf.errors import UserError
+from rlhf.models.output_layer import answer, answers, check_when, tap_output_layer, token_request
 from rlhf.models.reference import FrozenCopy, Reference, disable_dropout
 from rlhf.validate import Range, limits
 
@@ -72,9 +73,11 @@ class PolicyGradient(OnlineAlgorithm):
         max_sampling_batches: int = 4,
         reference: Reference | None = None,
         disable_dropout: bool = True,
+        fused_output_layer: bool | str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)  # the sampling, reward and logging options of every online algorithm
+        self.fused_output_layer = check_when(fused_output_layer)
         self.beta, self.kl_in_reward = beta, kl_in_reward
         self.epsilon, self.epsilon_high = epsilon, epsilon_high
         self.loss_type, self.importance_sampling_level = loss_type, importance_sampling_level
@@ -86,10 +89,13 @@ class PolicyGradient(OnlineAlgorithm):
 
     def setup(self, policy, tokenizer) -> None:
         super().setup(policy, tokenizer)
+        tap_output_layer(policy, self.fused_output_layer)  # before the reference is made: a copy inherits it
         if self.disable_dropout:
             disable_dropout(policy)
         if self.beta > 0:
             reference = self.reference(policy, tokenizer)
+            if reference is not None:
+                tap_output_layer(reference, self.fused_output_layer)
             if reference is None:
                 raise UserError(f"algo.beta={self.beta} needs a reference model, but algo/reference builds none. "
                                 "Fix: algo/reference=copy, or algo.beta=0")
@@ -177,13 +183,13 @@ class PolicyGradient(OnlineAlgorithm):
 
     # ---- the loss ----------------------------------------------------------------------------------------------------
     def loss(self, model, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        token_logps, mask, logits = completion_logps(model, batch, with_logits=True)
-        return self.policy_loss(token_logps, mask, logits, batch)
+        token_logps, mask, entropy = completion_logps(model, batch, with_entropy=True)
+        return self.policy_loss(token_logps, mask, entropy, batch)
 
-    def policy_loss(self, token_logps: Tensor, mask: Tensor, logits: Tensor, batch: dict[str, Any]
+    def policy_loss(self, token_logps: Tensor, mask: Tensor, entropy: Tensor, batch: dict[str, Any]
                     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The clipped surrogate (plus ``beta`` times the KL when it is in the loss), aggregated by ``loss_type``,
-        and its metrics, from the trained policy's completion log-probabilities and logits."""
+        and its metrics, from the trained policy's completion log-probabilities and each position's entropy."""
         old = batch["old_logps"] if "old_logps" in batch else token_logps.detach()
         log_ratio = self.importance_sampling_level(token_logps, old, mask)
         surrogate = clipped_surrogate(log_ratio, batch["advantages"], self.epsilon, self.epsilon_high)
@@ -197,7 +203,7 @@ class PolicyGradient(OnlineAlgorithm):
         num_tokens = batch["loss_tokens"][0] if "loss_tokens" in batch else None
         loss = self.loss_type(per_token, loss_mask, num_tokens)
         with torch.no_grad():
-            metrics["entropy"] = masked_mean(entropy_from_logits(logits.detach()), mask)
+            metrics["entropy"] = masked_mean(entropy.detach(), mask)
         metrics.update({k: v for k, v in surrogate.clip_metrics(mask).items()})
         return loss, {"loss": loss.detach(), **batch.get("rollout_metrics", {}), **metrics}
 
@@ -246,11 +252,25 @@ def global_masked_moments(values: Tensor, mask: Tensor, model) -> Moments:
     return combine_moments(stacked[:, 0], stacked[:, 1], stacked[:, 2])
 
 
-def completion_logps(model, batch: dict[str, Tensor], with_logits: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(token_logps [N, C], mask [N, C], logits [N, C, V] or None)`` of the completion tokens of a
-    :func:`~rlhf.algos.online.training_batch` (prompts ``P`` tokens, left-padded; completions after them)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return completion_part(logits, batch, with_logits)
+def completion_logps(model, batch: dict[str, Tensor], with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(token_logps [N, C], mask [N, C], entropy [N, C] or None)`` of the completion tokens of a
+    :func:`~rlhf.algos.online.training_batch` (prompts ``P`` tokens, left-padded; completions after them), the
+    entropy of each completion position's distribution without gradient. Where the model's output layer answers
+    with log-probabilities (``algo.fused_output_layer``), it sees only the completion's positions and the logits
+    never exist whole; elsewhere the output layer runs at every position, as it always has."""
+    prompt, ids, attention = int(batch["prompt_length"]), batch["input_ids"], batch["attention_mask"]
+    if answers(extract_model_from_parallel(model), _device(model)):
+        labels, mask = ids[:, prompt:], attention[:, prompt:]
+        with token_request(labels, with_entropy=with_entropy) as request:
+            logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=labels.shape[1] + 1).logits
+        answered = answer(request, logits)
+        if answered is not None:
+            return answered * mask, mask, request.entropy if with_entropy else None
+        logits = model(input_ids=ids, attention_mask=attention).logits  # it ignored logits_to_keep: as below
+    else:
+        logits = model(input_ids=ids, attention_mask=attention).logits
+    token_logps, mask, completion_logits = completion_part(logits, batch, with_entropy)
+    return token_logps, mask, entropy_from_logits(completion_logits.detach()) if with_entropy else None
 
 
 def completion_part(logits: Tensor, batch: dict[str, Tensor], with_logits: bool = True

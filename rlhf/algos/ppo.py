@@ -32,7 +32,7 @@ from rlhf.algos.policy_gradient import (
     completion_part,
     global_masked_moments,
 )
-from rlhf.algos.policy_losses import clipped_value_loss
+from rlhf.algos.policy_losses import clipped_value_loss, entropy_from_logits
 from rlhf.algos.reward_shaping import (
     FixedKLController,
     KLController,
@@ -80,9 +80,12 @@ class PPO(PolicyGradient):
                  score_clip: float | None = None, **kwargs: Any) -> None:
         for name in RENAMED.keys() & kwargs.keys():
             raise UserError(f"algo.{name} is not an option of ppo. Fix: algo.{RENAMED[name]} (TRL's PPO name)")
+        if kwargs.pop("fused_output_layer", False) is not False:
+            raise UserError("algo.fused_output_layer is not an option of ppo: its policy's one forward pass gives the "
+                            "logits and the critic's values together. Fix: leave it out")
         self.kl_controller = kl_controller if kl_controller is not None else FixedKLController(0.05)
         super().__init__(beta=self.kl_controller.value, kl_in_reward=kl_in_reward, num_iterations=num_ppo_epochs,
-                         steps_per_generation=num_mini_batches, **kwargs)
+                         steps_per_generation=num_mini_batches, fused_output_layer=False, **kwargs)
         self.separate_critic, self.gamma, self.lam = separate_critic, gamma, lam
         self.vf_coef, self.cliprange_value, self.whiten_advantages = vf_coef, cliprange_value, whiten_advantages
         self.score_scaling, self.score_norm, self.score_clip = score_scaling, score_norm, score_clip
@@ -149,7 +152,7 @@ class PPO(PolicyGradient):
         with values_on(model):
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         token_logps, mask, logits = completion_part(out.logits, batch)
-        policy_loss, metrics = self.policy_loss(token_logps, mask, logits, batch)
+        policy_loss, metrics = self.policy_loss(token_logps, mask, entropy_from_logits(logits.detach()), batch)
         values = out["token_values"][:, int(batch["prompt_length"]) - 1:-1]
         per_token, clipped = clipped_value_loss(values, batch["old_values"], batch["returns"], self.cliprange_value)
         value_loss = masked_mean(per_token, mask)

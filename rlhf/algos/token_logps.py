@@ -111,10 +111,11 @@ MIN_VOCAB_CHUNK = 1024
 
 
 def linear_log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, start: int = 0,
-                       with_argmax: bool = False) -> tuple[Tensor, Tensor]:
+                       with_argmax: bool = False, with_entropy: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The output layer and :func:`selective_log_softmax` in one: the float32 log-probability ``[B, L]`` of each
     token of ``index`` under ``logits = hidden @ weight.T + bias`` at positions ``start .. start + L`` of
-    ``hidden`` (``[B, T, H]``), and the ``[B, L]`` greedy tokens (empty unless ``with_argmax``). The ``[B, T, V]``
+    ``hidden`` (``[B, T, H]``), the ``[B, L]`` greedy tokens (empty unless ``with_argmax``) and the ``[B, L]``
+    entropy of each position's distribution, without gradient (empty unless ``with_entropy``). The ``[B, T, V]``
     logits and their gradient never exist: the logits are computed a tile at a time (:func:`tile_shape`: rows x a
     chunk of the vocabulary), each row's logsumexp and greedy token carried from chunk to chunk, and the backward
     pass computes each tile again (one more output-layer product, only for the rows whose log-probability has a
@@ -128,7 +129,7 @@ def linear_log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, inde
                          "[B, T, H] and [B, L] with start + L <= T")
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    return _LinearLogSoftmaxAt.apply(hidden, weight, bias, index, start, with_argmax, dtype)
+    return _LinearLogSoftmaxAt.apply(hidden, weight, bias, index, start, with_argmax, with_entropy, dtype)
 
 
 def tile_shape(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
@@ -154,7 +155,7 @@ class _LinearLogSoftmaxAt(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, start: int,
-                with_argmax: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                with_argmax: bool, with_entropy: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         batch, length = index.shape
         device = hidden.device
         with torch.autocast(device.type, enabled=False):
@@ -165,11 +166,13 @@ class _LinearLogSoftmaxAt(torch.autograd.Function):
             lse = torch.empty(count, dtype=torch.float32, device=device)
             target = torch.empty_like(lse)
             argmax = torch.zeros(count if with_argmax else 0, dtype=torch.long, device=device)
+            entropy = torch.empty(count if with_entropy else 0, dtype=torch.float32, device=device)
             row_step, chunk = tile_shape(count, vocab, device)
             for r0, r1 in _spans(count, row_step):
                 top = torch.full((r1 - r0,), -torch.inf, dtype=torch.float32, device=device)  # running max
                 total = torch.zeros_like(top)  # running sum of exp(logit - top)
                 best = torch.full_like(top, -torch.inf)  # the greedy token's logit so far
+                weighted = torch.zeros_like(top)  # running sum of exp(logit - top) * logit: the entropy's
                 row_tokens = tokens[r0:r1]
                 for c0, c1 in _spans(vocab, chunk):
                     logits = _logits(h[r0:r1], w[c0:c1], None if b is None else b[c0:c1])
@@ -179,21 +182,28 @@ class _LinearLogSoftmaxAt(torch.autograd.Function):
                         best = torch.where(better, chunk_max, best)
                         argmax[r0:r1] = torch.where(better, chunk_arg + c0, argmax[r0:r1])
                     new_top = torch.maximum(top, chunk_max)
-                    total = total * (top - new_top).exp() + (logits - new_top.unsqueeze(-1)).exp().sum(-1)
+                    scale, exps = (top - new_top).exp(), (logits - new_top.unsqueeze(-1)).exp()
+                    total = total * scale + exps.sum(-1)
+                    if with_entropy:  # H = logsumexp - sum(softmax * logits)
+                        weighted = weighted * scale + (exps * logits).sum(-1)
                     top = new_top
                     inside = (row_tokens >= c0) & (row_tokens < c1)
                     picked = logits.gather(-1, (row_tokens - c0).clamp(0, c1 - c0 - 1).unsqueeze(-1)).squeeze(-1)
                     target[r0:r1] = torch.where(inside, picked, target[r0:r1])
                     del logits
                 lse[r0:r1] = top + total.log()
+                if with_entropy:
+                    entropy[r0:r1] = lse[r0:r1] - weighted / total
             logps = target - lse
         ctx.save_for_backward(h, weight, bias, index, lse)  # the window's rows, in the products' dtype
         ctx.start, ctx.dtype, ctx.hidden = start, dtype, (hidden.shape, hidden.dtype)
-        ctx.mark_non_differentiable(argmax)
-        return logps.view(batch, length), argmax.view(batch, length if with_argmax else 0)
+        argmax = argmax.view(batch, length if with_argmax else 0)
+        entropy = entropy.view(batch, length if with_entropy else 0)
+        ctx.mark_non_differentiable(argmax, entropy)
+        return logps.view(batch, length), argmax, entropy
 
     @staticmethod
-    def backward(ctx, grad_logps: Tensor, _grad_argmax: Tensor | None):
+    def backward(ctx, grad_logps: Tensor, _grad_argmax: Tensor | None, _grad_entropy: Tensor | None):
         h, weight, bias, index, lse = ctx.saved_tensors
         start, dtype, (batch, length), (shape, hidden_dtype) = ctx.start, ctx.dtype, index.shape, ctx.hidden
         device = h.device
@@ -233,4 +243,4 @@ class _LinearLogSoftmaxAt(torch.autograd.Function):
                 window[live] = grad_h.to(hidden_dtype)
                 grad_hidden[:, start:start + length] = window.view(batch, length, -1)
         return (grad_hidden, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)

@@ -43,17 +43,19 @@ class TokenRequest:
 
     index: Tensor
     with_argmax: bool = False
+    with_entropy: bool = False
     logps: Tensor | None = None
     argmax: Tensor | None = field(default=None, repr=False)
+    entropy: Tensor | None = field(default=None, repr=False)
 
 
 _PENDING: list[TokenRequest] = []  # at most one: the request of the forward pass under way
 
 
 @contextlib.contextmanager
-def token_request(index: Tensor, with_argmax: bool = False) -> Iterator[TokenRequest]:
+def token_request(index: Tensor, with_argmax: bool = False, with_entropy: bool = False) -> Iterator[TokenRequest]:
     """Ask the output layer of the forward pass run inside this block for log-probabilities (see the module)."""
-    request = TokenRequest(index, with_argmax)
+    request = TokenRequest(index, with_argmax, with_entropy)
     _PENDING.append(request)
     try:
         yield request
@@ -82,9 +84,30 @@ class FusedOutputLayer(torch.nn.Linear):
             rows, chunk = tile_shape(request.index.numel(), self.out_features, hidden.device)
             log.info("the output layer computes the token log-probabilities itself, %d rows x %d vocabulary entries "
                      "of logits at a time (algo.fused_output_layer=%s)", rows, chunk, str(self.fused).lower())
-        request.logps, request.argmax = linear_log_softmax(hidden, self.weight, self.bias, request.index,
-                                                           with_argmax=request.with_argmax)
+        request.logps, request.argmax, request.entropy = linear_log_softmax(
+            hidden, self.weight, self.bias, request.index, with_argmax=request.with_argmax,
+            with_entropy=request.with_entropy)
         return request.logps
+
+
+def answer(request: TokenRequest, output: Tensor) -> Tensor | None:
+    """The model's ``output`` (its ``logits``) as the answer to ``request``, or ``None`` where the layer computed
+    logits. The model's output, not the layer's: a strategy may have wrapped it in a hook of its backward pass
+    (ZeRO-3 gathers the layer's weight again there); it must hold the same values in the same memory."""
+    if request.logps is None:
+        return None
+    if output.shape != request.logps.shape or output.data_ptr() != request.logps.data_ptr():
+        raise UserError("the model changed what its output layer returned (a transform of its logits after the output "
+                        "layer): its log-probabilities cannot be computed inside that layer. "
+                        "Fix: algo.fused_output_layer=false")
+    return output
+
+
+def answers(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether ``model``'s (unwrapped) output layer answers a :class:`TokenRequest` on ``device``."""
+    getter = getattr(model, "get_output_embeddings", None)
+    layer = getter() if callable(getter) else None
+    return isinstance(layer, FusedOutputLayer) and layer.answers_on(device)
 
 
 def logits_rows(model: torch.nn.Module, device: torch.device, rows: int) -> int | None:

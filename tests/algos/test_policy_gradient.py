@@ -172,6 +172,60 @@ def test_dapo_divides_by_the_rollouts_mean_tokens_per_micro_batch_not_the_micro_
     assert samples["loss_tokens"].tolist() == [5.0] * 4  # 10 tokens, 2 micro-batches, 1 process
     first = {k: v[:2] for k, v in samples.items()}
     logps = torch.zeros(2, 4, requires_grad=True)
-    loss, _ = algo.policy_loss(logps, mask[:2], torch.zeros(2, 4, 3), {**first, "old_logps": logps.detach()})
+    loss, _ = algo.policy_loss(logps, mask[:2], torch.zeros(2, 4), {**first, "old_logps": logps.detach()})
     # ratio 1: per token -A; the micro-batch's sum (-3 + 1) over the rollout's mean per micro-batch (5), not its own 4
     assert float(loss) == pytest.approx(-2 / 5)
+
+
+# --- the output layer answering with log-probabilities (algo.fused_output_layer) -------------------------------------
+def _tiny_model():
+    from rlhf.models.tiny import TinySpec
+
+    return TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+
+
+def test_a_tapped_output_layer_gives_the_completion_logps_and_entropy_the_logits_give():
+    """completion_logps on a tapped policy: the output layer sees only the completion's positions (and the one
+    before), answers with log-probabilities and entropies, and they, and the gradients, are the logits' way's."""
+    from rlhf.algos.policy_gradient import completion_logps
+    from rlhf.models.output_layer import tap_output_layer
+
+    plain, tapped = _tiny_model().model, _tiny_model().model
+    assert tap_output_layer(tapped, True)
+    seen = []
+    tapped.get_output_embeddings().register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
+    torch.manual_seed(0)
+    ids = torch.randint(3, 200, (4, 9))
+    attention = torch.ones_like(ids)
+    attention[0, :2] = 0  # a left-padded prompt
+    attention[1, 7:] = 0  # a completion that ended early
+    batch = {"input_ids": ids, "attention_mask": attention, "prompt_length": torch.tensor(4)}
+    results = []
+    for model in (plain, tapped):
+        model.zero_grad()
+        logps, mask, entropy = completion_logps(model, batch, with_entropy=True)
+        logps.sum().backward()
+        results.append((logps.detach(), mask, entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (want, want_mask, want_entropy, want_grads), (got, got_mask, got_entropy, got_grads) = results
+    assert seen == [(4, 5)]  # the completion's 5 positions' log-probabilities, not [4, 9, V] logits
+    assert torch.equal(got_mask, want_mask) and not got[1, 3:].any()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_entropy, want_entropy, atol=1e-5, rtol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5)
+
+
+def test_the_online_algorithms_tap_policy_and_reference_as_told_and_ppo_refuses_it():
+    from rlhf.algos.ppo import PPO
+    from rlhf.models.output_layer import FusedOutputLayer
+
+    for cls in (GRPO, RLOO, ReinforcePP):
+        for fused in (True, False):
+            policy = _tiny_model()
+            algo = cls(beta=0.1, fused_output_layer=fused)
+            algo.setup(policy.model, policy.tokenizer)
+            for model in (policy.model, algo.frozen["reference"]):
+                assert (type(model.get_output_embeddings()) is FusedOutputLayer) == fused, (cls, fused)
+    with pytest.raises(UserError, match="algo.fused_output_layer is not an option of ppo"):
+        PPO(fused_output_layer=True)
+    assert PPO().fused_output_layer is False

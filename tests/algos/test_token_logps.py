@@ -86,7 +86,7 @@ def _linear_reference(hidden, weight, bias, index, start, bf16):
 
 def _fused(hidden, weight, bias, index, start, bf16):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        return token_logps.linear_log_softmax(hidden, weight, bias, index, start=start, with_argmax=True)
+        return token_logps.linear_log_softmax(hidden, weight, bias, index, start=start, with_argmax=True)[:2]
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
@@ -138,8 +138,24 @@ def test_linear_log_softmax_is_exact_in_float32_with_one_tile():
 def test_linear_log_softmax_gives_no_gradient_to_a_frozen_weight_and_refuses_bad_shapes():
     hidden = torch.randn(2, 4, 3, requires_grad=True)
     weight = torch.randn(9, 3)  # frozen: LoRA elsewhere in the model
-    logps, argmax = token_logps.linear_log_softmax(hidden, weight, None, torch.randint(9, (2, 3)))
+    logps, argmax, entropy = token_logps.linear_log_softmax(hidden, weight, None, torch.randint(9, (2, 3)))
     logps.sum().backward()
-    assert hidden.grad is not None and weight.grad is None and argmax.numel() == 0
+    assert hidden.grad is not None and weight.grad is None and argmax.numel() == entropy.numel() == 0
     with pytest.raises(ValueError, match=r"expected \[B, T, H\] and \[B, L\]"):
         token_logps.linear_log_softmax(hidden, weight, None, torch.randint(9, (2, 4)), start=1)
+
+
+@pytest.mark.parametrize("min_chunk", [4, 1024], ids=["chunks", "whole-vocab"])
+def test_linear_log_softmax_gives_each_positions_entropy_without_a_gradient(monkeypatch, min_chunk):
+    """with_entropy: -sum(p log p) of each position's distribution (what the online algorithms log), carried across
+    vocabulary chunks; it takes no part in the backward pass."""
+    from rlhf.algos.policy_losses import entropy_from_logits
+
+    monkeypatch.setattr(token_logps, "MIN_VOCAB_CHUNK", min_chunk)
+    monkeypatch.setattr(token_logps, "LINEAR_TILE_BYTES_CPU", 4 * 4 * 3)
+    torch.manual_seed(2)
+    hidden, weight, index = torch.randn(2, 6, 5, requires_grad=True), torch.randn(13, 5) * 3, torch.randint(13, (2, 4))
+    logps, _, entropy = token_logps.linear_log_softmax(hidden, weight, None, index, start=1, with_entropy=True)
+    want = entropy_from_logits(torch.nn.functional.linear(hidden, weight)[:, 1:5].detach())
+    torch.testing.assert_close(entropy, want, atol=1e-5, rtol=1e-5)
+    assert not entropy.requires_grad and logps.requires_grad
