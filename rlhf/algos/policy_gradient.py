@@ -266,7 +266,8 @@ def completion_logps(model, batch: dict[str, Tensor], with_entropy: bool) -> tup
         answered = answer(request, logits)
         if answered is not None:
             return answered * mask, mask, request.entropy if with_entropy else None
-        logits = model(input_ids=ids, attention_mask=attention).logits  # it ignored logits_to_keep: as below
+        if logits.shape[1] != ids.shape[1]:  # logits of the kept positions only: every position's, as below
+            logits = model(input_ids=ids, attention_mask=attention).logits
     else:
         logits = model(input_ids=ids, attention_mask=attention).logits
     token_logps, mask, completion_logits = completion_part(logits, batch, with_entropy)

@@ -208,6 +208,12 @@ def test_a_tapped_output_layer_gives_the_completion_logps_and_entropy_the_logits
         results.append((logps.detach(), mask, entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (want, want_mask, want_entropy, want_grads), (got, got_mask, got_entropy, got_grads) = results
     assert seen == [(4, 5)]  # the completion's 5 positions' log-probabilities, not [4, 9, V] logits
+    forward = tapped.forward  # a model that ignores logits_to_keep: the layer sees 9 positions, gives logits
+    tapped.forward = lambda *args, logits_to_keep=0, **kwargs: forward(*args, **kwargs)
+    ignored, _, ignored_entropy = completion_logps(tapped, batch, with_entropy=True)
+    assert len(seen) == 2 and len(seen[1]) == 3 and seen[1][:2] == (4, 9)  # [4, 9, V] logits, one forward pass
+    torch.testing.assert_close(ignored.detach(), want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ignored_entropy, want_entropy, atol=1e-5, rtol=1e-5)
     assert torch.equal(got_mask, want_mask) and not got[1, 3:].any()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got_entropy, want_entropy, atol=1e-5, rtol=1e-5)
