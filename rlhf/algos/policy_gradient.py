@@ -94,11 +94,10 @@ class PolicyGradient(OnlineAlgorithm):
             disable_dropout(policy)
         if self.beta > 0:
             reference = self.reference(policy, tokenizer)
-            if reference is not None:
-                tap_output_layer(reference, self.fused_output_layer)
             if reference is None:
                 raise UserError(f"algo.beta={self.beta} needs a reference model, but algo/reference builds none. "
                                 "Fix: algo/reference=copy, or algo.beta=0")
+            tap_output_layer(reference, self.fused_output_layer)  # one loaded on its own (algo/reference=model)
             self.frozen = {"reference": reference}
         else:
             self.frozen = {}  # beta = 0: no reference is built or held
