@@ -2,13 +2,14 @@
 
 A causal LM's forward pass ends with its output layer, ``logits = hidden @ W.T``: ``[B, T, V]`` values, and in
 training as many again for their gradient. Where only the log-probability of one given token per position is
-wanted (SFT, the DPO family), :func:`tap_output_layer` lets the output layer compute that directly, a tile at a time
-(:func:`rlhf.algos.token_logps.linear_log_softmax`), so the logits never exist whole: on a GPU they are the largest
-tensors of a step (``B x T x 152k`` at Qwen's vocabulary). It happens inside the output layer's own forward, so
+wanted (SFT, the DPO family, KTO, the online algorithms' completions), :func:`tap_output_layer` lets the output
+layer compute that directly, a tile at a time (:func:`rlhf.algos.token_logps.linear_log_softmax`), so the logits
+never exist whole: on a GPU they are the largest tensors of a step (``B x T x 152k`` at Qwen's vocabulary). It happens inside the output layer's own forward, so
 whatever a strategy hooks there (FSDP2's gathering of the sharded weight, DeepSpeed ZeRO-3's) runs as for any
 other forward, and the model's own forward is unchanged otherwise.
 
-:func:`completion_stats <rlhf.algos.base.completion_stats>` asks with :func:`token_request`; a tapped layer
+:func:`completion_stats <rlhf.algos.base.completion_stats>` (and the online algorithms'
+:func:`~rlhf.algos.policy_gradient.completion_logps`) ask with :func:`token_request`; a tapped layer
 answers (and the model's output ``logits`` is then that ``[B, L]`` answer), an untapped one computes logits as
 always and the caller does the log-softmax itself. A model that changes its logits after the output layer
 (Gemma 2's soft-capping, Cohere's and Granite's logit scales) is not tapped: its output would not be the answer.
@@ -38,8 +39,8 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 class TokenRequest:
     """What :func:`completion_stats <rlhf.algos.base.completion_stats>` asks of the next output layer forward: the
     log-probabilities of ``index`` (``[B, L]``) at positions ``0 .. L-1`` of the layer's input, which must have
-    ``L + 1`` positions (else the layer computes logits). ``logps`` and ``argmax`` are set when a tapped layer
-    answered."""
+    ``L + 1`` positions (else the layer computes logits), and with them the greedy tokens or each position's entropy.
+    ``logps``, ``argmax`` and ``entropy`` are set when a tapped layer answered."""
 
     index: Tensor
     with_argmax: bool = False
@@ -103,10 +104,14 @@ def answer(request: TokenRequest, output: Tensor) -> Tensor | None:
     return output
 
 
+def _output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
+    getter = getattr(model, "get_output_embeddings", None)
+    return getter() if callable(getter) else None
+
+
 def answers(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether ``model``'s (unwrapped) output layer answers a :class:`TokenRequest` on ``device``."""
-    getter = getattr(model, "get_output_embeddings", None)
-    layer = getter() if callable(getter) else None
+    layer = _output_layer(model)
     return isinstance(layer, FusedOutputLayer) and layer.answers_on(device)
 
 
@@ -114,9 +119,8 @@ def logits_rows(model: torch.nn.Module, device: torch.device, rows: int) -> int 
     """How many of ``rows`` rows of logits exist at once in ``model``'s training step on ``device``: one tile's
     worth (in whole rows) where its output layer answers with log-probabilities there, else ``None`` (all of
     them). For the memory preflight."""
-    getter = getattr(model, "get_output_embeddings", None)
-    layer = getter() if callable(getter) else None
-    if isinstance(layer, FusedOutputLayer) and layer.answers_on(device):
+    layer = _output_layer(model)
+    if answers(model, device):
         tile_rows, chunk = tile_shape(rows, layer.out_features, device)
         return -(-tile_rows * chunk // layer.out_features)
     return None
@@ -134,8 +138,7 @@ def tap_output_layer(model: torch.nn.Module, fused: bool | str = "auto") -> bool
     a plain ``nn.Linear`` (not one an adapter wraps, as LoRA on the output layer does) of a model that uses its
     logits as they come out. Returns whether it did; ``fused=False`` leaves the model as it is."""
     check_when(fused)
-    getter = getattr(model, "get_output_embeddings", None)
-    layer = getter() if callable(getter) else None
+    layer = _output_layer(model)
     if fused is False or layer is None:
         return False
     if type(layer) not in (torch.nn.Linear, FusedOutputLayer):
