@@ -4,9 +4,9 @@ A causal LM's forward pass ends with its output layer, ``logits = hidden @ W.T``
 training as many again for their gradient. Where only the log-probability of one given token per position is
 wanted (SFT, the DPO family, KTO, the online algorithms' completions), :func:`tap_output_layer` lets the output
 layer compute that directly, a tile at a time (:func:`rlhf.algos.token_logps.linear_log_softmax`), so the logits
-never exist whole: on a GPU they are the largest tensors of a step (``B x T x 152k`` at Qwen's vocabulary). It happens inside the output layer's own forward, so
-whatever a strategy hooks there (FSDP2's gathering of the sharded weight, DeepSpeed ZeRO-3's) runs as for any
-other forward, and the model's own forward is unchanged otherwise.
+never exist whole: on a GPU they are the largest tensors of a step (``B x T x 152k`` at Qwen's vocabulary). It
+happens inside the output layer's own forward, so whatever a strategy hooks there (FSDP2's gathering of the sharded
+weight, DeepSpeed ZeRO-3's) runs as for any other forward, and the model's own forward is unchanged otherwise.
 
 :func:`completion_stats <rlhf.algos.base.completion_stats>` (and the online algorithms'
 :func:`~rlhf.algos.policy_gradient.completion_logps`) ask with :func:`token_request`; a tapped layer
