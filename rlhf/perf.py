@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf.hardware.base import cpu_has_bf16_matmul
 from rlhf.hardware.holding import global_numel
 
 PROBE_SECONDS = 0.15  # per precision: matrix products are timed for about this long (the best one counts)
@@ -52,7 +53,7 @@ def bf16_supported(device: torch.device) -> bool:
     Ampere on), rather than emulating them."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return cpu_has_bf16_matmul()
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None) -> float:

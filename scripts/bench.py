@@ -34,9 +34,9 @@ different computations means nothing.
 
 Cases (``--cases``): ``dpo_fp32`` and ``dpo_bf16`` (equal settings: live reference, no gradient checkpointing,
 float32 or bf16 autocast), ``dpo_fp32_gc`` (both with gradient checkpointing), ``dpo_precomputed`` (both with
-reference log-probabilities computed before training), ``dpo_shipped`` (each as it ships: our defaults, float32
-on a CPU and bf16 autocast on a GPU (``hardware.mixed_precision: auto``), against TRL's, which are bf16 autocast
-and gradient checkpointing), ``dpo_precomputed_shipped`` (ours with the precomputed
+reference log-probabilities computed before training), ``dpo_shipped`` (each as it ships: our defaults, bf16
+autocast where the CPU or GPU has bf16 matrix units, else float32 (``hardware.mixed_precision: auto``), against
+TRL's, which are bf16 autocast and gradient checkpointing), ``dpo_precomputed_shipped`` (ours with the precomputed
 reference against TRL as shipped), ``sft_fp32`` and ``sft_bf16``. A bf16 case on a CPU without bf16 matrix
 instructions is skipped (noted in the table).
 """
@@ -190,10 +190,12 @@ def check_losses(model_dir: Path, shape: str, rows_count: int = 8) -> dict[str, 
 
 # ---- one timed run per process ----------------------------------------------------------------------------------
 def _hardware(case: str, device: str, threads: int) -> list[str]:
-    """Our hardware overrides: ``hardware=cpu``, or ``hardware=gpu`` (bf16 autocast unless the case is float32;
-    as shipped, bf16 like ``hardware=auto`` on a GPU with bf16)."""
+    """Our hardware overrides: ``hardware=cpu`` (as shipped, with ``hardware=auto``'s precision), or
+    ``hardware=gpu`` (bf16 autocast unless the case is float32; as shipped, bf16 like ``hardware=auto`` on a GPU
+    with bf16)."""
     if device == "cpu":
-        return ["hardware=cpu", f"hardware.threads_per_process={threads}"]
+        shipped = ["hardware.mixed_precision=auto"] if case in SHIPPED_TRL_BF16 else []
+        return ["hardware=cpu", f"hardware.threads_per_process={threads}", *shipped]
     fp32 = case not in BF16 and case not in SHIPPED_TRL_BF16
     return ["hardware=gpu", f"hardware.threads_per_process={threads}", *(["hardware.mixed_precision=no"] if fp32 else [])]
 
@@ -496,7 +498,7 @@ def main() -> int:
                             shutil.copy(case_dir / f"ours-{case}" / name, profiles.with_name(profiles.name + "-rlhf") / name)
                     live = algo == "dpo" and "precomputed" not in case  # a reference runs forward each step
                     flops = 6.0 * params + (2.0 * params if live else 0.0)  # rlhf.perf.flops_per_token's formula
-                    ours_bf16 = case in BF16 or (device == "cuda" and case in SHIPPED_TRL_BF16)  # auto: bf16 on a GPU
+                    ours_bf16 = case in BF16 or (case in SHIPPED_TRL_BF16 and has_bf16)  # auto: bf16 where it is native
                     for side, bf16 in ((ours, ours_bf16), (theirs, case in BF16 or case in SHIPPED_TRL_BF16)):
                         side["tokens_per_s"] = side["samples_per_s"] * per_sample
                         side["mfu"] = flops * side["tokens_per_s"] / peaks["bfloat16" if bf16 else "float32"]

@@ -3,39 +3,45 @@
 #   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation] [ddp_speed]
 #   (default: all twelve; the online ones run experiment=<part>_reverse over seeds 0-2)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
+# EXTRA adds overrides to every run (outputs then go to outputs/readme-extra/, docs/ is left alone), e.g. the
+# float32 figures on a CPU with bf16 instructions: EXTRA=hardware.mixed_precision=no bash scripts/readme_numbers.sh main
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-OUT=outputs/readme
+EXTRA=${EXTRA:-}
+OUT=outputs/readme${EXTRA:+-extra}
 parts=${*:-main optimizers dpo_search sft_dpo hardware grpo rloo reinforce_pp ppo iterative_sft generation ddp_speed}
 for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
-      $PY scripts/seeds.py --seeds 0-4 --markdown --name readme-main ;;
+      rm -rf outputs/seeds/readme-main${EXTRA:+-extra}
+      $PY scripts/seeds.py --seeds 0-4 --markdown --name readme-main${EXTRA:+-extra} -- algo=dpo optimizer=lion $EXTRA ;;
     optimizers)  # "A fair optimizer comparison": each optimizer at its searched learning rate, 3 seeds (~5 min)
       rm -rf $OUT/optimizers
-      /usr/bin/time -f "wall %e s" $PY train.py experiment=optimizer_comparison hydra.sweep.dir=$OUT/optimizers 2>&1 \
+      /usr/bin/time -f "wall %e s" $PY train.py $EXTRA experiment=optimizer_comparison hydra.sweep.dir=$OUT/optimizers 2>&1 \
         | grep -E "^wall|points (failed|finished)" || true
       cat $OUT/optimizers/selection.md
       $PY scripts/compare_runs.py $OUT/optimizers/confirm --seeds --metrics eval/exact_match eval/rewards/accuracies \
         --out $OUT/optimizers/confirm 2>/dev/null
-      cp $OUT/optimizers/confirm/report.png docs/optimizer_comparison.png
-      cp $OUT/optimizers/search/objective.png docs/optimizer_search.png ;;
+      if [ -z "$EXTRA" ]; then
+        cp $OUT/optimizers/confirm/report.png docs/optimizer_comparison.png
+        cp $OUT/optimizers/search/objective.png docs/optimizer_search.png
+      fi ;;
     dpo_search)  # "Hyperparameter search": experiment=dpo_search (seed 0), then its best settings on the held-out rows
       rm -rf $OUT/dpo_search $OUT/dpo_search_final
-      /usr/bin/time -f "search wall %e s" $PY train.py experiment=dpo_search hydra.sweep.dir=$OUT/dpo_search 2>&1 \
+      /usr/bin/time -f "search wall %e s" $PY train.py $EXTRA experiment=dpo_search hydra.sweep.dir=$OUT/dpo_search 2>&1 \
         | grep -E "wall|points (failed|finished)" || true
       cat $OUT/dpo_search/optimization_results.yaml
       best=$($PY -c "import yaml,sys; r=yaml.safe_load(open(sys.argv[1])); print(' '.join(f'{k}={v}' for k, v in r['best_params'].items()))" $OUT/dpo_search/optimization_results.yaml)
-      $PY train.py -m algo=dpo $best data.validation_size=0.5 data.evaluate_on=held_out seed=1,2,3 train.max_steps=100 \
+      $PY train.py $EXTRA -m algo=dpo $best data.validation_size=0.5 data.evaluate_on=held_out seed=1,2,3 train.max_steps=100 \
         train.save_every_steps=0 train.save_final=false hydra.sweep.dir=$OUT/dpo_search_final >/dev/null 2>&1
       $PY scripts/compare_runs.py $OUT/dpo_search_final --seeds --metrics eval/exact_match \
         --out $OUT/dpo_search_final 2>/dev/null ;;
     sft_dpo)  # "SFT, then DPO from the SFT model": SFT, plain DPO and DPO + NLL from it, seed 0
       rm -rf $OUT/sft $OUT/dpo $OUT/rpo
-      $PY train.py algo=sft hydra.run.dir=$OUT/sft >/dev/null 2>&1
-      $PY train.py algo=dpo model.name_or_path=$OUT/sft/final hydra.run.dir=$OUT/dpo >/dev/null 2>&1
-      $PY train.py algo=dpo model.name_or_path=$OUT/sft/final algo.nll_weight=1.0 hydra.run.dir=$OUT/rpo >/dev/null 2>&1
+      $PY train.py $EXTRA algo=sft hydra.run.dir=$OUT/sft >/dev/null 2>&1
+      $PY train.py $EXTRA algo=dpo model.name_or_path=$OUT/sft/final hydra.run.dir=$OUT/dpo >/dev/null 2>&1
+      $PY train.py $EXTRA algo=dpo model.name_or_path=$OUT/sft/final algo.nll_weight=1.0 hydra.run.dir=$OUT/rpo >/dev/null 2>&1
       for run in sft dpo rpo; do
         $PY - "$OUT/$run" <<'PY'
 import sys
@@ -51,7 +57,7 @@ PY
       rm -rf $OUT/hw-cpu $OUT/hw-cpu_ddp
       for hw in cpu cpu_ddp; do
         start=$SECONDS
-        $PY train.py algo=dpo optimizer=lion hardware=$hw train.global_batch_size=32 train.per_device_batch_size=$([ $hw = cpu ] && echo 32 || echo 16) \
+        $PY train.py $EXTRA algo=dpo optimizer=lion hardware=$hw train.global_batch_size=32 train.per_device_batch_size=$([ $hw = cpu ] && echo 32 || echo 16) \
           hydra.run.dir=$OUT/hw-$hw >/dev/null 2>&1
         echo "$hw: $(grep -o 'hardware: .*' $OUT/hw-$hw/train.log | head -1)"
         echo "     $(grep -o 'global batch .*' $OUT/hw-$hw/train.log | head -1); $((SECONDS - start)) s in all"
@@ -61,7 +67,7 @@ PY
       for seed in 0 1 2; do
         rm -rf $OUT/$part-$seed
         start=$SECONDS
-        $PY train.py experiment=${part}_reverse seed=$seed train.save_every_steps=0 \
+        $PY train.py $EXTRA experiment=${part}_reverse seed=$seed train.save_every_steps=0 \
           hydra.run.dir=$OUT/$part-$seed >/dev/null 2>&1
         $PY - "$OUT/$part-$seed" $((SECONDS - start)) <<'PY'
 import sys
@@ -79,7 +85,7 @@ PY
     generation)  # "Online RL", Hardware: what sampling costs per step on 1 process and on 2 (DDP, FSDP2, ZeRO-3), 16 prompts x 8 per step
       for hw in cpu cpu_ddp fsdp zero3; do
         rm -rf $OUT/generation-$hw
-        $PY train.py experiment=grpo_reverse hardware=$hw train.per_device_batch_size=$([ $hw = cpu ] && echo 16 || echo 8) train.max_steps=40 \
+        $PY train.py $EXTRA experiment=grpo_reverse hardware=$hw train.per_device_batch_size=$([ $hw = cpu ] && echo 16 || echo 8) train.max_steps=40 \
           train.eval_at_start=false train.save_every_steps=0 train.save_final=false \
           hydra.run.dir=$OUT/generation-$hw >/dev/null 2>&1
         $PY - "$OUT/generation-$hw" <<'PY'
@@ -96,7 +102,7 @@ PY
     ddp_speed)  # "Speed": steady-state samples/s of the main job on 1 process x 2 threads and 2 processes x 1 thread
       for hw in cpu cpu_ddp; do
         rm -rf $OUT/ddp_speed-$hw
-        $PY train.py algo=dpo optimizer=lion hardware=$hw train.global_batch_size=32 \
+        $PY train.py $EXTRA algo=dpo optimizer=lion hardware=$hw train.global_batch_size=32 \
           train.per_device_batch_size=$([ $hw = cpu ] && echo 32 || echo 16) train.max_steps=150 train.eval_at_start=false \
           train.eval_every_steps=0 train.save_every_steps=0 train.save_final=false hydra.run.dir=$OUT/ddp_speed-$hw >/dev/null 2>&1
         $PY - "$OUT/ddp_speed-$hw" <<'PY'

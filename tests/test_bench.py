@@ -64,7 +64,8 @@ def test_the_benchmark_runs_at_a_tiny_size_and_both_sides_compute_the_same_losse
 
 def test_on_a_gpu_our_side_runs_hardware_gpu_in_the_precision_of_the_case():
     """--device cuda: float32 cases turn hardware=gpu's bf16 off, bf16 cases keep it (no duplicate override, which
-    Hydra would refuse), and as shipped ours is bf16 like hardware=auto on a GPU; on a CPU nothing changes."""
+    Hydra would refuse), and as shipped ours is hardware=auto's precision (bf16 on a GPU; on a CPU what its
+    instructions allow)."""
     def hardware(case, device):
         command = bench._our_command(case, ROOT, ROOT, ROOT, 8, 2, 2, ROOT, [], device)
         return [a for a in command if a.startswith("hardware")]
@@ -75,7 +76,8 @@ def test_on_a_gpu_our_side_runs_hardware_gpu_in_the_precision_of_the_case():
     assert hardware("dpo_shipped", "cuda") == ["hardware=gpu", "hardware.threads_per_process=2"]
     assert hardware("dpo_bf16", "cpu") == ["hardware=cpu", "hardware.threads_per_process=2",
                                            "hardware.mixed_precision=bf16"]
-    assert hardware("dpo_shipped", "cpu") == ["hardware=cpu", "hardware.threads_per_process=2"]
+    assert hardware("dpo_shipped", "cpu") == ["hardware=cpu", "hardware.threads_per_process=2",
+                                              "hardware.mixed_precision=auto"]
 
 
 def test_levers_runs_each_variant_and_writes_its_table(tmp_path):

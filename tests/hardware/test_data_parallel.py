@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from rlhf import train
 from rlhf.errors import UserError
-from rlhf.hardware import DataParallel, cpus_available, free_port
+from rlhf.hardware import DataParallel, base, cpus_available, free_port
 from rlhf.hardware.base import resolve_precision
 from tests.conftest import FAST, ROOT, compose_config, fast_initial_model
 
@@ -46,16 +46,34 @@ def test_threads_never_exceed_the_cpus_of_the_job(monkeypatch):
     assert DataParallel(device="cpu").threads(local_processes=1) == len(os.sched_getaffinity(0))
 
 
-def test_auto_precision_is_bf16_on_a_gpu_that_has_it_and_float32_on_a_cpu(monkeypatch):
-    """hardware=auto's default: a run on this CPU keeps float32; on an Ampere-or-later GPU it autocasts to bf16, on
-    an older one it does not; an explicit choice is kept everywhere."""
-    assert DataParallel(device="cpu", mixed_precision="auto").mixed_precision == "no"
+def test_auto_precision_is_bf16_where_the_hardware_has_bf16_matrix_units(monkeypatch):
+    """hardware=auto's default: bf16 autocast on an Ampere-or-later GPU and on a CPU with bf16 matrix instructions
+    (AVX-512 BF16, AMX), float32 on an older GPU and on a CPU without them; an explicit choice is kept everywhere,
+    and the log says what auto meant."""
+    for cpu_bf16, expected in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(base, "cpu_has_bf16_matmul", lambda v=cpu_bf16: v)
+        strategy = DataParallel(device="cpu", mixed_precision="auto")
+        assert strategy.mixed_precision == expected
+        assert strategy._precision_why == f" (auto: a CPU {'with' if cpu_bf16 else 'without'} bf16 matrix units)"
+        assert DataParallel(device="cpu", mixed_precision="no").mixed_precision == "no"
+        assert DataParallel(device="cpu", mixed_precision="no")._precision_why == ""
     assert resolve_precision("bf16", cuda=False) == "bf16" and resolve_precision("no", cuda=True) == "no"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, expected in (((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "no")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
         assert DataParallel(device="auto", mixed_precision="auto").mixed_precision == expected
-        assert DataParallel(device="cpu", mixed_precision="auto").mixed_precision == "no"  # a CPU run on a GPU machine
+        assert DataParallel(device="cpu", mixed_precision="auto").mixed_precision == "no"  # the CPU's answer
+
+
+def test_the_cpu_bf16_check_reads_torchs_own_checks(monkeypatch):
+    """AVX-512 BF16 or AMX tiles: either is enough; a torch without the checks (or one that fails) means no."""
+    for avx512_bf16, amx, expected in ((True, False, True), (False, True, True), (False, False, False)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        assert base.cpu_has_bf16_matmul() is expected
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert base.cpu_has_bf16_matmul() is False
 
 
 def test_impossible_hardware_settings_are_clear_errors():
@@ -115,6 +133,10 @@ def test_the_dpo_reference_goes_through_prepare_frozen_and_runs_in_the_policys_p
                          output_dir=tmp_path))
     assert len(prepared) == 1 and id(prepared[0]) in seen, "the reference did not go through prepare_frozen"
     assert seen.pop(id(prepared[0])) == {(torch.bfloat16, False, False)}  # the reference: bf16, eval, frozen
+    stored = {name: p.dtype for name, p in prepared[0].named_parameters()}  # its linear weights kept in bf16
+    assert stored["model.layers.0.self_attn.q_proj.weight"] == stored["model.layers.0.mlp.down_proj.weight"] \
+        == torch.bfloat16
+    assert stored["model.embed_tokens.weight"] == stored["model.norm.weight"] == torch.float32  # the tied head too
     (policy,) = seen.values()
     assert {autocast for autocast, _, _ in policy} == {torch.bfloat16}
     assert (torch.bfloat16, True, True) in policy  # it trained
