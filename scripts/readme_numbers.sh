@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the measured numbers in README.md (a few minutes on 2 CPU cores). Each part prints its table.
-#   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation] [ddp_speed]
-#   (default: all twelve; the online ones run experiment=<part>_reverse over seeds 0-2)
+#   bash scripts/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [objectives] [reward] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation] [ddp_speed]
+#   (default: all fourteen; the online ones run experiment=<part>_reverse over seeds 0-2)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
 # EXTRA adds overrides to every run (outputs then go to outputs/readme-extra/, docs/ is left alone), e.g. the
 # float32 figures on a CPU with bf16 instructions: EXTRA=hardware.mixed_precision=no bash scripts/readme_numbers.sh main
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 EXTRA=${EXTRA:-}
 OUT=outputs/readme${EXTRA:+-extra}
-parts=${*:-main optimizers dpo_search sft_dpo hardware grpo rloo reinforce_pp ppo iterative_sft generation ddp_speed}
+parts=${*:-main optimizers dpo_search sft_dpo objectives reward hardware grpo rloo reinforce_pp ppo iterative_sft generation ddp_speed}
 for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
@@ -53,6 +53,24 @@ keys = [k for k in ("eval/rewards/accuracies", "eval/exact_match", "eval/logps/c
 print(f"{run.path.name:4s}", "  ".join(f"{k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys))
 PY
       done ;;
+    objectives)  # "Preference objectives": each objective 100 steps from the warm start, seed 0, held-out exact match
+      for name in dpo simpo orpo kto; do
+        rm -rf $OUT/objective-$name
+        $PY train.py $EXTRA algo=$name train.max_steps=100 train.eval_every_steps=100 train.save_every_steps=0 \
+          train.save_final=false hydra.run.dir=$OUT/objective-$name >/dev/null 2>&1
+        $PY - "$OUT/objective-$name" <<'PY'
+import sys
+from rlhf.results import Run
+run = Run(sys.argv[1])
+evals = [r for r in run.metrics if "eval/exact_match" in r]
+print(f"{run.path.name}: eval/exact_match {evals[0]['eval/exact_match']:.3f} -> {evals[-1]['eval/exact_match']:.3f}"
+      + (f"; kl {evals[-1]['eval/kl']:.3f}" if "eval/kl" in evals[-1] else ""))
+PY
+      done ;;
+    reward)  # "Reward models": algo=reward over seeds 0-2, one thread
+      rm -rf outputs/seeds/readme-reward${EXTRA:+-extra}
+      OMP_NUM_THREADS=1 $PY scripts/seeds.py --seeds 0-2 --markdown --metrics eval/accuracy eval/margin \
+        --gate eval/accuracy=0.8 --name readme-reward${EXTRA:+-extra} -- algo=reward $EXTRA ;;
     hardware)  # "Hardware": the main job on 1 and on 2 CPU processes at the same global batch (32), seed 0
       rm -rf $OUT/hw-cpu $OUT/hw-cpu_ddp
       for hw in cpu cpu_ddp; do
@@ -114,6 +132,6 @@ print(f"{run.path.name:20s} samples/s over steps 11-150: mean {sum(rates) / len(
 PY
       done
       echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)" ;;
-    *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, hardware, grpo, rloo, reinforce_pp, ppo, iterative_sft, generation, ddp_speed)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, objectives, reward, hardware, grpo, rloo, reinforce_pp, ppo, iterative_sft, generation, ddp_speed)" >&2; exit 2 ;;
   esac
 done
