@@ -75,8 +75,8 @@ def resolve_precision(mixed_precision: str, cuda: bool) -> str:
     CUDA GPU with bf16 matrix units (compute capability 8.0 on: as fast as fp16 there, and no loss scaler) or a CPU
     with bf16 matrix instructions (:func:`cpu_has_bf16_matmul`); else ``no``. Chosen by measurement: on a 2-core
     AVX-512 BF16 CPU bf16 autocast ran the main job (the embedded default) in 195 s over five seeds against 208 s in
-    float32, DPO at 3.7M-106M parameters 1.4-1.6x as fast (README "Levers"), and learned as well. ``hardware=cpu`` pins float32 (``no``), the
-    same precision on every CPU."""
+    float32, DPO at 3.7M-106M parameters 1.4-1.6x as fast (README "Levers"), and learned as well. ``hardware=cpu``
+    pins float32 (``no``), the same precision on every CPU."""
     if mixed_precision != "auto":
         return mixed_precision
     if cuda:
@@ -273,10 +273,13 @@ class DataParallel:
     def _place_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
         """A whole copy on this process's device, its forward under the same autocast as the policy's
         (``mixed_precision``); under bf16 its linear layers' float32 weights are stored in bf16, as autocast would
-        cast them on every forward (:func:`~rlhf.hardware.holding.linear_weights_to_bf16`: the same outputs)."""
+        cast them on every forward (:func:`~rlhf.hardware.holding.linear_weights_to_bf16`: the same outputs), unless
+        some of its layers are the policy's own (``algo/reference=shared_layers``: the policy's weights, saved with
+        it, stay as loaded)."""
         module = module.to(self.accelerator.device)
         if self.mixed_precision == "bf16":
-            linear_weights_to_bf16(module)
+            if not getattr(module, "rlhf_shared_layers", 0):  # rlhf.models.reference.SharedLayers
+                linear_weights_to_bf16(module)
             autocast = torch.autocast(device_type=self.accelerator.device.type, dtype=torch.bfloat16)
             module.forward = autocast(module.forward)
         return module

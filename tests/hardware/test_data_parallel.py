@@ -62,7 +62,7 @@ def test_auto_precision_is_bf16_where_the_hardware_has_bf16_matrix_units(monkeyp
     for capability, expected in (((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "no")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
         assert DataParallel(device="auto", mixed_precision="auto").mixed_precision == expected
-        assert DataParallel(device="cpu", mixed_precision="auto").mixed_precision == "no"  # the CPU's answer
+        assert DataParallel(device="cpu", mixed_precision="auto").mixed_precision == "no"  # the CPU's (patched: no)
 
 
 def test_the_cpu_bf16_check_reads_torchs_own_checks(monkeypatch):
@@ -71,6 +71,11 @@ def test_the_cpu_bf16_check_reads_torchs_own_checks(monkeypatch):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
         assert base.cpu_has_bf16_matmul() is expected
+    def broken():
+        raise RuntimeError("not compiled with CPU capability checks")
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", broken)
+    assert base.cpu_has_bf16_matmul() is False
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
     assert base.cpu_has_bf16_matmul() is False
@@ -298,3 +303,21 @@ def test_two_slurm_nodes_simulated_on_loopback_find_each_other_from_slurms_envir
     log = (run_dir / "train.log").read_text()
     assert "2 process(es)" in log and log.count("(2 machine(s) in all)") == 1, log  # node 1 logs to its stderr only
     assert "(2 machine(s) in all)" in outputs[1][1]
+
+
+def test_under_bf16_a_frozen_copy_keeps_bf16_linear_weights_but_layers_shared_with_the_policy_stay_as_loaded():
+    """prepare_frozen under bf16 stores a reference's linear weights in bf16 (the same products under autocast);
+    a shared_layers reference holds the policy's own layers, which train with the policy and are saved with it:
+    none of its weights change dtype."""
+    from rlhf.models.reference import FrozenCopy, SharedLayers
+    from rlhf.models.tiny import TinySpec
+
+    torch.manual_seed(0)
+    policy = TinySpec(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32, warm_start_steps=0).build().model
+    strategy = DataParallel(device="cpu", mixed_precision="bf16")
+    strategy.start()
+    copied = strategy.prepare_frozen(FrozenCopy()(policy), name="copy")
+    assert copied.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    shared = strategy.prepare_frozen(SharedLayers(num_shared_layers=1)(policy), name="shared")
+    assert shared.model.layers[0] is policy.model.layers[0]
+    assert {p.dtype for p in shared.parameters()} == {p.dtype for p in policy.parameters()} == {torch.float32}
