@@ -253,6 +253,7 @@ def test_two_machines_simulated_on_loopback(tmp_path):
     run_dir = tmp_path / "run"
     common = [*FAST, "optimizer=sgd", "scheduler=constant", "scheduler.num_warmup_steps=0", "train.global_batch_size=8"]
     args = [*common, "hardware=multinode", "hardware.device=cpu", "hardware.num_processes=1",
+            "hardware.mixed_precision=no",  # float32, as hardware=cpu below (auto: bf16 on a CPU that has it)
             f"hardware.rdzv_endpoint=127.0.0.1:{free_port()}", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     machines = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"hardware.node_rank={rank}"],
