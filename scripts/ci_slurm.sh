@@ -239,7 +239,9 @@ echo "== requeue: a 2-minute time limit; USR2 mid-run -> checkpoint -> requeue -
 # at once here.
 REQ=(train.max_steps=60 train.eval_every_steps=30 train.log_every_steps=10 train.save_every_steps=0)
 T=$(now)
-OMP_NUM_THREADS=1 timeout 600 $PY train.py hardware=cpu "${REQ[@]}" hydra.run.dir="$OUT/requeue_reference" \
+# hardware=cpu at the precision the sweep's default (hardware=auto) has on this machine: bf16 on a CPU with bf16 units.
+OMP_NUM_THREADS=1 timeout 600 $PY train.py hardware=cpu hardware.mixed_precision=auto "${REQ[@]}" \
+  hydra.run.dir="$OUT/requeue_reference" \
   >"$OUT/requeue_reference.log" 2>&1 &
 reference=$!
 timeout 900 $PY train.py -m launcher=slurm hydra.launcher.timeout_min=2 hydra.launcher.signal_delay_s=30 \

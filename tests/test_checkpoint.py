@@ -154,9 +154,13 @@ ONLINE = {"grpo": ["algo/reward_funcs=similarity", "algo.num_generations=4", "al
                   "algo.num_ppo_epochs=3", "algo/kl_controller=adaptive", "algo.score_norm=true"]}
 
 
-@pytest.mark.parametrize("algo", ["sft", "dpo", "grpo", "ppo"])
+@pytest.mark.parametrize("algo", ["sft", "dpo", "dpo_bf16", "grpo", "ppo"])
 def test_sigkill_then_resume_equals_an_uninterrupted_run(algo, tmp_path):
-    overrides = [f"algo={algo}", "optimizer=lion", "train.grad_accumulation_steps=2", *ONLINE.get(algo, [])]
+    """``dpo_bf16``: under bf16 autocast (hardware=auto's choice on a CPU with bf16 units), whose frozen reference
+    keeps bf16 weights, rebuilt at the resume."""
+    algo, _, precision = algo.partition("_")
+    overrides = [f"algo={algo}", "optimizer=lion", "train.grad_accumulation_steps=2", *ONLINE.get(algo, []),
+                 *([f"hardware.mixed_precision={precision}"] if precision else [])]
     uninterrupted(tmp_path / "whole", *overrides)
     killed = start(tmp_path / "killed", *overrides, wait=False)
     _kill_after_checkpoint(killed, tmp_path / "killed", 20)
