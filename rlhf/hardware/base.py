@@ -167,9 +167,11 @@ class DataParallel:
                             "same on every machine. Fix: e.g. hardware.rdzv_endpoint=10.0.0.1:29500")
         self.device, self.num_processes, self.num_nodes = device, num_processes, num_nodes
         self.mixed_precision = resolve_precision(mixed_precision, self.uses_cuda())
-        self._precision_why = "" if mixed_precision != "auto" else (
-            " (auto: " + ("a GPU" if self.uses_cuda() else "a CPU") + (" with" if self.mixed_precision == "bf16"
-                                                                       else " without") + " bf16 matrix units)")
+        self._precision_why = ""  # what auto meant, for the start-up line
+        if mixed_precision == "auto":
+            where = "a GPU" if self.uses_cuda() else "a CPU"
+            has = "with" if self.mixed_precision == "bf16" else "without"
+            self._precision_why = f" (auto: {where} {has} bf16 matrix units)"
         self.threads_per_process = threads_per_process
         self.rdzv_endpoint, self.node_rank, self.timeout_s = rdzv_endpoint, node_rank, timeout_s
         self.compile = compile
