@@ -24,6 +24,7 @@ from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
 from rlhf.errors import UserError
 from rlhf.hardware import global_numel
 from rlhf.memory import MemoryPlan, PeakMemory, activation_bytes, measured_plan, optimizer_bytes_per_parameter
+from rlhf.models import attention
 from rlhf.models.adapters import NoAdapter
 from rlhf.models.output_layer import logits_rows
 from rlhf.optim import param_groups, schedule
@@ -130,9 +131,12 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     sequences, tokens = algo.micro_batch_shape(algo.collate([sample[i] for i in longest]))
     precision = strategy.mixed_precision
     value_bytes = 2 if precision == "bf16" else next(model.parameters()).element_size()
+    bf16 = precision == "bf16" or next(model.parameters()).dtype == torch.bfloat16
+    device = strategy.accelerator.device
     activations = activation_bytes(model.config, sequences, tokens, value_bytes,
                                    checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
-                                   logits_rows=logits_rows(model, strategy.accelerator.device, sequences * tokens))
+                                   logits_rows=logits_rows(model, device, sequences * tokens),
+                                   scores=attention.keeps_scores(model.config, tokens, device.type, bf16))
     precision = strategy.stored_precision()
     trainable = next((p for p in model.parameters() if p.requires_grad), None)
     state_dtype = precision.optimizer_dtype or (trainable.dtype if trainable is not None else torch.float32)

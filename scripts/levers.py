@@ -4,13 +4,15 @@
     python scripts/levers.py --size 100m --rounds 2 logits=algo.completion_logits_only=true \\
         "both=algo.completion_logits_only=true optimizer.fused=true"
     python scripts/levers.py --algo sft compile=hardware.compile=true
+    python scripts/levers.py --size 100m --base hardware.mixed_precision=bf16 sdpa=model.attn_implementation=sdpa
 
 Each lever is ``NAME=OVERRIDES`` (space-separated overrides in one argument). The runs are bench.py's (the same
 random-init Llama sizes, random rows, batch, threads and shared settings; float32 unless an override says
-otherwise), without TRL. The variants run interleaved, round after round (defaults, lever 1, lever 2, defaults,
-...), so that a slow minute of a shared machine falls on all of them alike; each run's samples/s is its steady
-state (the second half of ``2 x steps`` optimizer steps). The table gives every round's value, the best, and the
-best against the defaults' best: the least disturbed run of each is the fairest comparison on a busy machine.
+otherwise; ``--base`` adds overrides to every variant, the defaults included), without TRL. The variants run
+interleaved, round after round (defaults, lever 1, lever 2, defaults, ...), so that a slow minute of a shared
+machine falls on all of them alike; each run's samples/s is its steady state (the second half of ``2 x steps``
+optimizer steps). The table gives every round's value, the best, and the best against the defaults' best: the
+least disturbed run of each is the fairest comparison on a busy machine.
 Written to ``--out`` as ``levers-<size>-<shape>-<algo>.md`` and printed.
 """
 
@@ -39,6 +41,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8, help="samples (pairs, rows) per optimizer step")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPUs)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "levers"), help="where the table goes")
+    parser.add_argument("--base", action="append", default=[], metavar="OVERRIDE",
+                        help="an override of every variant, the defaults' too (repeatable), e.g. --base "
+                             "hardware.mixed_precision=bf16: levers measured on top of it")
     args = parser.parse_args()
     variants = {"defaults": []}
     for lever in args.levers:
@@ -62,12 +67,14 @@ def main() -> int:
         for round_ in range(args.rounds):
             for name, overrides in variants.items():
                 results[name].append(bench.run_ours_into(work / f"{name}-{round_}", case, work / "model", data,
-                                                         work / "cache", args.batch, steps, threads, overrides))
+                                                         work / "cache", args.batch, steps, threads,
+                                                         [*args.base, *overrides]))
                 print(f"round {round_ + 1} {name}: {results[name][-1]['samples_per_s']:.2f} samples/s "
                       f"[{time.perf_counter() - started:.0f} s]", flush=True)
     base = max(r["samples_per_s"] for r in results["defaults"])
     title = (f"{args.size} ({params / 1e6:.1f}M parameters), {args.shape} rows, {args.algo}, batch {args.batch}, "
-             f"{steps} timed steps, {threads} threads, {args.rounds} interleaved rounds; {bench.machine()}; "
+             f"{steps} timed steps, {threads} threads, {args.rounds} interleaved rounds"
+             f"{'; every variant with ' + ' '.join(args.base) if args.base else ''}; {bench.machine()}; "
              f"{time.strftime('%Y-%m-%d')}")
     lines = [f"# Levers: {title}", "", f"`python scripts/levers.py {' '.join(sys.argv[1:])}`", "",
              "| variant | overrides | samples/s per round | best | best / defaults' best | peak MB |",

@@ -18,6 +18,7 @@ from transformers import (
 
 from rlhf import hub
 from rlhf.errors import UserError
+from rlhf.models import attention
 from rlhf.models.quantize import DTYPE_NAMES, load_quantized, quantized_copy
 from rlhf.validate import limits
 
@@ -109,7 +110,7 @@ def load_policy(
     chat_template: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
-    attn_implementation: str | None = None,
+    attn_implementation: str | None = "auto",
     gradient_checkpointing: bool = False,
     tiny: Any = None,
     head: str = "causal_lm",
@@ -127,7 +128,9 @@ def load_policy(
         trust_remote_code: run Python code that the Hub repository ships (custom architectures). Off unless
             asked: such code runs with your permissions. Weights are read from safetensors files where the
             repository has them, else with ``torch.load(weights_only=True)``, which runs no code.
-        attn_implementation: e.g. ``sdpa``, ``eager``, ``flash_attention_2``; ``None`` lets transformers pick.
+        attn_implementation: ``auto`` (transformers' pick; where that is ``sdpa``, the kernel behind it chosen per
+            call by measurement: :mod:`rlhf.models.attention`), or one of transformers' names (``sdpa``, ``eager``,
+            ``flash_attention_2``, ...); ``None`` lets transformers pick.
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
             them (non-reentrant ``torch.utils.checkpoint``): activation memory for about a third more compute.
         tiny: a :class:`rlhf.models.tiny.TinySpec`, used when ``name_or_path`` is ``None``.
@@ -148,6 +151,8 @@ def load_policy(
             raise UserError("model.name_or_path is null and no tiny spec is given. Fix: model=tiny or "
                             "model.name_or_path=<hub id or folder>")
         policy = tiny.build(head)
+        if attention.requested(attn_implementation) is not None:
+            policy.model.set_attn_implementation(attn_implementation)
         if quantization is not None:
             policy = Policy(quantized_copy(policy.model, quantization, DTYPES.get(dtype)), policy.tokenizer)
     else:
@@ -169,15 +174,18 @@ def load_policy(
             loaded_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
             if quantization is not None:
                 model = load_quantized(spec.auto_class, path, quantization, loaded_dtype,
-                                       attn_implementation=attn_implementation, **kwargs, **model_kwargs)
+                                       attn_implementation=attention.requested(attn_implementation), **kwargs,
+                                       **model_kwargs)
             else:
                 model = spec.auto_class.from_pretrained(
-                    path, dtype=loaded_dtype, attn_implementation=attn_implementation, **kwargs, **model_kwargs,
+                    path, dtype=loaded_dtype, attn_implementation=attention.requested(attn_implementation), **kwargs,
+                    **model_kwargs,
                 )
         except OSError as error:
             raise UserError(f"model.name_or_path={name_or_path}: could not load it ({error}). Fix: check the id or "
                             "folder; Hub ids need network access (or a cache with HF_HUB_OFFLINE=1).") from error
         policy = Policy(model, tokenizer)
+    attention.apply(policy.model, attn_implementation)
     if dtype != "auto" and quantization is None:  # a quantized model keeps its 4/8-bit layers (loaded in dtype)
         policy.model.to(DTYPES[dtype])
     if gradient_checkpointing:

@@ -1,0 +1,76 @@
+"""Which attention kernel a model runs: ``model.attn_implementation``.
+
+``auto`` (the default) is what transformers picks for the model, except that where it picks ``sdpa``
+(``torch.nn.functional.scaled_dot_product_attention``), the kernel behind it is chosen per call by what measured
+faster: torch's math kernel (two matrix products and a softmax) for a call in bf16 on a CPU whose backward pass will
+run, when the keys are fewer than :data:`CPU_MATH_BELOW_KEYS`; torch's own choice (its flash kernel on a CPU)
+everywhere else. ``python scripts/attention_kernels.py`` on a 2-core AVX-512-BF16 CPU (torch 2.13), 16 sequences:
+forward and backward in bf16, flash took 1.7-2.3x the math kernel's time at 32 keys, 1.3-2.1x at 64, 1.2-1.5x at
+128, and 0.7-1.1x at 192 (4 and 12 heads); the forward alone (a frozen reference, generation) and float32 were
+faster with flash at every length. The choice is made inside each call, so a model switches as its batches'
+lengths change; a GPU keeps torch's choice (flash or memory-efficient kernels).
+
+The math kernel materialises each head's ``keys x keys`` scores, as ``eager`` does: below the threshold that is
+fewer than ``heads x 192`` values per token and layer (:func:`rlhf.memory.activation_bytes` counts them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+AUTO = "auto"  # the config value
+NAME = "rlhf_sdpa"  # what a model's config._attn_implementation says under ``auto`` (registered with transformers)
+CPU_MATH_BELOW_KEYS = 192  # scripts/attention_kernels.py: the crossover on a 2-core CPU lies between 128 and 256 keys
+
+
+def uses_math_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :func:`sdpa_by_measurement` runs torch's math kernel for these ``[B, heads, length, dim]`` tensors:
+    on a CPU, in bf16, fewer than :data:`CPU_MATH_BELOW_KEYS` keys, and a backward pass to come (a gradient is
+    recorded). Under autocast the attention computes in autocast's dtype whatever the query's (rotary embeddings in
+    float32 make a bf16 query float32 again before autocast casts it back inside the attention)."""
+    if query.device.type != "cpu" or key.shape[-2] >= CPU_MATH_BELOW_KEYS:
+        return False
+    if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
+        return False
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    return dtype == torch.bfloat16
+
+
+def sdpa_by_measurement(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa`` attention, with torch's math kernel where it measured faster (:func:`uses_math_kernel`)."""
+    if uses_math_kernel(query, key, value):
+        with sdpa_kernel(SDPBackend.MATH):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+ALL_ATTENTION_FUNCTIONS.register(NAME, sdpa_by_measurement)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # the same masks as sdpa's
+
+
+def requested(attn_implementation: str | None) -> str | None:
+    """What to ask transformers for when loading: ``auto`` lets it pick (:func:`apply` then refines ``sdpa``)."""
+    return None if attn_implementation == AUTO else attn_implementation
+
+
+def apply(model: torch.nn.Module, attn_implementation: str | None) -> None:
+    """Under ``auto``, a model that transformers gave ``sdpa`` runs :func:`sdpa_by_measurement` instead; any other
+    value leaves the model as loaded."""
+    config = getattr(model, "config", None)
+    if attn_implementation == AUTO and getattr(config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(NAME)
+
+
+def keeps_scores(config: Any, keys: int, device_type: str, bf16: bool) -> bool:
+    """Whether a training forward of ``keys`` tokens keeps each head's ``keys x keys`` attention scores for its
+    backward: ``eager`` attention always; ``auto``'s where it runs the math kernel (:func:`uses_math_kernel`)."""
+    implementation = getattr(config, "_attn_implementation", None)
+    return implementation == "eager" or (implementation == NAME and device_type == "cpu" and bf16
+                                         and keys < CPU_MATH_BELOW_KEYS)
