@@ -89,9 +89,9 @@ def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, 
     Per token and decoder layer, autograd keeps about ``12 h + 4 i`` values (h: hidden size, i: MLP width): the
     inputs of the two norms and of the projections, query/key/value, the attention output, and the four MLP
     intermediates of a gated MLP; attention that keeps its scores adds the softmax's ``heads x tokens`` (``scores``;
-    ``None``: where the config says ``eager``; :func:`rlhf.models.attention.keeps_scores` says where else). This follows the
-    accounting of Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1) without its dropout masks (dropout is off
-    in preference training). Gradient checkpointing keeps one ``h`` per layer and recomputes one layer at a time.
+    ``None``: where the config says ``eager``; :func:`rlhf.models.attention.keeps_scores` says where else). This
+    follows the accounting of Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1) without its dropout masks
+    (dropout is off in preference training). Gradient checkpointing keeps one ``h`` per layer and recomputes one layer at a time.
     The logits add ``3 V`` float32 values per token (logits, their log-softmax, and its gradient); where the output
     layer computes them a tile at a time (:mod:`rlhf.models.output_layer`), three tiles of ``logits_rows`` rows' worth."""
     hidden = _config_value(config, ("hidden_size", "n_embd", "d_model"), 0)
@@ -100,7 +100,9 @@ def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, 
     inner = _config_value(config, ("intermediate_size", "n_inner", "ffn_dim"), 4 * hidden)
     vocab = _config_value(config, ("vocab_size",), 0)
     per_layer = 12 * hidden + 4 * inner
-    if scores if scores is not None else getattr(config, "_attn_implementation", None) == "eager":
+    if scores is None:
+        scores = getattr(config, "_attn_implementation", None) == "eager"
+    if scores:
         per_layer += heads * tokens
     kept = (layers * hidden + per_layer) if checkpointing else layers * per_layer
     rows = sequences * tokens if logits_rows is None else min(logits_rows, sequences * tokens)
