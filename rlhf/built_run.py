@@ -136,7 +136,7 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     activations = activation_bytes(model.config, sequences, tokens, value_bytes,
                                    checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
                                    logits_rows=logits_rows(model, device, sequences * tokens),
-                                   scores=attention.keeps_scores(model.config, tokens, device.type, bf16))
+                                   attention_bytes=attention.kept_bytes(model.config, tokens, device.type, bf16))
     precision = strategy.stored_precision()
     trainable = next((p for p in model.parameters() if p.requires_grad), None)
     state_dtype = precision.optimizer_dtype or (trainable.dtype if trainable is not None else torch.float32)

@@ -83,14 +83,15 @@ def _config_value(config, names: tuple[str, ...], default):
 
 
 def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, checkpointing: bool,
-                     logits_rows: int | None = None, scores: bool | None = None) -> int:
+                     logits_rows: int | None = None, attention_bytes: int | None = None) -> int:
     """An estimate of what the backward pass keeps for one micro-batch of ``sequences`` x ``tokens``.
 
     Per token and decoder layer, autograd keeps about ``12 h + 4 i`` values (h: hidden size, i: MLP width): the
     inputs of the two norms and of the projections, query/key/value, the attention output, and the four MLP
-    intermediates of a gated MLP; attention that keeps its scores adds the softmax's ``heads x tokens`` (``scores``;
-    ``None``: where the config says ``eager``; :func:`rlhf.models.attention.keeps_scores` says where else). This
-    follows the accounting of Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1) without its dropout masks
+    intermediates of a gated MLP; eager attention adds the softmax's ``heads x tokens``. ``attention_bytes``, where
+    given, replaces that term: what the attention keeps beyond it, in bytes per token and layer
+    (:func:`rlhf.models.attention.kept_bytes`: torch's math kernel under bf16 keeps float32 scores and float32
+    copies of query, key and value). This follows the accounting of Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1) without its dropout masks
     (dropout is off in preference training). Gradient checkpointing keeps one ``h`` per layer and recomputes one layer at a time.
     The logits add ``3 V`` float32 values per token (logits, their log-softmax, and its gradient); where the output
     layer computes them a tile at a time (:mod:`rlhf.models.output_layer`), three tiles of ``logits_rows`` rows' worth."""
@@ -99,14 +100,14 @@ def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, 
     heads = _config_value(config, ("num_attention_heads", "n_head"), 1)
     inner = _config_value(config, ("intermediate_size", "n_inner", "ffn_dim"), 4 * hidden)
     vocab = _config_value(config, ("vocab_size",), 0)
-    per_layer = 12 * hidden + 4 * inner
-    if scores is None:
-        scores = getattr(config, "_attn_implementation", None) == "eager"
-    if scores:
-        per_layer += heads * tokens
-    kept = (layers * hidden + per_layer) if checkpointing else layers * per_layer
+    per_layer = (12 * hidden + 4 * inner) * bytes_per_value
+    if attention_bytes is not None:
+        per_layer += attention_bytes
+    elif getattr(config, "_attn_implementation", None) == "eager":
+        per_layer += heads * tokens * bytes_per_value
+    kept = (layers * hidden * bytes_per_value + per_layer) if checkpointing else layers * per_layer
     rows = sequences * tokens if logits_rows is None else min(logits_rows, sequences * tokens)
-    return sequences * tokens * kept * bytes_per_value + rows * 3 * vocab * 4
+    return sequences * tokens * kept + rows * 3 * vocab * 4
 
 
 def plan(weights: int, trainable: int, gradient_width: int, frozen: int, optimizer_bytes: float | None,

@@ -11,7 +11,7 @@ faster with flash at every length. The choice is made inside each call, so a mod
 lengths change; a GPU keeps torch's choice (flash or memory-efficient kernels).
 
 The math kernel materialises each head's ``keys x keys`` scores, as ``eager`` does: below the threshold that is
-fewer than ``heads x 192`` values per token and layer (:func:`rlhf.memory.activation_bytes` counts them).
+fewer than ``heads x 192`` float32 values per token and layer (:func:`kept_bytes`; the memory preflight counts them).
 """
 
 from __future__ import annotations
@@ -68,9 +68,14 @@ def apply(model: torch.nn.Module, attn_implementation: str | None) -> None:
         model.set_attn_implementation(NAME)
 
 
-def keeps_scores(config: Any, keys: int, device_type: str, bf16: bool) -> bool:
-    """Whether a training forward of ``keys`` tokens keeps each head's ``keys x keys`` attention scores for its
-    backward: ``eager`` attention always; ``auto``'s where it runs the math kernel (:func:`uses_math_kernel`)."""
-    implementation = getattr(config, "_attn_implementation", None)
-    return implementation == "eager" or (implementation == NAME and device_type == "cpu" and bf16
-                                         and keys < CPU_MATH_BELOW_KEYS)
+def kept_bytes(config: Any, keys: int, device_type: str, bf16: bool) -> int | None:
+    """What a training forward of ``keys`` tokens keeps for the attention's backward beyond flash's query, key, value
+    and output, in bytes per token and decoder layer, where ``auto`` runs the math kernel (:func:`uses_math_kernel`):
+    under bf16 it computes in float32, so it keeps float32 copies of query, key and value (``3 h`` values, ``h`` the
+    hidden size, against flash's bf16 ones) and each head's float32 scores (``heads x keys``). ``None`` elsewhere:
+    :func:`rlhf.memory.activation_bytes`' own count (``eager``'s scores)."""
+    if not (getattr(config, "_attn_implementation", None) == NAME and device_type == "cpu" and bf16
+            and keys < CPU_MATH_BELOW_KEYS):
+        return None
+    hidden, heads = getattr(config, "hidden_size", 0), getattr(config, "num_attention_heads", 1)
+    return 3 * hidden * (4 - 2) + heads * keys * 4

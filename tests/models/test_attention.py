@@ -78,18 +78,16 @@ def test_the_math_kernel_computes_what_sdpa_computes():
         assert (ga - gb).abs().max().item() <= tolerance * max(1.0, gb.abs().max().item())
 
 
-def test_the_memory_estimate_counts_the_scores_the_math_kernel_keeps():
+def test_the_memory_estimate_counts_what_the_math_kernel_keeps():
     config = _tiny().model.config
     short = attention.CPU_MATH_BELOW_KEYS - 1
-    assert attention.keeps_scores(config, short, "cpu", bf16=True)
-    assert not attention.keeps_scores(config, attention.CPU_MATH_BELOW_KEYS, "cpu", bf16=True)
-    assert not attention.keeps_scores(config, short, "cpu", bf16=False)
-    assert not attention.keeps_scores(config, short, "cuda", bf16=True)
-    with_scores = activation_bytes(config, 8, short, 2, False, scores=True)
-    without = activation_bytes(config, 8, short, 2, False, scores=False)
-    assert with_scores - without == 8 * short * config.num_hidden_layers * config.num_attention_heads * short * 2
-    assert activation_bytes(config, 8, short, 2, False) == without  # None: only an eager config keeps them
-
+    kept = attention.kept_bytes(config, short, "cpu", bf16=True)
+    assert kept == 3 * config.hidden_size * 2 + config.num_attention_heads * short * 4
+    assert attention.kept_bytes(config, attention.CPU_MATH_BELOW_KEYS, "cpu", bf16=True) is None
+    assert attention.kept_bytes(config, short, "cpu", bf16=False) is None
+    assert attention.kept_bytes(config, short, "cuda", bf16=True) is None
+    with_math = activation_bytes(config, 8, short, 2, False, attention_bytes=kept)
+    assert with_math - activation_bytes(config, 8, short, 2, False) == 8 * short * config.num_hidden_layers * kept
 
 
 def test_the_estimate_is_close_to_what_autograd_keeps_under_the_math_kernel():
@@ -104,10 +102,10 @@ def test_the_estimate_is_close_to_what_autograd_keeps_under_the_math_kernel():
         model.set_attn_implementation(name)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             kept[name] = _saved_bytes(model, batch)
-    scores = kept[attention.NAME] - kept["sdpa"]  # what the math kernel keeps more than flash
-    assert scores > 0
+    more = kept[attention.NAME] - kept["sdpa"]  # what the math kernel keeps beyond flash
+    assert more > 0
     estimate = activation_bytes(model.config, sequences, tokens, 2, False,
-                                scores=attention.keeps_scores(model.config, tokens, "cpu", True))
+                                attention_bytes=attention.kept_bytes(model.config, tokens, "cpu", True))
     assert 0.67 * kept[attention.NAME] < estimate < 1.5 * kept[attention.NAME], (estimate, kept)
-    without = activation_bytes(model.config, sequences, tokens, 2, False, scores=False)
-    assert 0.5 * scores < estimate - without < 2 * scores, (estimate - without, scores)
+    added = estimate - activation_bytes(model.config, sequences, tokens, 2, False)
+    assert 0.67 * more < added < 1.5 * more, (added, more)
