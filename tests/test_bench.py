@@ -94,6 +94,26 @@ def test_levers_runs_each_variant_and_writes_its_table(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "levers.py"), "nonsense"], capture_output=True,
                          text=True, cwd=ROOT)
     assert bad.returncode == 2 and "write a lever as NAME=OVERRIDES" in bad.stderr
+    # --base reaches every run, the defaults' first: a base the config refuses stops the first run
+    base = subprocess.run([sys.executable, str(ROOT / "scripts" / "levers.py"), "--rounds", "1", "--steps", "2",
+                           "--out", str(tmp_path / "base"), "--base", "algo.beta=-1", "loop=optimizer.fused=false"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert base.returncode != 0 and "algo.beta=-1 must be > 0" in base.stderr + base.stdout, base.stderr[-2000:]
+    assert "round 1 defaults" not in base.stdout
+
+
+def test_attention_kernels_times_flash_and_math(monkeypatch, capsys):
+    """scripts/attention_kernels.py at one small shape: a row per dtype and length, both kernels timed."""
+    spec = importlib.util.spec_from_file_location("attention_kernels", ROOT / "scripts" / "attention_kernels.py")
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    monkeypatch.setattr(sys, "argv", ["attention_kernels.py", "--sizes", "3m", "--lengths", "16", "24",
+                                      "--batch", "2", "--repeats", "1"])
+    assert kernels.main() == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 3m")]
+    assert [(row[2], row[3]) for row in rows] == [("bf16", "16"), ("bf16", "24"), ("float32", "16"),
+                                                  ("float32", "24")]
+    assert all(float(value) > 0 for row in rows for value in row[4:9])
 
 
 def test_logps_kernels_times_both_ways_and_finds_them_equal(monkeypatch, capsys):

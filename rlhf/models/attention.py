@@ -34,12 +34,16 @@ def uses_math_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     on a CPU, in bf16, fewer than :data:`CPU_MATH_BELOW_KEYS` keys, and a backward pass to come (a gradient is
     recorded). Under autocast the attention computes in autocast's dtype whatever the query's (rotary embeddings in
     float32 make a bf16 query float32 again before autocast casts it back inside the attention)."""
-    if query.device.type != "cpu" or key.shape[-2] >= CPU_MATH_BELOW_KEYS:
-        return False
     if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
         return False
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
-    return dtype == torch.bfloat16
+    cpu = query.device.type == "cpu"
+    dtype = torch.get_autocast_dtype("cpu") if cpu and torch.is_autocast_enabled("cpu") else query.dtype
+    return _math_is_faster(query.device.type, dtype == torch.bfloat16, key.shape[-2])
+
+
+def _math_is_faster(device_type: str, bf16: bool, keys: int) -> bool:
+    """The measured rule (module docstring), for a call whose backward will run."""
+    return device_type == "cpu" and bf16 and keys < CPU_MATH_BELOW_KEYS
 
 
 def sdpa_by_measurement(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -61,11 +65,15 @@ def requested(attn_implementation: str | None) -> str | None:
 
 
 def apply(model: torch.nn.Module, attn_implementation: str | None) -> None:
-    """Under ``auto``, a model that transformers gave ``sdpa`` runs :func:`sdpa_by_measurement` instead; any other
-    value leaves the model as loaded."""
-    config = getattr(model, "config", None)
-    if attn_implementation == AUTO and getattr(config, "_attn_implementation", None) == "sdpa":
-        model.set_attn_implementation(NAME)
+    """Set ``attn_implementation`` on a built or loaded model: under ``auto``, a model that transformers gave
+    ``sdpa`` runs :func:`sdpa_by_measurement` instead; a named one is set where the model has another (one built
+    from a config, e.g. the embedded tiny model); ``None`` leaves it as transformers picked."""
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if attn_implementation == AUTO:
+        if current == "sdpa":
+            model.set_attn_implementation(NAME)
+    elif attn_implementation is not None and current != attn_implementation:
+        model.set_attn_implementation(attn_implementation)
 
 
 def kept_bytes(config: Any, keys: int, device_type: str, bf16: bool) -> int | None:
@@ -74,8 +82,7 @@ def kept_bytes(config: Any, keys: int, device_type: str, bf16: bool) -> int | No
     under bf16 it computes in float32, so it keeps float32 copies of query, key and value (``3 h`` values, ``h`` the
     hidden size, against flash's bf16 ones) and each head's float32 scores (``heads x keys``). ``None`` elsewhere:
     :func:`rlhf.memory.activation_bytes`' own count (``eager``'s scores)."""
-    if not (getattr(config, "_attn_implementation", None) == NAME and device_type == "cpu" and bf16
-            and keys < CPU_MATH_BELOW_KEYS):
+    if getattr(config, "_attn_implementation", None) != NAME or not _math_is_faster(device_type, bf16, keys):
         return None
     hidden, heads = getattr(config, "hidden_size", 0), getattr(config, "num_attention_heads", 1)
     return 3 * hidden * (4 - 2) + heads * keys * 4

@@ -151,8 +151,6 @@ def load_policy(
             raise UserError("model.name_or_path is null and no tiny spec is given. Fix: model=tiny or "
                             "model.name_or_path=<hub id or folder>")
         policy = tiny.build(head)
-        if attention.requested(attn_implementation) is not None:
-            policy.model.set_attn_implementation(attn_implementation)
         if quantization is not None:
             policy = Policy(quantized_copy(policy.model, quantization, DTYPES.get(dtype)), policy.tokenizer)
     else:
