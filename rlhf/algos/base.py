@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from rlhf.algos.token_logps import selective_log_softmax
+from rlhf.data import shared_prompt
 from rlhf.data.loaders import Batches
 from rlhf.errors import UserError
 from rlhf.models.output_layer import answer, token_request
@@ -187,13 +188,18 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
     :data:`LOGITS_TO_KEEP` in the batch (:func:`keep_completion_logits`) only the last positions get logits; the
     statistics keep their ``[B, T-1]`` shape, 0 (and masked out) before them. A model whose output layer is tapped
     (:func:`rlhf.models.output_layer.tap_output_layer`) answers with the log-probabilities themselves, the logits
-    never whole; any other computes logits and :func:`selective_log_softmax` reads them."""
+    never whole; any other computes logits and :func:`selective_log_softmax` reads them. A batch of pairs laid out
+    around a shared prompt (:mod:`rlhf.data.shared_prompt`: ``B`` sequences) gives the statistics of its ``2B``
+    answers, chosen first, as a plain batch of the pairs' ``2B`` sequences would."""
     keep = int(batch.get(LOGITS_TO_KEEP) or 0)
     extra = {"logits_to_keep": keep} if keep else {}
+    shared = shared_prompt.BRANCH_IDS in batch
+    inputs = (shared_prompt.model_inputs(batch, model) if shared
+              else {"attention_mask": batch["attention_mask"]})
     length = batch["input_ids"].shape[1]
     # A tapped output layer answers only if it sees the positions asked for (the last `keep`, or all)
     with token_request(batch["input_ids"][:, length - (keep or length) + 1:], with_argmax=True) as request:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
+        logits = model(input_ids=batch["input_ids"], **inputs, **extra).logits
     answered = answer(request, logits)
     if answered is not None:
         skipped = length - (keep or length)  # leading positions without logits
@@ -208,9 +214,16 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
     labels = batch["input_ids"][:, skipped + 1:]
     mask = batch["completion_mask"][:, skipped + 1:].bool()
     token_logps = every_token_logps * mask
-    greedy = ((greedy_tokens == labels) | ~mask).all(-1)
+    hits = (greedy_tokens == labels) | ~mask
     if skipped:
         every_token_logps, token_logps = (torch.nn.functional.pad(x, (skipped, 0)) for x in (every_token_logps,
                                                                                              token_logps))
-        mask = torch.nn.functional.pad(mask, (skipped, 0))
+        mask, hits = (torch.nn.functional.pad(x, (skipped, 0), value=value) for x, value in ((mask, False),
+                                                                                         (hits, True)))
+    if shared:  # B pairs -> 2B answers; every_token_logps holds both branches in each row (nll_on_prompt reads it)
+        token_logps, mask, hits = shared_prompt.split_branches(batch[shared_prompt.BRANCH_IDS], token_logps, mask,
+                                                               hits)
+        hits |= ~mask
+        every_token_logps = torch.cat([every_token_logps, every_token_logps])
+    greedy = hits.all(-1)
     return CompletionStats(token_logps.sum(-1), mask.sum(-1), greedy, token_logps, mask, every_token_logps)

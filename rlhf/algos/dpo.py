@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from rlhf.algos.base import completion_stats, keep_completion_logits
 from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.algos.sft import nll_loss
+from rlhf.data import shared_prompt
 from rlhf.data.collate import collate_sequences, encode, require_completion
+from rlhf.errors import UserError
 from rlhf.models.output_layer import check_when
 from rlhf.models.reference import FrozenCopy, Reference
 from rlhf.validate import Range, limits
@@ -51,6 +54,12 @@ class DPO(ReferenceRegularized):
             :mod:`rlhf.models.output_layer`): ``auto`` (on a GPU, where those are a step's largest tensors),
             ``true`` (also on a CPU, where it measured 0.91-1.11x: the backward pass computes the logits again),
             or ``false``. Models that transform their logits after the output layer compute logits whatever this says.
+        shared_prompt: lay each pair out as one sequence, chosen and rejected after one shared prompt
+            (:mod:`rlhf.data.shared_prompt`; prefix sharing), so the prompt runs through the layers once, not twice
+            (policy and reference): ``auto`` (where the model can take it: a family checked to, an attention that
+            takes a custom mask, no sliding window shorter than ``max_length``; :func:`shared_prompt.unsupported`),
+            ``true`` (required: a model that cannot take it is an error) or ``false`` (two sequences a pair). Off by
+            itself with ``nll_on_prompt``. Log-probabilities equal the two sequences' to rounding.
 
     The allowed values (``@limits`` above, and :class:`ReferenceRegularized`'s) are checked by
     :func:`rlhf.config.check_config` before anything is built.
@@ -73,8 +82,14 @@ class DPO(ReferenceRegularized):
         max_length: int | None = 1024,
         completion_logits_only: bool = True,
         fused_output_layer: bool | str = "auto",
+        shared_prompt: bool | str = "auto",
     ) -> None:
         self.fused_output_layer = check_when(fused_output_layer)
+        if not (shared_prompt is True or shared_prompt is False or shared_prompt == "auto"):
+            raise UserError(f"algo.shared_prompt={shared_prompt!r} is not one of auto, true, false. Fix: "
+                            "algo.shared_prompt=auto (pairs share their prompt where the model can take it)")
+        self.shared_prompt = shared_prompt
+        self.shares_prompt = shared_prompt is True and not nll_on_prompt  # auto: decided in setup() by the model
         self.completion_logits_only = completion_logits_only and not nll_on_prompt  # that NLL scores the prompt
         self.beta, self.loss_fn, self.nll_weight, self.nll_on_prompt = beta, loss, nll_weight, nll_on_prompt
         self.reference = reference if reference is not None else FrozenCopy()
@@ -91,6 +106,17 @@ class DPO(ReferenceRegularized):
             out[f"{side}_input_ids"], out[f"{side}_completion_mask"] = encoded["input_ids"], encoded["completion_mask"]
         return out
 
+    def setup(self, policy, tokenizer) -> None:
+        super().setup(policy, tokenizer)
+        if self.shared_prompt is False or self.nll_on_prompt:
+            return
+        models = [policy, *(m for m in self.frozen.values() if isinstance(m, torch.nn.Module))]
+        reasons = [reason for m in models if (reason := shared_prompt.unsupported(m, self.max_length))]
+        if reasons and self.shared_prompt is True:
+            raise UserError(f"algo.shared_prompt=true: this model cannot take pairs laid out around one prompt: "
+                            f"{reasons[0]}. Fix: algo.shared_prompt=auto (on where it can) or false")
+        self.shares_prompt = not reasons
+
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """The pairs' sequences (:meth:`sequences`) and the reference strategy's columns (precomputed
         log-probabilities)."""
@@ -99,13 +125,19 @@ class DPO(ReferenceRegularized):
 
     def sequences(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass (sequence ``k`` is
-        row ``k % B``'s ``k // B``-th)."""
+        row ``k % B``'s ``k // B``-th); with :attr:`shares_prompt`, ``[B, T]`` pairs each after its one prompt
+        (:func:`rlhf.data.shared_prompt.collate`), whose statistics come out in the same ``2B`` order."""
+        if self.shares_prompt:
+            return shared_prompt.collate([r["chosen_input_ids"] for r in rows], [r["chosen_completion_mask"] for r in rows],
+                                         [r["rejected_input_ids"] for r in rows],
+                                         [r["rejected_completion_mask"] for r in rows], self.pad_id)
         ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
         masks = [r["chosen_completion_mask"] for r in rows] + [r["rejected_completion_mask"] for r in rows]
         return collate_sequences(ids, masks, self.pad_id)
 
     def samples(self, batch: dict[str, Any]) -> int:
-        return int(batch["input_ids"].shape[0]) // 2  # pairs: chosen and rejected sequences
+        pairs = int(batch["input_ids"].shape[0])  # a sequence a pair around a shared prompt, else two
+        return pairs if shared_prompt.BRANCH_IDS in batch else pairs // 2
 
     def precompute(self, rows, strategy):
         """The reference strategy's columns (e.g. ``algo/reference=precomputed``'s log-probabilities)."""
@@ -123,7 +155,7 @@ class DPO(ReferenceRegularized):
         policy = completion_stats(model, batch)
         ref_logps = self.reference_logps(batch, model, held_out=not training,
                                          policy_logps=None if training else policy.logps)  # zeros: reference=none
-        n = batch["input_ids"].shape[0] // 2
+        n = policy.logps.shape[0] // 2  # pairs: chosen answers first
         pairs = PairLogps(policy.logps[:n], policy.logps[n:], ref_logps[:n], ref_logps[n:],
                           policy.num_tokens[:n], policy.num_tokens[n:])
         chosen_logratios, rejected_logratios = pairs.chosen_logratios, pairs.rejected_logratios

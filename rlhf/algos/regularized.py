@@ -105,9 +105,9 @@ class ReferenceRegularized(Algorithm):
 
 def _tokens_key(batch: dict[str, Tensor]) -> bytes:
     """What a batch's reference values depend on besides the frozen model: its token ids, attention and completion
-    masks and the logits kept (a digest of their bytes and shapes)."""
+    masks, the logits kept and a shared prompt's layout (a digest of their bytes and shapes)."""
     digest = hashlib.blake2b(digest_size=16)
-    for name in ("input_ids", "attention_mask", "completion_mask", "logits_to_keep"):
+    for name in ("input_ids", "attention_mask", "completion_mask", "logits_to_keep", "branch_ids", "position_ids"):
         value = batch.get(name)
         if isinstance(value, Tensor):
             digest.update(f"{name}{tuple(value.shape)}".encode())

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from rlhf.algos.base import completion_stats
+from rlhf.data import shared_prompt
 from rlhf.errors import UserError
 from rlhf.models.quantize import (
     DTYPE_NAMES,
@@ -191,7 +192,7 @@ class NoReference(Reference):
         return None
 
     def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
-        return torch.zeros(batch["input_ids"].shape[0], device=batch["input_ids"].device)
+        return torch.zeros(shared_prompt.scored_sequences(batch), device=batch["input_ids"].device)
 
     def memory_bytes(self, policy: torch.nn.Module) -> int:
         return 0

@@ -122,7 +122,7 @@ def test_dpo_rewards_are_beta_times_logratios_and_nll_term_is_weight_times_chose
 
 def test_dpo_collate_puts_chosen_first_in_one_batch():
     policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
-    algo = DPO()
+    algo = DPO(shared_prompt=False)
     algo.setup(policy.model, policy.tokenizer)
     batch = _batch(policy, algo)
     assert batch["input_ids"].shape[0] == 4

@@ -62,6 +62,10 @@ def test_a_separately_given_reference_gives_the_published_formula_on_both_models
     reference.tokenizer.save_pretrained(tmp_path / "ref")
     policy = _tiny()
     algo, batch, loss = _first_loss(policy, Pretrained(str(tmp_path / "ref")), beta=0.5)
+    assert "branch_ids" in batch  # the loss ran on pairs around a shared prompt; the formula reads two sequences a pair
+    plain = DPO(shared_prompt=False)
+    plain.pad_id = algo.pad_id
+    batch = plain.collate([plain.tokenize(r, policy.tokenizer) for r in ROWS])
 
     def summed_logps(model) -> torch.Tensor:
         with torch.no_grad():
