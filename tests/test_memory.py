@@ -155,7 +155,10 @@ def test_the_preflight_of_a_run_counts_gradient_checkpointing_as_the_model_has_i
     whole = preflight(policy.model, algo, rows, make_optimizer, strategy, settings)
     policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     checkpointed = preflight(policy.model, algo, rows, make_optimizer, strategy, settings)
-    assert whole.activations == activation_bytes(policy.model.config, 8, len(rows[0]["chosen_input_ids"]), 4, False)
+    # 4 pairs, each one sequence around its shared prompt (algo.shared_prompt): the prompt's first 6 tokens, then
+    # each branch: the prompt's last token and 6 + EOS of its answer
+    assert algo.shares_prompt and len(rows[0]["chosen_input_ids"]) == 14
+    assert whole.activations == activation_bytes(policy.model.config, 4, 6 + 8 + 8, 4, False)
     assert checkpointed.activations < whole.activations and checkpointed.weights == whole.weights
 
 
