@@ -95,7 +95,7 @@ ARCHITECTURES = {
                                  num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
                                  tie_word_embeddings=False)),
 }
-GPU_SEQUENCES, GPU_TOKENS = 2, 1024  # one preference pair of 1024 tokens per micro-batch
+GPU_SEQUENCES, GPU_TOKENS = 2, 1024  # one preference pair of 1024 tokens per micro-batch, as two sequences (algo.shared_prompt counts its prompt once: fewer)
 GPU_GB, GPU_RESERVED_GB = 24, 1.5  # an A10/A5000/RTX 4090; the CUDA context, NCCL buffers and fragmentation
 HEADROOM = 0.9  # a setup "fits" when its prediction is under 90% of what is usable: predictions are estimates
 
