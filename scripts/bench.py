@@ -20,7 +20,9 @@ completion), ``--threads`` torch threads, one process, on ``--device`` (``cpu``,
   pair), the same factor for both;
 - ``MFU``: model FLOP/s (``rlhf.perf.flops_per_token``: 6 x parameters per trained token, plus 2 x parameters of a
   live reference) over the peak that a matrix-product probe measures in this run (float32, or bfloat16 for the bf16
-  cases; ``rlhf.perf.probe``);
+  cases; ``rlhf.perf.probe``), for the tokens each side runs through the model: the data's for TRL, ours as its
+  ``perf/tokens_per_s`` counts them (a pair's prompt once where it shares it, ``algo.shared_prompt``: fewer than the
+  data's, so its MFU is not inflated by the work it skips);
 - ``peak MB``: the process's peak resident memory above its size before the model was loaded (both measured the
   same way, ``rlhf.memory.PeakMemory``).
 
@@ -222,7 +224,8 @@ def run_ours(case: str, model_dir: Path, data: Path, work: Path, batch: int, ste
 
 def run_ours_into(run_dir: Path, case: str, model_dir: Path, data: Path, cache: Path, batch: int, steps: int,
                   threads: int, extra: list[str], device: str = "cpu") -> dict:
-    """One of our runs into ``run_dir``: its steady-state samples/s (the last logged window) and peak memory."""
+    """One of our runs into ``run_dir``: its steady-state samples/s and the tokens/s it ran through the model (the
+    last logged window), and its peak memory."""
     command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, cache, extra, device)
     result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT)
     if result.returncode != 0:
@@ -230,7 +233,8 @@ def run_ours_into(run_dir: Path, case: str, model_dir: Path, data: Path, cache: 
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     windows = [line for line in lines if "perf/samples_per_s" in line]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"samples_per_s": windows[-1]["perf/samples_per_s"], "peak_mem_mb": summary["final"]["perf/peak_mem_mb"]}
+    return {"samples_per_s": windows[-1]["perf/samples_per_s"], "computed_tokens_per_s": windows[-1]["perf/tokens_per_s"],
+            "peak_mem_mb": summary["final"]["perf/peak_mem_mb"]}
 
 
 def checkpoint_cost(model_dir: Path, work: Path, shape: str, batch: int, steps: int, threads: int,
@@ -501,7 +505,8 @@ def main() -> int:
                     ours_bf16 = case in BF16 or (case in SHIPPED_TRL_BF16 and has_bf16)  # auto: bf16 where it is native
                     for side, bf16 in ((ours, ours_bf16), (theirs, case in BF16 or case in SHIPPED_TRL_BF16)):
                         side["tokens_per_s"] = side["samples_per_s"] * per_sample
-                        side["mfu"] = flops * side["tokens_per_s"] / peaks["bfloat16" if bf16 else "float32"]
+                        computed = side.get("computed_tokens_per_s", side["tokens_per_s"])  # ours: its own count
+                        side["mfu"] = flops * computed / peaks["bfloat16" if bf16 else "float32"]
                     row.update(ours=ours, trl=theirs, ratio=ours["samples_per_s"] / theirs["samples_per_s"])
                     results.append(row)
                     print(f"{size} {shape} {case}: rlhf {ours['samples_per_s']:.2f} samples/s, TRL "
