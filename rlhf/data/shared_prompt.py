@@ -63,10 +63,11 @@ def collate(chosen_ids: Sequence[Sequence[int]], chosen_masks: Sequence[Sequence
     included), :data:`BRANCH_IDS` and :data:`POSITION_IDS`, each ``[B, T]``."""
     ids, completion, branches, positions = [], [], [], []
     for c_ids, c_mask, r_ids, r_mask in zip(chosen_ids, chosen_masks, rejected_ids, rejected_masks, strict=True):
-        if list(c_ids[:prefix_length(c_mask, r_mask)]) != list(r_ids[:prefix_length(c_mask, r_mask)]):
+        prompt = prefix_length(c_mask, r_mask)
+        if list(c_ids[:prompt]) != list(r_ids[:prompt]):
             raise UserError("a pair's chosen and rejected sequences start with different prompts: they cannot share "
                             "one. Fix: algo.shared_prompt=false")
-        shared = max(prefix_length(c_mask, r_mask) - 1, 0)  # the prefix; each branch starts at the prompt's last token
+        shared = max(prompt - 1, 0)  # the prefix; each branch starts at the prompt's last token
         c_branch, r_branch = list(c_ids[shared:]), list(r_ids[shared:])
         ids.append(list(c_ids[:shared]) + c_branch + r_branch)
         # A branch's first token is predicted by the token before it, in the other branch: never scored (with a
