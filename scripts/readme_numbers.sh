@@ -117,20 +117,30 @@ print(f"{run.path.name:22s} sampling {gen:.3f} s of a {step:.3f} s step ({gen / 
 PY
       done
       echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)" ;;
-    ddp_speed)  # "Speed": steady-state samples/s of the main job on 1 process x 2 threads and 2 processes x 1 thread
-      for hw in cpu cpu_ddp; do
-        rm -rf $OUT/ddp_speed-$hw
-        $PY train.py $EXTRA algo=dpo optimizer=lion hardware=$hw train.global_batch_size=32 \
-          train.per_device_batch_size=$([ $hw = cpu ] && echo 32 || echo 16) train.max_steps=150 train.eval_at_start=false \
-          train.eval_every_steps=0 train.save_every_steps=0 train.save_final=false hydra.run.dir=$OUT/ddp_speed-$hw >/dev/null 2>&1
-        $PY - "$OUT/ddp_speed-$hw" <<'PY'
+    ddp_speed)  # "Speed": steady-state samples/s of the main job on 1 process x 2 threads and 2 processes x 1 thread,
+      # interleaved for ROUNDS rounds (default 3: a slow minute falls on both), each round's means, then the medians
+      rm -rf $OUT/ddp_speed-*
+      for round in $(seq 1 ${ROUNDS:-3}); do
+        for hw in cpu cpu_ddp; do
+          $PY train.py $EXTRA algo=dpo optimizer=lion hardware=$hw train.global_batch_size=32 \
+            train.per_device_batch_size=$([ $hw = cpu ] && echo 32 || echo 16) train.max_steps=150 train.eval_at_start=false \
+            train.eval_every_steps=0 train.save_every_steps=0 train.save_final=false hydra.run.dir=$OUT/ddp_speed-$hw-$round >/dev/null 2>&1
+        done
+      done
+      $PY - $OUT/ddp_speed-cpu-* $OUT/ddp_speed-cpu_ddp-* <<'PY'
+import statistics
 import sys
 from rlhf.results import Run
-run = Run(sys.argv[1])
-rates = [r["perf/samples_per_s"] for r in run.metrics if "perf/samples_per_s" in r][1:]  # the first window: start-up
-print(f"{run.path.name:20s} samples/s over steps 11-150: mean {sum(rates) / len(rates):.0f}, {min(rates):.0f}-{max(rates):.0f}")
+means = {"cpu": [], "cpu_ddp": []}
+for folder in sys.argv[1:]:
+    run = Run(folder)
+    rates = [r["perf/samples_per_s"] for r in run.metrics if "perf/samples_per_s" in r][1:]  # the first window: start-up
+    hw = run.path.name.removeprefix("ddp_speed-").rsplit("-", 1)[0]
+    means[hw].append(sum(rates) / len(rates))
+    print(f"{run.path.name:22s} samples/s over steps 11-150: mean {means[hw][-1]:.0f}, {min(rates):.0f}-{max(rates):.0f}")
+one, two = statistics.median(means["cpu"]), statistics.median(means["cpu_ddp"])
+print(f"median of the rounds' means: 1 process x 2 threads {one:.0f}, 2 processes x 1 thread {two:.0f}: {two / one:.2f}x")
 PY
-      done
       echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)" ;;
     *) echo "unknown part: $part (main, optimizers, dpo_search, sft_dpo, objectives, reward, hardware, grpo, rloo, reinforce_pp, ppo, iterative_sft, generation, ddp_speed)" >&2; exit 2 ;;
   esac

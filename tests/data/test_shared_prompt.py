@@ -108,6 +108,22 @@ def test_gradients_logits_kept_fused_output_layer_and_bf16_agree_with_two_sequen
     assert torch.allclose(c.float(), d.float(), atol=0.05 * a.abs().max())
 
 
+def test_eager_gets_an_additive_mask_through_a_strategys_wrapper():
+    """eager adds the mask to its scores: a boolean one would be wrong, also where DDP or DeepSpeed wrap the model."""
+
+    class Wrapped(torch.nn.Module):  # as DDP and DeepSpeed hold the model: under .module, without a config
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    eager, sdpa = _model(attn="eager"), _model()
+    _, batch = _batches(eager)
+    for model in (eager, Wrapped(eager), Wrapped(Wrapped(eager))):
+        mask = shared_prompt.model_inputs(batch, model)["attention_mask"]
+        assert mask.dtype == torch.float32 and mask.max() == 0 and mask.min() == torch.finfo(torch.float32).min
+    assert shared_prompt.model_inputs(batch, Wrapped(sdpa))["attention_mask"].dtype == torch.bool
+
+
 def test_dpo_shares_prompts_where_the_model_can_and_says_why_not_where_it_cannot():
     llama = _model()
     algo = DPO(reference=NoReference())
