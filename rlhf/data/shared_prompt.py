@@ -137,7 +137,7 @@ def unsupported(model: Any, max_length: int | None) -> str | None:
 
 def _attention(model: Any) -> str | None:
     """The attention implementation of ``model``, through the wrappers a strategy puts around it (DDP's and
-    DeepSpeed's ``module``), which have no config of their own."""
-    while getattr(model, "config", None) is None and getattr(model, "module", None) is not None:
+    DeepSpeed's ``module``; DeepSpeed's engine has a ``config`` of its own, not the model's)."""
+    while not hasattr(getattr(model, "config", None), "_attn_implementation") and hasattr(model, "module"):
         model = model.module
     return getattr(getattr(model, "config", None), "_attn_implementation", None)

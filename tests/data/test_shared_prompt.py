@@ -111,10 +111,10 @@ def test_gradients_logits_kept_fused_output_layer_and_bf16_agree_with_two_sequen
 def test_eager_gets_an_additive_mask_through_a_strategys_wrapper():
     """eager adds the mask to its scores: a boolean one would be wrong, also where DDP or DeepSpeed wrap the model."""
 
-    class Wrapped(torch.nn.Module):  # as DDP and DeepSpeed hold the model: under .module, without a config
+    class Wrapped(torch.nn.Module):  # as DDP and DeepSpeed hold the model: under .module (DeepSpeed: a config dict)
         def __init__(self, module):
             super().__init__()
-            self.module = module
+            self.module, self.config = module, {"zero_optimization": {"stage": 3}}
 
     eager, sdpa = _model(attn="eager"), _model()
     _, batch = _batches(eager)
