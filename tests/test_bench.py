@@ -49,6 +49,10 @@ def test_the_benchmark_runs_at_a_tiny_size_and_both_sides_compute_the_same_losse
         for side in ("ours", "trl"):
             assert row[side]["samples_per_s"] > 0 and 0 < row[side]["mfu"] < 1 and row[side]["peak_mem_mb"] > 0
         assert row["ratio"] == pytest.approx(row["ours"]["samples_per_s"] / row["trl"]["samples_per_s"])
+        ours = row["ours"]  # our MFU counts the tokens our run computes: for DPO a pair's shared prompt once
+        data_mfu = ours["mfu"] * ours["tokens_per_s"] / ours["computed_tokens_per_s"]
+        assert (ours["computed_tokens_per_s"] < 0.95 * ours["tokens_per_s"]) == (row["case"] == "dpo_fp32")
+        assert data_mfu == pytest.approx(row["trl"]["mfu"] * ours["samples_per_s"] / row["trl"]["samples_per_s"])
     table = (tmp_path / "bench.md").read_text()
     assert "| 3m (3.7M) | short | dpo_fp32 |" in table and "| 3m (3.7M) | short | sft_fp32 |" in table
     assert (tmp_path / "bench.png").stat().st_size > 10_000

@@ -85,10 +85,8 @@ class DPO(ReferenceRegularized):
         shared_prompt: bool | str = "auto",
     ) -> None:
         self.fused_output_layer = check_when(fused_output_layer)
-        if not (shared_prompt is True or shared_prompt is False or shared_prompt == "auto"):
-            raise UserError(f"algo.shared_prompt={shared_prompt!r} is not one of auto, true, false. Fix: "
-                            "algo.shared_prompt=auto (pairs share their prompt where the model can take it)")
-        self.shared_prompt = shared_prompt
+        self.shared_prompt = check_when(shared_prompt, "algo.shared_prompt",
+                                        "auto (pairs share their prompt where the model can take it)")
         self.shares_prompt = shared_prompt is True and not nll_on_prompt  # auto: decided in setup() by the model
         self.completion_logits_only = completion_logits_only and not nll_on_prompt  # that NLL scores the prompt
         self.beta, self.loss_fn, self.nll_weight, self.nll_on_prompt = beta, loss, nll_weight, nll_on_prompt

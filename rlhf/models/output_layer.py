@@ -126,10 +126,12 @@ def logits_rows(model: torch.nn.Module, device: torch.device, rows: int) -> int 
     return None
 
 
-def check_when(fused: Any, key: str = "algo.fused_output_layer") -> bool | str:
+def check_when(fused: Any, key: str = "algo.fused_output_layer",
+               fix: str = "auto (on a GPU: the logits never whole), true (everywhere) or false (the output layer "
+                          "computes logits)") -> bool | str:
+    """``fused`` if it is one of auto, true, false; else a :class:`UserError` that names ``key`` and ``fix``."""
     if not (fused is True or fused is False or fused == "auto"):
-        raise UserError(f"{key}={fused!r} is not one of auto, true, false. Fix: {key}=auto (on a GPU: the logits "
-                        "never whole), true (everywhere) or false (the output layer computes logits)")
+        raise UserError(f"{key}={fused!r} is not one of auto, true, false. Fix: {key}={fix}")
     return fused
 
 

@@ -103,6 +103,7 @@ def test_gradients_logits_kept_fused_output_layer_and_bf16_agree_with_two_sequen
         with torch.no_grad():
             assert torch.allclose(completion_stats(variant, batch).logps, a, atol=1e-4)
     model.set_attn_implementation(attention.NAME)  # the math kernel under bf16 training
+    assert shared_prompt.unsupported(model, 1024) is None  # MASKED_ATTENTION names ours
     with torch.autocast("cpu", dtype=torch.bfloat16):
         c, d = completion_stats(model, plain).logps, completion_stats(model, shared).logps
     assert torch.allclose(c.float(), d.float(), atol=0.05 * a.abs().max())
