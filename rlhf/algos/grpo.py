@@ -39,13 +39,18 @@ class GRPO(PolicyGradient):
             (÷ the mean completion tokens of a micro-batch of the rollout, all processes), ``dr_grpo_loss``).
         importance_sampling_level: the log-ratio function (``token_log_ratio``; GSPO's ``sequence_log_ratio``).
         kl_estimator: ``(logps, ref_logps) -> [B, T]`` (``kl_k1``, ``kl_k2``, ``kl_k3``), used when ``beta > 0``.
+            In the loss (``kl_in_reward=false``) only k2's gradient is that of KL(π‖ref), k3's is that of
+            KL(ref‖π) and k1's is zero in expectation (refused there); in the reward any is an estimate of the KL
+            (:mod:`rlhf.algos.policy_losses`).
         mask_truncated_completions: completions without EOS add nothing to the loss.
         dynamic_sampling: DAPO's: drop groups whose rewards are all equal and sample more prompts until the batch
             is full, at most ``max_sampling_batches`` prompt batches per rollout; then the batch is filled up
             with dropped groups (advantage 0). With several processes each draws as many batches as the one that
             needs most (generation is a collective), keeping its first kept groups.
         temperature, top_p, top_k, max_completion_length: sampling of training completions (held-out ones are
-            greedy); ``max_prompt_length``: prompts keep their last tokens.
+            greedy); every log-probability of the loss (policy, sampling policy, reference) and the entropy are
+            of ``softmax(logits / temperature)``, the policy that sampled (``top_p``/``top_k`` truncate the
+            sampling only, as in TRL); ``max_prompt_length``: prompts keep their last tokens.
         seed: the run's seed, from which every prompt batch's sampling seed derives.
         reward_funcs, reward_weights, reward_columns: the reward functions by name (:mod:`rlhf.rewards`), one
             weight each (``None``: all 1), and the dataset columns passed to them.

@@ -8,7 +8,11 @@ A subclass says only how scores become advantages (:meth:`PolicyGradient.advanta
   ``steps_per_generation > 1``) or the KL is in the reward, the reference's when ``beta > 0``;
 - the KL: with ``kl_in_reward`` the per-token estimate ``kl_estimator(π_old, π_ref)`` is subtracted from the reward
   (``beta`` times it: summed over the completion for a sequence-level advantage, per token for a token-level one) and
-  the loss has none; otherwise ``beta`` times the estimate on the trained policy is added to the loss per token;
+  the loss has none; otherwise ``beta`` times the estimate on the trained policy is added to the loss per token,
+  where what counts is the estimator's gradient: k2's is that of KL(π‖ref), k3's that of KL(ref‖π), k1's zero
+  (refused there; :mod:`rlhf.algos.policy_losses`);
+- every log-probability (trained, sampling and reference policy) and the entropy are of ``softmax(logits /
+  temperature)``, the distribution the completions were sampled from;
 - statistics over the global batch: :func:`all_gather_rows` (every process's rewards, so that an advantage that
   normalizes over the batch sees all of it) and :func:`global_masked_moments` (mean and variance over every process's
   tokens), one collective each, and nothing with one process;
@@ -37,6 +41,7 @@ from rlhf.algos.policy_losses import (
     drop_truncated,
     entropy_from_logits,
     grpo_loss,
+    kl_k1,
     kl_k3,
     token_log_ratio,
 )
@@ -47,8 +52,42 @@ from rlhf.models.output_layer import answer, answers, check_when, tap_output_lay
 from rlhf.models.reference import FrozenCopy, Reference, disable_dropout
 from rlhf.validate import Range, limits
 
+_K1_IN_THE_LOSS = ("{where}: kl_in_reward=false puts the KL estimate in the loss, where k1's gradient is zero in "
+                   "expectation (E_pi[grad log pi] = 0): the KL weight would regularize nothing. Fix: "
+                   "{where_slash}kl_estimator=k2 (its gradient is that of KL(pi||ref); k3's is that of KL(ref||pi)), "
+                   "or {where}.kl_in_reward=true (k1 as a reward, as TRL's RLOO and PPO)")
+
+
+def _is_k1(estimator: Any) -> bool:
+    """Whether ``estimator`` (a function, a partial of one, or a config node naming one) is :func:`kl_k1`."""
+    if isinstance(estimator, dict):
+        estimator = estimator.get("_target_")
+    if isinstance(estimator, str):
+        return estimator == f"{kl_k1.__module__}.{kl_k1.__name__}"
+    return getattr(estimator, "func", estimator) is kl_k1
+
+
+def _kl_weight(values: dict[str, Any]) -> float:
+    """The KL's weight a config node gives: ``beta``, or PPO's ``kl_controller`` (a fixed ``kl_coef``; an adaptive
+    one is positive)."""
+    controller = values.get("kl_controller")
+    if isinstance(controller, dict):
+        return float(controller.get("kl_coef", controller.get("init_kl_coef", 1.0)))
+    if controller is not None and hasattr(controller, "value"):
+        return float(controller.value)
+    return float(values.get("beta") or 0.0)
+
+
+def kl_term_regularizes(values: dict[str, Any], where: str) -> None:
+    """Refuse k1 as a KL term in the loss (``kl_in_reward=false`` with a positive weight): its expected gradient is
+    zero (:mod:`rlhf.algos.policy_losses`, the KL estimators), so ``beta`` would do nothing."""
+    if values.get("kl_in_reward") or not _is_k1(values.get("kl_estimator")) or _kl_weight(values) <= 0:
+        return
+    raise UserError(_K1_IN_THE_LOSS.format(where=where, where_slash=f"{where}/" if where else ""))
+
 
 @limits(
+    kl_term_regularizes,
     epsilon=EPSILON,
     epsilon_high=Range(gt=0, meaning="DAPO's clip-higher upper range (0.28 in the paper); null is epsilon", fix=0.28),
     beta=Range(ge=0, meaning="the weight of the KL to the reference; 0 holds no reference", fix=0.0),
@@ -77,6 +116,7 @@ class PolicyGradient(OnlineAlgorithm):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)  # the sampling, reward and logging options of every online algorithm
+        kl_term_regularizes({"beta": beta, "kl_in_reward": kl_in_reward, "kl_estimator": kl_estimator}, "algo")
         self.fused_output_layer = check_when(fused_output_layer)
         self.beta, self.kl_in_reward = beta, kl_in_reward
         self.epsilon, self.epsilon_high = epsilon, epsilon_high
@@ -131,9 +171,10 @@ class PolicyGradient(OnlineAlgorithm):
         kl_in_reward = self.kl_in_reward and self.beta > 0
         with torch.no_grad():  # the unwrapped policy: no collective of a wrapper (DDP's buffer broadcast)
             if self.old_logps_needed or kl_in_reward:
-                samples["old_logps"] = completion_logps(extract_model_from_parallel(model), batch, False)[0]
+                samples["old_logps"] = completion_logps(extract_model_from_parallel(model), batch, False,
+                                                        self.temperature)[0]
             if self.beta > 0:
-                samples["ref_logps"] = completion_logps(self.frozen["reference"], batch, False)[0]
+                samples["ref_logps"] = completion_logps(self.frozen["reference"], batch, False, self.temperature)[0]
         mask = samples["completion_mask"]
         token_kl = None
         if kl_in_reward:
@@ -147,9 +188,14 @@ class PolicyGradient(OnlineAlgorithm):
     def collect(self, model, next_prompts) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """One rollout (:meth:`sample_rollout`), each completion carrying ``loss_tokens``: the completion tokens of
         every process's rollout over ``processes × steps_per_generation``, the mean count of a micro-batch, which
-        ``loss_type=dapo`` divides by so that every token of the rollout weighs the same on every process."""
+        ``loss_type=dapo`` divides by so that every token of the rollout weighs the same on every process (with
+        ``mask_truncated_completions``, the tokens of truncated completions are not counted: they are not in the
+        loss either, as in TRL)."""
         samples, metrics = self.sample_rollout(model, next_prompts)
-        count = samples["completion_mask"].sum().float()
+        mask = samples["completion_mask"]
+        if self.mask_truncated_completions:
+            mask = drop_truncated(mask, samples["truncated"])
+        count = mask.sum().float()
         processes = 1
         if _distributed():
             count = count.to(_device(model))
@@ -182,7 +228,7 @@ class PolicyGradient(OnlineAlgorithm):
 
     # ---- the loss ----------------------------------------------------------------------------------------------------
     def loss(self, model, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        token_logps, mask, entropy = completion_logps(model, batch, with_entropy=True)
+        token_logps, mask, entropy = completion_logps(model, batch, with_entropy=True, temperature=self.temperature)
         return self.policy_loss(token_logps, mask, entropy, batch)
 
     def policy_loss(self, token_logps: Tensor, mask: Tensor, entropy: Tensor, batch: dict[str, Any]
@@ -251,16 +297,19 @@ def global_masked_moments(values: Tensor, mask: Tensor, model) -> Moments:
     return combine_moments(stacked[:, 0], stacked[:, 1], stacked[:, 2])
 
 
-def completion_logps(model, batch: dict[str, Tensor], with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+def completion_logps(model, batch: dict[str, Tensor], with_entropy: bool, temperature: float = 1.0
+                     ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(token_logps [N, C], mask [N, C], entropy [N, C] or None)`` of the completion tokens of a
     :func:`~rlhf.algos.online.training_batch` (prompts ``P`` tokens, left-padded; completions after them), the
-    entropy of each completion position's distribution without gradient. Where the model's output layer answers
+    entropy of each completion position's distribution without gradient, all of the policy at the sampling
+    ``temperature``: ``softmax(logits / temperature)``, the distribution the completions were drawn from (as TRL's
+    GRPO and PPO divide the logits). Where the model's output layer answers
     with log-probabilities (``algo.fused_output_layer``), it sees only the completion's positions and the logits
     never exist whole; elsewhere the output layer runs at every position, as it always has."""
     prompt, ids, attention = int(batch["prompt_length"]), batch["input_ids"], batch["attention_mask"]
     if answers(extract_model_from_parallel(model), _device(model)):
         labels, mask = ids[:, prompt:], attention[:, prompt:]
-        with token_request(labels, with_entropy=with_entropy) as request:
+        with token_request(labels, with_entropy=with_entropy, temperature=temperature) as request:
             logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=labels.shape[1] + 1).logits
         answered = answer(request, logits)
         if answered is not None:
@@ -269,15 +318,19 @@ def completion_logps(model, batch: dict[str, Tensor], with_entropy: bool) -> tup
             logits = model(input_ids=ids, attention_mask=attention).logits
     else:
         logits = model(input_ids=ids, attention_mask=attention).logits
-    token_logps, mask, completion_logits = completion_part(logits, batch, with_entropy)
-    return token_logps, mask, entropy_from_logits(completion_logits.detach()) if with_entropy else None
+    token_logps, mask, entropy = completion_part(logits, batch, with_entropy, temperature)
+    return token_logps, mask, entropy
 
 
-def completion_part(logits: Tensor, batch: dict[str, Tensor], with_logits: bool = True
+def completion_part(logits: Tensor, batch: dict[str, Tensor], with_entropy: bool = True, temperature: float = 1.0
                     ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """:func:`completion_logps` from the logits ``[N, P + C, V]`` of a forward pass over the batch."""
+    """:func:`completion_logps` from the logits ``[N, P + C, V]`` of a forward pass over the batch (at
+    ``temperature``; the logits are divided block by block, never copied whole)."""
     prompt = int(batch["prompt_length"])
     labels = batch["input_ids"][:, prompt:]
     mask = batch["attention_mask"][:, prompt:]
-    token_logps = selective_log_softmax(logits, labels, start=prompt - 1) * mask
-    return token_logps, mask, logits[:, prompt - 1:-1] if with_logits else None
+    token_logps = selective_log_softmax(logits, labels, start=prompt - 1, temperature=temperature) * mask
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(logits[:, prompt - 1:-1].detach(), temperature=temperature)
+    return token_logps, mask, entropy

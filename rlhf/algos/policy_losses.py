@@ -164,21 +164,42 @@ IMPORTANCE_SAMPLING_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 # ---- KL estimators (Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html) ----
-# Each estimates KL(π_θ ‖ π_ref) per token from samples of π_θ, with log r = log π_ref − log π_θ. [B, T] → [B, T].
+# Each is a per-token estimate from samples y ~ π_θ, with log r = log π_ref(y) − log π_θ(y). [B, T] → [B, T].
+#
+# Two different questions, with different answers (Schulman 2020 for the values; for the gradients Tang & Munos
+# 2025, "On a few pitfalls in KL divergence gradient estimation for RL", arXiv:2506.09477):
+#
+# - Its *value* as an estimate of KL(π_θ ‖ π_ref): E_π[k1] = E_π[k3] = KL (unbiased), E_π[k2] ≈ KL (biased).
+#   This is what matters with ``kl_in_reward=true``: the estimate is a (negative) reward, and the policy gradient
+#   of ``reward − β·KL`` regularizes through the score function, as for any reward.
+# - Its *gradient* as a loss term (``kl_in_reward=false``: ``+ β·k`` per token, the samples not differentiated):
+#   ∇_θ k depends on θ only through log π_θ(y), so E_π[∇k] = Σ_y π(y) k'(y) ∇log π(y) with k' = ∂k/∂log π_θ:
+#     k1: k' = 1               → E_π[∇ log π] = Σ_y ∇π(y) = 0: no gradient at all in expectation;
+#     k2: k' = log π − log ref → Σ_y ∇π(y)·log(π/ref)(y) = ∇ KL(π ‖ ref) (the term Σ π ∇log π is 0);
+#     k3: k' = 1 − ref/π       → −Σ_y ref(y) ∇log π(y) = ∇ KL(ref ‖ π), the *forward* (mass-covering) KL.
+#   So only k2 regularizes toward the reference by the gradient of the reverse KL that PPO's objective names; k3
+#   (TRL's GRPO default) regularizes too, by the forward KL's gradient; k1 does nothing and is refused there.
+#   Per token, these are the gradients of each token's KL given its prefix; the sequence's KL also moves through the
+#   later tokens' distributions, which a per-token loss term leaves out (Tang & Munos, section 4); the KL in the
+#   reward, summed over the completion, keeps that part.
+#   Tested by exact expectation over every outcome of a small categorical policy (tests/algos/test_policy_losses.py).
 
 
 def kl_k1(logps: Tensor, ref_logps: Tensor) -> Tensor:
-    """``k1 = −log r = log π_θ − log π_ref``: unbiased, high variance, negative on some tokens."""
+    """``k1 = −log r = log π_θ − log π_ref``. Value: unbiased for KL(π‖ref), high variance, negative on some tokens.
+    Gradient as a loss term: zero in expectation (use it in the reward, as TRL's RLOO and PPO do)."""
     return logps - ref_logps
 
 
 def kl_k2(logps: Tensor, ref_logps: Tensor) -> Tensor:
-    """``k2 = (log r)² / 2``: biased, low variance, never negative (its gradient is that of the true KL's)."""
+    """``k2 = (log r)² / 2``. Value: biased, low variance, never negative. Gradient as a loss term: unbiased for
+    ∇ KL(π‖ref), the reverse KL (the one to put in the loss)."""
     return (ref_logps - logps) ** 2 / 2
 
 
 def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
-    """``k3 = r − 1 − log r``: unbiased, low variance, never negative; TRL's GRPO ``per_token_kl``."""
+    """``k3 = r − 1 − log r``; TRL's GRPO ``per_token_kl``. Value: unbiased for KL(π‖ref), low variance, never
+    negative. Gradient as a loss term: unbiased for ∇ KL(ref‖π), the forward KL, not the KL its value estimates."""
     log_r = ref_logps - logps
     return torch.exp(log_r) - 1 - log_r
 
@@ -206,8 +227,9 @@ def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor,
     return 0.5 * torch.max(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
 
 
-def entropy_from_logits(logits: Tensor, chunk_rows: int = 128) -> Tensor:
-    """The entropy ``−Σ_v p_v log p_v`` of each position's distribution, ``[..., V]`` → ``[...]`` in float32.
+def entropy_from_logits(logits: Tensor, chunk_rows: int = 128, temperature: float = 1.0) -> Tensor:
+    """The entropy ``−Σ_v p_v log p_v`` of each position's distribution ``p = softmax(logits / temperature)``,
+    ``[..., V]`` → ``[...]`` in float32.
 
     Computed ``chunk_rows`` positions at a time, so only one chunk's float32 probabilities ``[chunk_rows, V]`` exist
     at once, not ``[B, T, V]`` (which is several GB at a real vocabulary). Call it under ``torch.no_grad()`` to log
@@ -216,7 +238,8 @@ def entropy_from_logits(logits: Tensor, chunk_rows: int = 128) -> Tensor:
     flat = logits.reshape(-1, logits.shape[-1])
     parts = []
     for start in range(0, flat.shape[0], chunk_rows):
-        logp = F.log_softmax(flat[start:start + chunk_rows].float(), dim=-1)
+        chunk = flat[start:start + chunk_rows].float()
+        logp = F.log_softmax(chunk / temperature if temperature != 1 else chunk, dim=-1)
         parts.append(-(logp.exp() * logp).sum(-1))
     entropy = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
     return entropy.reshape(logits.shape[:-1])

@@ -32,7 +32,7 @@ from rlhf.algos.policy_gradient import (
     completion_part,
     global_masked_moments,
 )
-from rlhf.algos.policy_losses import clipped_value_loss, entropy_from_logits
+from rlhf.algos.policy_losses import clipped_value_loss
 from rlhf.algos.reward_shaping import (
     FixedKLController,
     KLController,
@@ -124,12 +124,12 @@ class PPO(PolicyGradient):
         policy = extract_model_from_parallel(model)  # no collective of a wrapper (DDP's buffer broadcast)
         with torch.no_grad(), values_on(policy):
             out = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        old_logps, mask, _ = completion_part(out.logits, batch, with_logits=False)
+        old_logps, mask, _ = completion_part(out.logits, batch, with_entropy=False, temperature=self.temperature)
         values = out["token_values"][:, int(batch["prompt_length"]) - 1:-1] * mask
         kl = torch.zeros_like(old_logps)
         if "reference" in self.frozen:
             with torch.no_grad():
-                ref_logps = completion_logps(self.frozen["reference"], batch, False)[0]
+                ref_logps = completion_logps(self.frozen["reference"], batch, False, self.temperature)[0]
             kl = self.kl_estimator(old_logps, ref_logps) * mask
             if not self.kl_in_reward:
                 samples["ref_logps"] = ref_logps
@@ -151,8 +151,8 @@ class PPO(PolicyGradient):
     def loss(self, model, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         with values_on(model):
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        token_logps, mask, logits = completion_part(out.logits, batch)
-        policy_loss, metrics = self.policy_loss(token_logps, mask, entropy_from_logits(logits.detach()), batch)
+        token_logps, mask, entropy = completion_part(out.logits, batch, temperature=self.temperature)
+        policy_loss, metrics = self.policy_loss(token_logps, mask, entropy, batch)
         values = out["token_values"][:, int(batch["prompt_length"]) - 1:-1]
         per_token, clipped = clipped_value_loss(values, batch["old_values"], batch["returns"], self.cliprange_value)
         value_loss = masked_mean(per_token, mask)

@@ -14,6 +14,11 @@ those of the autograd formula it replaces, ``x.gather(-1, index) - x.logsumexp(-
 bit for bit, and so are the greedy tokens and the gradient: each position's reduction over the vocabulary is the
 same, and the two terms of the gradient are added in the same two roundings (tested). ``python scripts/logps_kernels.py`` on the 2-core CPU at ``[16, 49, 32000]`` (the benchmark's 100m
 short DPO batch), forward and backward: 176 ms -> 82 ms in float32, 247 ms -> 62 ms from bfloat16 logits.
+
+Both functions take a sampling ``temperature`` ``T``: the log-probabilities are then those of ``softmax(logits / T)``,
+the policy an online algorithm samples from (the division happens block by block, in float32, and the backward pass
+carries its ``1 / T``), so the ratio, the KL and the entropy belong to the policy that sampled. ``T = 1`` divides by
+nothing: the values and gradients above are unchanged.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ BLOCK_BYTES_CPU = 2 * 2**20
 BLOCK_BYTES_GPU = 64 * 2**20
 
 
-def selective_log_softmax(logits: Tensor, index: Tensor, start: int = 0, with_argmax: bool = False
-                          ) -> Tensor | tuple[Tensor, Tensor]:
-    """``log_softmax(logits[:, start:start + L].float(), -1)`` at ``index`` (``[B, L]``): the float32
+def selective_log_softmax(logits: Tensor, index: Tensor, start: int = 0, with_argmax: bool = False,
+                          temperature: float = 1.0) -> Tensor | tuple[Tensor, Tensor]:
+    """``log_softmax(logits[:, start:start + L].float() / temperature, -1)`` at ``index`` (``[B, L]``): the float32
     log-probability ``[B, L]`` of each given token, from logits ``[B, T, V]`` of any float dtype (``L <= T -
     start``; positions outside the window get a zero gradient). With ``with_argmax``, also the ``[B, L]`` argmax
     of each position's logits (the greedy token), found on the same pass."""
@@ -38,8 +43,14 @@ def selective_log_softmax(logits: Tensor, index: Tensor, start: int = 0, with_ar
             or start < 0 or start + index.shape[1] > logits.shape[1]:
         raise ValueError(f"logits {list(logits.shape)} and index {list(index.shape)} from position {start}: expected "
                          "[B, T, V] and [B, L] with start + L <= T")
-    logps, argmax = _LogSoftmaxAt.apply(logits, index, start, with_argmax)
+    _check_temperature(temperature)
+    logps, argmax = _LogSoftmaxAt.apply(logits, index, start, with_argmax, float(temperature))
     return (logps, argmax) if with_argmax else logps
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: the logits are divided by it, so it must be > 0")
 
 
 def _blocks(batch: int, length: int, vocab: int, device: torch.device):
@@ -63,7 +74,8 @@ class _LogSoftmaxAt(torch.autograd.Function):
     """:func:`selective_log_softmax`'s forward and backward, block by block (:func:`_blocks`)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, index: Tensor, start: int, with_argmax: bool) -> tuple[Tensor, Tensor]:
+    def forward(ctx, logits: Tensor, index: Tensor, start: int, with_argmax: bool, temperature: float
+                ) -> tuple[Tensor, Tensor]:
         batch, length = index.shape
         window = logits[:, start:start + length]
         logps = torch.empty(batch, length, dtype=torch.float32, device=logits.device)
@@ -71,20 +83,22 @@ class _LogSoftmaxAt(torch.autograd.Function):
         argmax = torch.empty(batch, length if with_argmax else 0, dtype=torch.long, device=logits.device)
         for rows, positions in _blocks(batch, length, logits.shape[-1], logits.device):
             block = window[rows, positions].float()
+            if temperature != 1:
+                block = block / temperature
             block_lse = torch.logsumexp(block, dim=-1)
             lse[rows, positions] = block_lse
             logps[rows, positions] = block.gather(-1, index[rows, positions].unsqueeze(-1)).squeeze(-1) - block_lse
             if with_argmax:
                 argmax[rows, positions] = block.argmax(-1)
         ctx.save_for_backward(logits, index, lse)
-        ctx.start = start
+        ctx.start, ctx.temperature = start, temperature
         ctx.mark_non_differentiable(argmax)
         return logps, argmax
 
     @staticmethod
     def backward(ctx, grad_logps: Tensor, _grad_argmax: Tensor | None):
         logits, index, lse = ctx.saved_tensors
-        start, (batch, length) = ctx.start, index.shape
+        start, temperature, (batch, length) = ctx.start, ctx.temperature, index.shape
         grad = torch.empty_like(logits)
         grad[:, :start].zero_()
         grad[:, start + length:].zero_()
@@ -92,11 +106,14 @@ class _LogSoftmaxAt(torch.autograd.Function):
         source = logits[:, start:start + length]
         for rows, positions in _blocks(batch, length, logits.shape[-1], logits.device):
             g = grad_logps[rows, positions].unsqueeze(-1)
+            block = source[rows, positions].float()
+            if temperature != 1:  # d/d logits of f(logits / T) is f' / T: carried by g
+                block, g = block / temperature, g / temperature
             # -g * softmax, then +g at the given token: the same two roundings as autograd's logsumexp and gather
-            block = (source[rows, positions].float() - lse[rows, positions].unsqueeze(-1)).exp_().mul_(-g)
+            block = (block - lse[rows, positions].unsqueeze(-1)).exp_().mul_(-g)
             block.scatter_add_(-1, index[rows, positions].unsqueeze(-1), g)
             window[rows, positions] = block
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 # The float32 logits of one tile of :func:`linear_log_softmax`: rows x a chunk of the vocabulary. A tile is a
@@ -111,7 +128,8 @@ MIN_VOCAB_CHUNK = 1024
 
 
 def linear_log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, start: int = 0,
-                       with_argmax: bool = False, with_entropy: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                       with_argmax: bool = False, with_entropy: bool = False, temperature: float = 1.0
+                       ) -> tuple[Tensor, Tensor, Tensor]:
     """The output layer and :func:`selective_log_softmax` in one: the float32 log-probability ``[B, L]`` of each
     token of ``index`` under ``logits = hidden @ weight.T + bias`` at positions ``start .. start + L`` of
     ``hidden`` (``[B, T, H]``), the ``[B, L]`` greedy tokens (empty unless ``with_argmax``) and the ``[B, L]``
@@ -122,14 +140,17 @@ def linear_log_softmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, inde
     gradient: prompt and padding positions cost nothing there) and writes each chunk's weight gradient once per row
     block. The products run in the dtype the output layer would use: autocast's where it is on, else the weight's.
     The values equal those of :func:`selective_log_softmax` on ``F.linear``'s logits up to rounding (bit for bit
-    with one tile; tested)."""
+    with one tile; tested), at the same ``temperature`` (each tile's float32 logits divided by it, the entropy
+    that of ``softmax(logits / temperature)``)."""
     if hidden.dim() != 3 or index.dim() != 2 or index.shape[0] != hidden.shape[0] \
             or start < 0 or start + index.shape[1] > hidden.shape[1]:
         raise ValueError(f"hidden {list(hidden.shape)} and index {list(index.shape)} from position {start}: expected "
                          "[B, T, H] and [B, L] with start + L <= T")
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    return _LinearLogSoftmaxAt.apply(hidden, weight, bias, index, start, with_argmax, with_entropy, dtype)
+    _check_temperature(temperature)
+    return _LinearLogSoftmaxAt.apply(hidden, weight, bias, index, start, with_argmax, with_entropy, dtype,
+                                     float(temperature))
 
 
 def tile_shape(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
@@ -155,7 +176,8 @@ class _LinearLogSoftmaxAt(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, index: Tensor, start: int,
-                with_argmax: bool, with_entropy: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+                with_argmax: bool, with_entropy: bool, dtype: torch.dtype, temperature: float
+                ) -> tuple[Tensor, Tensor, Tensor]:
         batch, length = index.shape
         device = hidden.device
         with torch.autocast(device.type, enabled=False):
@@ -176,6 +198,8 @@ class _LinearLogSoftmaxAt(torch.autograd.Function):
                 row_tokens = tokens[r0:r1]
                 for c0, c1 in _spans(vocab, chunk):
                     logits = _logits(h[r0:r1], w[c0:c1], None if b is None else b[c0:c1])
+                    if temperature != 1:
+                        logits = logits / temperature
                     chunk_max, chunk_arg = logits.max(-1)  # the first of equal maxima, as argmax
                     if with_argmax:
                         better = chunk_max > best  # strictly: an equal maximum of a later chunk is not the first
@@ -196,7 +220,7 @@ class _LinearLogSoftmaxAt(torch.autograd.Function):
                     entropy[r0:r1] = lse[r0:r1] - weighted / total
             logps = target - lse
         ctx.save_for_backward(h, weight, bias, index, lse)  # the window's rows, in the products' dtype
-        ctx.start, ctx.dtype, ctx.hidden = start, dtype, (hidden.shape, hidden.dtype)
+        ctx.start, ctx.dtype, ctx.hidden, ctx.temperature = start, dtype, (hidden.shape, hidden.dtype), temperature
         argmax = argmax.view(batch, length if with_argmax else 0)
         entropy = entropy.view(batch, length if with_entropy else 0)
         ctx.mark_non_differentiable(argmax, entropy)
@@ -206,12 +230,15 @@ class _LinearLogSoftmaxAt(torch.autograd.Function):
     def backward(ctx, grad_logps: Tensor, _grad_argmax: Tensor | None, _grad_entropy: Tensor | None):
         h, weight, bias, index, lse = ctx.saved_tensors
         start, dtype, (batch, length), (shape, hidden_dtype) = ctx.start, ctx.dtype, index.shape, ctx.hidden
+        temperature = ctx.temperature
         device = h.device
         need_h, need_w, need_b = ctx.needs_input_grad[:3]  # a frozen output layer (LoRA elsewhere): no weight grad
         with torch.autocast(device.type, enabled=False):
             g_all = grad_logps.reshape(-1)
             live = g_all.nonzero().squeeze(-1)  # rows with a gradient: the others contribute exact zeros
             h, tokens, lse, g_all = h[live], index.reshape(-1)[live], lse[live], g_all[live]
+            if temperature != 1:  # d/d logits of f(logits / T) is f' / T: carried by g
+                g_all = g_all / temperature
             w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
             count, vocab = h.shape[0], w.shape[0]
             grad_h = torch.zeros(h.shape, dtype=torch.float32, device=device) if need_h else None
@@ -222,8 +249,10 @@ class _LinearLogSoftmaxAt(torch.autograd.Function):
                 g, row_tokens = g_all[r0:r1].unsqueeze(-1), tokens[r0:r1]
                 for c0, c1 in _spans(vocab, chunk):
                     # d logp / d logits = 1[v = token] - softmax: -g * softmax, then +g at the token
-                    block = (_logits(h[r0:r1], w[c0:c1], None if b is None else b[c0:c1])
-                             - lse[r0:r1].unsqueeze(-1)).exp_().mul_(-g)
+                    block = _logits(h[r0:r1], w[c0:c1], None if b is None else b[c0:c1])
+                    if temperature != 1:
+                        block = block / temperature
+                    block = (block - lse[r0:r1].unsqueeze(-1)).exp_().mul_(-g)
                     rows = ((row_tokens >= c0) & (row_tokens < c1)).nonzero().squeeze(-1)
                     block.index_put_((rows, row_tokens[rows] - c0), g[rows, 0], accumulate=True)
                     if grad_b is not None:
@@ -243,4 +272,4 @@ class _LinearLogSoftmaxAt(torch.autograd.Function):
                 window[live] = grad_h.to(hidden_dtype)
                 grad_hidden[:, start:start + length] = window.view(batch, length, -1)
         return (grad_hidden, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None)

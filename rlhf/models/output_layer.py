@@ -39,12 +39,14 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 class TokenRequest:
     """What :func:`completion_stats <rlhf.algos.base.completion_stats>` asks of the next output layer forward: the
     log-probabilities of ``index`` (``[B, L]``) at positions ``0 .. L-1`` of the layer's input, which must have
-    ``L + 1`` positions (else the layer computes logits), and with them the greedy tokens or each position's entropy.
+    ``L + 1`` positions (else the layer computes logits), and with them the greedy tokens or each position's entropy,
+    all of ``softmax(logits / temperature)`` (an online algorithm's sampling temperature; 1 for every other use).
     ``logps``, ``argmax`` and ``entropy`` are set when a tapped layer answered."""
 
     index: Tensor
     with_argmax: bool = False
     with_entropy: bool = False
+    temperature: float = 1.0
     logps: Tensor | None = None
     argmax: Tensor | None = field(default=None, repr=False)
     entropy: Tensor | None = field(default=None, repr=False)
@@ -54,9 +56,10 @@ _PENDING: list[TokenRequest] = []  # at most one: the request of the forward pas
 
 
 @contextlib.contextmanager
-def token_request(index: Tensor, with_argmax: bool = False, with_entropy: bool = False) -> Iterator[TokenRequest]:
+def token_request(index: Tensor, with_argmax: bool = False, with_entropy: bool = False,
+                  temperature: float = 1.0) -> Iterator[TokenRequest]:
     """Ask the output layer of the forward pass run inside this block for log-probabilities (see the module)."""
-    request = TokenRequest(index, with_argmax, with_entropy)
+    request = TokenRequest(index, with_argmax, with_entropy, temperature)
     _PENDING.append(request)
     try:
         yield request
@@ -87,7 +90,7 @@ class FusedOutputLayer(torch.nn.Linear):
                      "of logits at a time (algo.fused_output_layer=%s)", rows, chunk, str(self.fused).lower())
         request.logps, request.argmax, request.entropy = linear_log_softmax(
             hidden, self.weight, self.bias, request.index, with_argmax=request.with_argmax,
-            with_entropy=request.with_entropy)
+            with_entropy=request.with_entropy, temperature=request.temperature)
         return request.logps
 
 

@@ -24,7 +24,7 @@ from rlhf.errors import UserError
 from rlhf.models.tiny import TinySpec
 from rlhf.rewards import char_similarity, exact_match, score
 from rlhf.state import TrainState
-from tests.conftest import FAST, ROOT, compose_config
+from tests.conftest import FAST, ROOT, compose_config, installed
 
 # GRPO on FAST's random-init model: the graded reward gives different rewards within a group from the start.
 GRPO_FAST = ["algo=grpo", "algo/reward_funcs=similarity", "algo.num_generations=4", "algo.max_completion_length=8"]
@@ -237,8 +237,8 @@ def ddp_run(tmp_path_factory) -> Path:
 def test_grpo_with_sharded_parameters_equals_ddp(hardware, ddp_run, tmp_path):
     """Generation under FSDP2 and ZeRO-3 (synced: a process whose completions ended keeps stepping until every
     process is done), with dynamic sampling, trains what DDP trains."""
-    if hardware == "zero3":
-        pytest.importorskip("deepspeed")
+    if hardware == "zero3" and not installed("deepspeed"):
+        pytest.skip("DeepSpeed not installed: pip install 'rlhf[deepspeed]'")
     _train_py(tmp_path / hardware, *SHARDED_RUN, f"hardware={hardware}")
     ddp, sharded = _final(ddp_run), _final(tmp_path / hardware)
     for key in ddp:

@@ -15,11 +15,13 @@ from rlhf import train
 from rlhf.algos.advantages import reinforce_pp_tokens
 from rlhf.algos.grpo import GRPO
 from rlhf.algos.policy_gradient import all_gather_rows, global_masked_moments
+from rlhf.algos.policy_losses import kl_k1, kl_k2, kl_k3
 from rlhf.algos.reinforce_pp import ReinforcePP
 from rlhf.algos.reward_shaping import batch_moments, kl_penalized_rewards
 from rlhf.algos.rloo import RLOO
 from rlhf.config import check_config
 from rlhf.errors import UserError
+from rlhf.rewards import char_similarity
 from tests.algos.test_grpo import GRPO_FAST, _source
 from tests.conftest import FAST, compose_config
 
@@ -235,3 +237,157 @@ def test_the_online_algorithms_tap_policy_and_reference_as_told_and_ppo_refuses_
     with pytest.raises(UserError, match="algo.fused_output_layer is not an option of ppo"):
         PPO(fused_output_layer=True)
     assert PPO().fused_output_layer is False
+
+
+# --- the sampling temperature: every log-probability is of softmax(logits / T) ----------------------------------------
+def _independent_logps(model, batch, temperature):
+    """Per-token log-probabilities and entropies of the completion tokens under softmax(logits / T), from a plain
+    forward pass of ``model`` (its output layer asked for nothing: logits), in float64."""
+    prompt, ids = int(batch["prompt_length"]), batch["input_ids"]
+    mask = batch["attention_mask"][:, prompt:]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, prompt - 1:-1].double()
+    logp = torch.log_softmax(logits / temperature, -1)
+    token = logp.gather(-1, ids[:, prompt:].unsqueeze(-1)).squeeze(-1) * mask
+    return token, -(logp.exp() * logp).sum(-1), mask.bool()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused-output-layer"])
+def test_every_log_probability_is_of_the_policy_at_the_sampling_temperature(fused, monkeypatch):
+    """At T = 0.5: the sampling policy's log-probabilities (num_iterations > 1), the reference's (beta > 0), the
+    trained policy's in the loss and the entropy all equal log_softmax(logits / T) of an independent forward pass,
+    on the logits path and where the output layer computes them itself."""
+    temperature = 0.5
+    algo = GRPO(num_generations=2, max_completion_length=4, temperature=temperature, beta=0.1, num_iterations=2,
+                fused_output_layer=fused, reward_funcs={"similarity": char_similarity})
+    source, _ = _source(algo)
+    with torch.no_grad():  # the policy leaves its reference: their log-probabilities differ
+        for parameter in source.model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    batch = source.next()
+    policy, policy_entropy, mask = _independent_logps(source.model, batch, temperature)
+    reference, _, _ = _independent_logps(algo.frozen["reference"], batch, temperature)
+    seen = {}
+    policy_loss = algo.policy_loss
+    monkeypatch.setattr(algo, "policy_loss", lambda logps, m, entropy, b: seen.update(logps=logps, entropy=entropy)
+                        or policy_loss(logps, m, entropy, b))
+    algo.loss(source.model, batch)
+    for got, want in ((batch["old_logps"], policy), (batch["ref_logps"], reference), (seen["logps"], policy)):
+        torch.testing.assert_close(got.detach().double(), want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(seen["entropy"].double()[mask], policy_entropy[mask], atol=1e-5, rtol=1e-5)
+    at_one, _, _ = _independent_logps(source.model, batch, 1.0)
+    assert (at_one - policy)[mask].abs().max() > 0.05  # at T = 1 they would differ: the test can tell
+
+
+def test_ppo_scores_its_rollout_and_its_loss_at_the_sampling_temperature():
+    from rlhf.algos.ppo import PPO
+    from rlhf.algos.reward_shaping import FixedKLController
+
+    temperature = 0.5
+    algo = PPO(kl_controller=FixedKLController(0.1), kl_in_reward=False, num_generations=2, max_completion_length=4,
+               temperature=temperature, reward_funcs={"similarity": char_similarity})
+    source, _ = _source(algo)
+    with torch.no_grad():
+        for parameter in source.model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    batch = source.next()
+    policy, entropy, mask = _independent_logps(source.model, batch, temperature)
+    reference, _, _ = _independent_logps(algo.frozen["reference"], batch, temperature)
+    torch.testing.assert_close(batch["old_logps"].double(), policy, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(batch["ref_logps"].double(), reference, atol=2e-6, rtol=1e-5)
+    _, metrics = algo.loss(source.model, batch)
+    assert float(metrics["entropy"]) == pytest.approx(float(entropy[mask].mean()), abs=1e-5)
+
+
+# --- the KL term of the loss: its gradient is the one documented for its estimator ------------------------------------
+@pytest.mark.parametrize("estimator, direction", [(kl_k2, "reverse"), (kl_k3, "forward")])
+def test_the_kl_term_in_the_loss_has_its_estimators_expected_gradient(estimator, direction):
+    """Exact expectation through the algorithm's own loss: a one-token completion from pi = softmax(theta) =
+    [1/2, 1/4, 1/4], its four samples in exactly those proportions (tokens 0, 0, 1, 2), zero advantages. The
+    gradient of the loss in theta is then beta x E_pi[grad k]: grad KL(pi||ref) for k2, grad KL(ref||pi) for k3.
+    Red if the KL term leaves the loss or changes sign."""
+    beta = 0.5
+    theta = torch.log(torch.tensor([2.0, 1.0, 1.0], dtype=torch.float64)).requires_grad_()
+    ref = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    tokens = torch.tensor([0, 0, 1, 2])
+    logps = torch.log_softmax(theta, -1)[tokens].unsqueeze(1)
+    algo = GRPO(beta=beta, kl_estimator=estimator)
+    batch = {"advantages": torch.zeros(4, dtype=torch.float64), "ref_logps": ref.log()[tokens].unsqueeze(1),
+             "truncated": torch.zeros(4, dtype=torch.bool)}
+    loss, metrics = algo.policy_loss(logps, torch.ones(4, 1), torch.zeros(4, 1), batch)
+    (got,) = torch.autograd.grad(loss, theta)
+    pi = torch.softmax(theta, -1)
+    kl = (pi * (pi.log() - ref.log())).sum() if direction == "reverse" else (ref * (ref.log() - pi.log())).sum()
+    (want,) = torch.autograd.grad(beta * kl, theta)
+    assert want.abs().max() > 0.05
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+def test_k1_in_the_loss_is_refused_naming_k2_and_the_reward_as_fixes():
+    """k1's expected gradient as a loss term is zero: beta would regularize nothing (tests/algos/test_policy_losses.py
+    shows it by exact expectation). Refused when built, and by the config check before anything loads."""
+    with pytest.raises(UserError, match=r"algo/kl_estimator=k2 .* or algo.kl_in_reward=true"):
+        RLOO(beta=0.05, kl_in_reward=False, kl_estimator=kl_k1)
+    RLOO(beta=0.05, kl_in_reward=True, kl_estimator=kl_k1)  # in the reward: an estimate of the KL, as intended
+    RLOO(beta=0.0, kl_in_reward=False, kl_estimator=kl_k1)  # no KL at all
+    for algo in ("rloo", "reinforce_pp", "ppo"):
+        with pytest.raises(UserError, match="k1's gradient is zero in expectation"):
+            check_config(compose_config(f"algo={algo}", "algo.kl_in_reward=false"))
+        check_config(compose_config(f"algo={algo}", "algo.kl_in_reward=false", "algo/kl_estimator=k2"))
+    check_config(compose_config("algo=ppo", "algo.kl_in_reward=false", "algo.kl_controller.kl_coef=0"))
+    with pytest.raises(UserError, match="kl_in_reward=false"):
+        check_config(compose_config("algo=grpo", "algo.beta=0.1", "algo/kl_estimator=k1"))
+
+
+# --- the clipped surrogate after an optimizer step: the ratio moves, the clip acts ------------------------------------
+def varied_reward(prompts, completions, **columns):
+    """A reward that differs between the random policy's completions (the embedded task's rewards are all 0 there)."""
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+def test_the_second_pass_over_a_rollout_is_the_hand_computed_clipped_surrogate():
+    """num_iterations=2 at T = 0.7: after one SGD step on the first pass, the second pass's loss and clip fractions
+    equal a hand computation from independent forward passes of the policy before and after the step. Red if the
+    old log-probabilities came from the current policy (ratio 1, no clipping) or the loss's sign flipped."""
+    import copy
+
+    temperature, epsilon = 0.7, 0.2
+    algo = GRPO(num_generations=4, num_iterations=2, max_completion_length=6, temperature=temperature,
+                epsilon=epsilon, reward_funcs={"varied": varied_reward})
+    source, _ = _source(algo)
+    model = source.model
+    before = copy.deepcopy(model)
+    first = source.next()
+    algo.loss(model, first)[0].backward()
+    torch.optim.SGD(model.parameters(), lr=20.0).step()
+    model.zero_grad()
+    second = source.next()
+    assert torch.equal(second["input_ids"], first["input_ids"])  # the same micro-batch, served again
+    loss, metrics = algo.loss(model, second)
+    old, _, mask = _independent_logps(before, second, temperature)
+    new, _, _ = _independent_logps(model, second, temperature)
+    ratio = torch.exp(new - old)
+    advantages = second["advantages"].double().unsqueeze(1)
+    per_token = -torch.minimum(ratio * advantages, ratio.clamp(1 - epsilon, 1 + epsilon) * advantages)
+    want = ((per_token * mask).sum(-1) / mask.sum(-1)).mean()  # loss_type=grpo: per sequence, then over sequences
+    low = ((ratio < 1 - epsilon) & (advantages < 0))[mask].double().mean()
+    high = ((ratio > 1 + epsilon) & (advantages > 0))[mask].double().mean()
+    assert (ratio[mask] - 1).abs().max() > epsilon and low + high > 0  # the step moved the ratio past the clip
+    assert float(loss) == pytest.approx(float(want), abs=1e-5)
+    assert float(metrics["clip_ratio/low_mean"]) == pytest.approx(float(low))
+    assert float(metrics["clip_ratio/high_mean"]) == pytest.approx(float(high))
+
+
+def test_dapo_with_masked_truncation_counts_only_the_tokens_in_the_loss():
+    """mask_truncated_completions: the truncated completions' tokens are out of the loss, and out of dapo's
+    normaliser too (as in TRL)."""
+    algo = GRPO(num_generations=2, mask_truncated_completions=True)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+
+    def rollout(model, prompts, seed):
+        return {"completion_mask": mask, "rewards": torch.zeros(4), "advantages": torch.zeros(4),
+                "truncated": torch.tensor([False, True, False, False])}, {}
+
+    algo.rollout = rollout
+    samples, _ = algo.collect(None, lambda: (None, 0))
+    assert samples["loss_tokens"].tolist() == [6.0] * 4  # 3 + 2 + 1: the truncated row's 4 are not counted

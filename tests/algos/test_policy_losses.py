@@ -29,7 +29,6 @@ def test_token_and_sequence_log_ratios():
     ratio = P.clipped_surrogate(P.sequence_log_ratio(logps, old, MASK), torch.zeros(2)).ratio
     assert ratio[0, 0].item() == pytest.approx(math.exp(seq))
     assert ratio[0, 0].item() == pytest.approx((math.exp(0.5) * math.exp(-1.0) * math.exp(-0.3)) ** (1 / 3))
-    assert P.IMPORTANCE_SAMPLING_LEVELS == {"token": P.token_log_ratio, "sequence": P.sequence_log_ratio}
 
 
 def test_gspo_token_has_the_sequence_value_and_each_tokens_gradient():
@@ -100,8 +99,21 @@ def test_the_aggregations_differ_on_a_ragged_batch_as_documented():
     assert P.dapo_loss(LOSS, MASK).item() == pytest.approx(P.bnpo_loss(LOSS, MASK).item())
     # dr_grpo: sum / (2 sequences × max_completion_length 5)
     assert P.dr_grpo_loss(LOSS, MASK, max_completion_length=5).item() == pytest.approx(16 / 10)
-    assert P.LOSS_TYPES == {"grpo": P.grpo_loss, "bnpo": P.bnpo_loss, "dapo": P.dapo_loss,
-                            "dr_grpo": P.dr_grpo_loss}
+
+
+@pytest.mark.parametrize("registry, group", [(P.LOSS_TYPES, "loss_type"), (P.KL_ESTIMATORS, "kl_estimator"),
+                                             (P.IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level")])
+def test_each_trl_name_maps_to_the_function_its_config_option_names(registry, group):
+    """TRL's option values (the registries) and the config group's options (conf/algo/<group>/<value>.yaml) are the
+    same set of names, each naming the same function."""
+    from pathlib import Path
+
+    from hydra.utils import get_object
+    from omegaconf import OmegaConf
+
+    folder = Path(__file__).parents[2] / "conf" / "algo" / group
+    options = {path.stem: get_object(OmegaConf.load(path)["_target_"]) for path in folder.glob("*.yaml")}
+    assert options == registry
 
 
 def test_dapo_over_micro_batches_weighs_every_token_the_same():
@@ -132,15 +144,13 @@ def test_drop_truncated():
 def test_kl_estimators_by_hand():
     logps = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.5, -1.0]])
-    log_r = [-1.5 - -1.0, -1.0 - -2.0]  # log(π_ref/π_θ): -0.5, 1.0
-    close(P.kl_k1(logps, ref), [[-x for x in log_r]])
-    close(P.kl_k2(logps, ref), [[x * x / 2 for x in log_r]])
-    close(P.kl_k3(logps, ref), [[math.exp(x) - 1 - x for x in log_r]])
-    # TRL's GRPO per_token_kl: exp(ref - logp) - (ref - logp) - 1
-    close(P.kl_k3(logps, ref), torch.exp(ref - logps) - (ref - logps) - 1)
-    same = P.kl_k3(logps, logps)
-    assert torch.equal(same, torch.zeros_like(same))
-    assert set(P.KL_ESTIMATORS) == {"k1", "k2", "k3"}
+    # log(π_ref/π_θ) = -0.5 and 1.0
+    close(P.kl_k1(logps, ref), [[0.5, -1.0]])
+    close(P.kl_k2(logps, ref), [[0.125, 0.5]])
+    close(P.kl_k3(logps, ref), [[0.1065306597, 0.7182818285]])  # e^-0.5 - 1 + 0.5, e - 2
+    for estimator in (P.kl_k1, P.kl_k2, P.kl_k3):
+        same = estimator(logps, logps)
+        assert torch.equal(same, torch.zeros_like(same))
 
 
 def test_kl_estimators_estimate_the_true_kl():
@@ -151,6 +161,28 @@ def test_kl_estimators_estimate_the_true_kl():
     weights = torch.tensor(p)
     assert (weights * P.kl_k1(logp, logq)).sum().item() == pytest.approx(kl, abs=1e-6)
     assert (weights * P.kl_k3(logp, logq)).sum().item() == pytest.approx(kl, abs=1e-6)
+
+
+@pytest.mark.parametrize("estimator, documented", [(P.kl_k1, "zero"), (P.kl_k2, "KL(pi||ref)"),
+                                                   (P.kl_k3, "KL(ref||pi)")])
+def test_each_kl_estimators_expected_gradient_as_a_loss_term_is_the_documented_one(estimator, documented):
+    """Exact expectation over every outcome y of a categorical pi = softmax(theta): the gradient of
+    E_{y ~ pi}[k(log pi_theta(y), log ref(y))] with the samples held fixed (what a loss term on sampled tokens
+    gives) is 0 for k1, grad KL(pi||ref) for k2 and grad KL(ref||pi) for k3 (the module's KL section)."""
+    theta = torch.tensor([0.3, -1.2, 0.8, 0.1], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([0.4, 0.1, 0.2, 0.3], dtype=torch.float64)
+    logp = torch.log_softmax(theta, -1)
+    sampling = logp.exp().detach()  # the outcomes' probabilities: not differentiated, as sampled tokens are not
+    (got,) = torch.autograd.grad((sampling * estimator(logp, ref.log())).sum(), theta)
+
+    def gradient(name: str) -> torch.Tensor:
+        pi = torch.softmax(theta, -1)
+        kl = {"KL(pi||ref)": (pi * (pi.log() - ref.log())).sum(), "KL(ref||pi)": (ref * (ref.log() - pi.log())).sum()}
+        return torch.zeros_like(theta) if name == "zero" else torch.autograd.grad(kl[name], theta)[0]
+
+    torch.testing.assert_close(got, gradient(documented), atol=1e-12, rtol=1e-10)
+    for other in {"zero", "KL(pi||ref)", "KL(ref||pi)"} - {documented}:  # the three differ here: the test can tell
+        assert (gradient(other) - got).abs().max() > 0.01
 
 
 def test_clipped_value_loss_by_hand():

@@ -16,6 +16,7 @@ from rlhf.errors import UserError
 from rlhf.models.value_head import attach_value_head, values_on
 from rlhf.rewards import char_similarity
 from tests.algos.test_grpo import GRPO_FAST, _policy, _source
+from tests.algos.test_policy_gradient import varied_reward
 from tests.conftest import FAST, compose_config
 
 IDS = torch.tensor([[1, 5, 6, 7], [1, 8, 9, 2]])
@@ -60,7 +61,46 @@ def test_the_advantages_are_gae_of_the_score_at_the_end_against_the_critics_valu
     torch.testing.assert_close(batch["returns"][mask], batch["rewards"].unsqueeze(1).expand_as(mask)[mask])
     loss, metrics = algo.loss(source.model, batch)
     assert {"loss/policy", "loss/value", "val/clipfrac", "kl_coef", "values/mean"} <= set(metrics)
-    assert float(metrics["loss"]) == pytest.approx(float(metrics["loss/policy"]) + 0.1 * float(metrics["loss/value"]))
+
+
+def test_the_second_epoch_value_loss_is_the_hand_computed_one_and_the_critic_moves():
+    """num_ppo_epochs=2: after one SGD step, the critic's parameters have changed, and the second pass's value loss
+    and clip fraction equal a hand computation of 1/2 max((V - R)^2, (clip(V, V_old +- c) - R)^2) from an independent
+    forward pass. Red if returns and old values swap roles, or the critic gets no gradient."""
+    cliprange = 0.2
+    algo = PPO(kl_controller=FixedKLController(0.0), num_generations=2, max_completion_length=4, num_ppo_epochs=2,
+               cliprange_value=cliprange, reward_funcs={"varied": varied_reward})
+    source, _ = _source(algo)
+    model = source.model
+    critic = {name: p.detach().clone() for name, p in model.named_parameters() if name.startswith("value_head.")}
+    first = source.next()
+    loss, _ = algo.loss(model, first)
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.zero_grad()
+    moved = {name: float((p.detach() - critic[name]).abs().max()) for name, p in model.named_parameters()
+             if name in critic}
+    assert critic and all(change > 0 for change in moved.values()), moved
+    second = source.next()
+    _, metrics = algo.loss(model, second)
+    prompt = int(second["prompt_length"])
+    mask = second["attention_mask"][:, prompt:].bool()
+    with torch.no_grad(), values_on(model):
+        values = model(input_ids=second["input_ids"], attention_mask=second["attention_mask"])["token_values"]
+    values = values[:, prompt - 1:-1]
+    old, returns = second["old_values"], second["returns"]
+
+    def value_loss(old, returns):
+        clipped = torch.maximum(torch.minimum(values, old + cliprange), old - cliprange)
+        return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), \
+            (clipped - returns) ** 2 > (values - returns) ** 2
+
+    per_token, clipped = value_loss(old, returns)
+    assert float(metrics["loss/value"]) == pytest.approx(float(per_token[mask].mean()), rel=1e-5, abs=1e-7)
+    assert float(metrics["val/clipfrac"]) == pytest.approx(float(clipped[mask].float().mean()))
+    assert 0 < float(metrics["val/clipfrac"]) < 1  # the step moved some values past the clip and not others
+    swapped, _ = value_loss(returns, old)
+    assert abs(float(swapped[mask].mean()) - float(per_token[mask].mean())) > 1e-3  # the test can tell the roles
 
 
 def test_score_scaling_normalization_and_clipping_use_every_score_seen():

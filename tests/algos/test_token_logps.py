@@ -159,3 +159,63 @@ def test_linear_log_softmax_gives_each_positions_entropy_without_a_gradient(monk
     want = entropy_from_logits(torch.nn.functional.linear(hidden, weight)[:, 1:5].detach())
     torch.testing.assert_close(entropy, want, atol=1e-5, rtol=1e-5)
     assert not entropy.requires_grad and logps.requires_grad
+
+
+# --- the sampling temperature: log_softmax(logits / T), values and gradients -----------------------------------------
+def _at_temperature(logits, index, start, temperature):
+    """What the kernels must give, written independently: float64 log_softmax of the logits divided by T."""
+    x = logits[:, start:start + index.shape[1]].double() / temperature
+    logp = torch.log_softmax(x, -1)
+    return logp.gather(-1, index.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.7])
+@pytest.mark.parametrize("block_bytes", [4 * 11, 2**20], ids=["part-of-a-row", "all"])
+def test_selective_log_softmax_at_a_temperature_is_log_softmax_of_the_logits_over_it(monkeypatch, temperature,
+                                                                                      block_bytes):
+    monkeypatch.setattr(token_logps, "BLOCK_BYTES_CPU", block_bytes)
+    torch.manual_seed(3)
+    base, index, g = torch.randn(3, 6, 11) * 3, torch.randint(11, (3, 4)), torch.randn(3, 4)
+    results = []
+    for fn in (lambda x: _at_temperature(x, index, 1, temperature)[0],
+               lambda x: selective_log_softmax(x, index, start=1, temperature=temperature)):
+        logits = base.clone().requires_grad_()
+        logps = fn(logits)
+        (logps * g).sum().backward()
+        results.append((logps.detach().float(), logits.grad))
+    (want, want_grad), (got, got_grad) = results
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, atol=2e-6, rtol=1e-5)
+    at_one = selective_log_softmax(base, index, start=1)
+    assert (got - at_one).abs().max() > 0.1  # the temperature changes the answer: the test can tell
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.7])
+@pytest.mark.parametrize("min_chunk", [4, 1024], ids=["chunks", "whole-vocab"])
+def test_linear_log_softmax_at_a_temperature_gives_the_logps_entropy_and_gradients_of_logits_over_it(
+        monkeypatch, temperature, min_chunk):
+    monkeypatch.setattr(token_logps, "MIN_VOCAB_CHUNK", min_chunk)
+    monkeypatch.setattr(token_logps, "LINEAR_TILE_BYTES_CPU", 4 * 4 * 3)
+    torch.manual_seed(4)
+    h0, w0, b0 = torch.randn(2, 6, 5), torch.randn(13, 5) * 2, torch.randn(13)
+    index, g = torch.randint(13, (2, 4)), torch.randn(2, 4)
+    results = []
+    for fused in (False, True):
+        h, w, b = h0.clone().requires_grad_(), w0.clone().requires_grad_(), b0.clone().requires_grad_()
+        if fused:
+            logps, _, entropy = token_logps.linear_log_softmax(h, w, b, index, start=1, with_entropy=True,
+                                                               temperature=temperature)
+        else:
+            logps, entropy = _at_temperature(torch.nn.functional.linear(h, w, b), index, 1, temperature)
+        (logps * g).sum().backward()
+        results.append((logps.detach().float(), entropy.detach().float(), h.grad, w.grad, b.grad))
+    (want, want_entropy, *want_grads), (got, got_entropy, *got_grads) = results
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got_entropy, want_entropy, atol=2e-6, rtol=1e-5)
+    for mine, theirs in zip(got_grads, want_grads):
+        torch.testing.assert_close(mine, theirs, atol=2e-6, rtol=1e-5)
+
+
+def test_a_temperature_that_is_not_positive_is_refused():
+    with pytest.raises(ValueError, match="must be > 0"):
+        selective_log_softmax(torch.randn(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), temperature=0.0)

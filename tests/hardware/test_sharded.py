@@ -46,9 +46,9 @@ from rlhf import checkpoint
 from rlhf.config import build
 from rlhf.errors import UserError
 from rlhf.hardware import FSDP2, ZeRO, free_port
-from tests.conftest import FAST, assert_equal_trees, compose_config, fast_initial_model
+from tests.conftest import FAST, assert_equal_trees, compose_config, fast_initial_model, installed
 
-HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+HAS_DEEPSPEED = installed("deepspeed")  # RLHF_TESTS_REQUIRE_EXTRAS=1 (CI): run, and fail if it is missing
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed not installed: pip install 'rlhf[deepspeed]'")
 
 CLIP = 0.5
