@@ -16,7 +16,8 @@ step, the scheduler step and the step's logging and evaluation, never inside an 
 
 Every rank writes into ``.tmp-step_<N>``; then the main process renames it to ``step_<N>`` and removes the oldest
 checkpoints beyond ``keep_last``. A run killed at any moment leaves the previous checkpoints whole. Files are read
-back with ``torch.load(weights_only=True)``: a checkpoint never runs code when it is loaded.
+back with ``torch.load(weights_only=True)``: a checkpoint never runs code when it is loaded; each tensor onto the
+resuming process's device (:func:`rlhf.files.load_torch`), so a checkpoint written on a GPU resumes on a CPU.
 
 Why not Accelerate's ``save_state`` for all of it: it saves the optimizer from the main process only (wrong for
 FSDP2 and ZeRO, whose optimizer states are split over the ranks) and pickles the random states (its loader needs
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from rlhf.errors import UserError
-from rlhf.files import is_write_failure, save_torch, use_umask
+from rlhf.files import is_write_failure, load_torch, save_torch, use_umask
 from rlhf.metrics import any_process
 from rlhf.state import TrainState
 
@@ -68,10 +69,11 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     kind, keys, position, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
+    np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(state["torch"].cpu())  # generator states are CPU tensors, whatever device they are for
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one per GPU of the machine that wrote it; a machine with fewer sets those it has
+        torch.cuda.set_rng_state_all([each.cpu() for each in state["cuda"][:torch.cuda.device_count()]])
 
 
 # --- finding checkpoints -----------------------------------------------------------------------------------------
@@ -299,8 +301,9 @@ def load(folder: Path, *, model, optimizer, scheduler, algo, strategy, accelerat
         raise UserError(f"{folder} has no {own_file.name}: the checkpoint is incomplete. Fix: resume from an older "
                         "one (resume=<run dir>/checkpoints/step_<N>).")
     strategy.load_state(model, optimizer, folder)
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-    own = torch.load(own_file, weights_only=True)
+    # Onto this process's device: a checkpoint written on a GPU resumes on a CPU (rlhf.files.load_torch)
+    scheduler.load_state_dict(load_torch(folder / "scheduler.pt", accelerator.device))
+    own = load_torch(own_file, accelerator.device)
     algo.load_state_dict(own.get("algo", {}))
     set_rng_state(own["rng"])
     return TrainState.from_dict(own["train"])

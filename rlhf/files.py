@@ -11,13 +11,17 @@ A write that the system refuses (a full disk, a file-size limit) surfaces from `
 ``RuntimeError`` ("[enforce fail at inline_container.cc] ... unexpected pos 576 vs 534") and from safetensors as
 a ``SafetensorError``; :func:`save_torch` and :func:`save_safetensors` raise it as :class:`OSError`, the one type
 the checkpoint code treats as "could not write".
+
+A file that ``torch.save`` wrote records each tensor's device, and ``torch.load`` without ``map_location`` puts it
+back there: a checkpoint written on a GPU then cannot be read on a CPU (or on a machine with fewer GPUs).
+:func:`load_torch` reads onto the reading process's device instead.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -52,6 +56,20 @@ def use_umask(folder: str | os.PathLike) -> None:
             if not os.path.islink(path):
                 os.chmod(path, 0o666 & ~mask)
     os.chmod(folder, 0o777 & ~mask)
+
+
+def load_torch(file: str | os.PathLike | IO[bytes], device: torch.device | str) -> Any:
+    """``torch.load(file, weights_only=True)`` (no code runs), each tensor onto the process that reads it: one
+    saved on the CPU stays there (random generator states, which ``torch.set_rng_state`` takes on the CPU only, and
+    what its owner kept there), any other goes to ``device``, the reading process's own (the machine that wrote it
+    may have had a GPU this one lacks, or another index). On the device it was saved from, the same placement as a
+    plain ``torch.load``. The ``map_location`` callable is torch's (``torch.load``'s docs)."""
+    target = str(torch.device(device))
+
+    def restore(storage, location: str):
+        return storage if location == "cpu" else torch.serialization.default_restore_location(storage, target)
+
+    return torch.load(file, map_location=restore, weights_only=True)
 
 
 def save_torch(obj: Any, path: str | os.PathLike, zipfile: bool = True) -> None:

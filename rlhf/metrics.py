@@ -2,7 +2,9 @@
 
 Each process sees its own shard of the batches, so every metric the run reports is a sum over the processes
 before it is a mean. :func:`sum_over_processes` is the only place that sums: the log window, evaluation, the
-step's non-finite and stop flags, a failed checkpoint, a non-finite parameter.
+step's non-finite and stop flags, a failed checkpoint, a non-finite parameter. Algorithms, which have no
+accelerator, sum with :func:`sum_over_every_process` (whether a held-out reference pass is needed anywhere, KTO's
+reference point, BCO's running mean).
 """
 
 from __future__ import annotations
@@ -34,6 +36,24 @@ def sum_over_processes(values: Mapping[str, float | torch.Tensor], accelerator, 
     packed = torch.tensor([float(values.get(key, 0.0)) for key in keys], dtype=torch.float64,
                           device=accelerator.device)
     return dict(zip(keys, accelerator.reduce(packed, reduction="sum").tolist()))
+
+
+def processes() -> int:
+    """The processes of torch.distributed's default group; 1 where none is initialized."""
+    available = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_world_size() if available else 1
+
+
+def sum_over_every_process(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed element-wise over every process of torch.distributed's default group, as a new tensor
+    without gradient (one all-reduce, on ``values``' device: a GPU's for NCCL, the CPU's for gloo); ``values``
+    itself on one process. For code that has no accelerator to hand (an algorithm's loss); a collective: every
+    process calls it."""
+    if processes() == 1:
+        return values
+    total = values.detach().clone()
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM)
+    return total
 
 
 def max_over_processes(value: float, accelerator) -> float:

@@ -52,6 +52,47 @@ def test_random_generators_are_restored():
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
 
 
+def _as_if_saved_on_a_gpu(path: Path, only: torch.Tensor | None = None) -> None:
+    """Write ``path`` again as a GPU run writes it: every tensor (or only ``only``) recorded as saved on cuda:0, the
+    way ``torch.save`` records each tensor's device (``torch.serialization.location_tag``)."""
+    obj = torch.load(path, weights_only=True) if only is None else {"on_device": only, "on_cpu": torch.ones(2)}
+    tag = torch.serialization.location_tag
+
+    def on_gpu(storage) -> str:
+        return "cuda:0" if only is None or storage.data_ptr() == only.untyped_storage().data_ptr() else tag(storage)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", on_gpu)
+        torch.save(obj, path)
+
+
+def test_a_file_loads_each_tensor_onto_the_reading_process(tmp_path):
+    """A tensor saved on a GPU goes to the reading process's device (here "meta", a device this machine has), one
+    saved on the CPU (a random generator's state) stays there."""
+    from rlhf.files import load_torch
+
+    _as_if_saved_on_a_gpu(tmp_path / "f.pt", only=torch.zeros(3))
+    loaded = load_torch(tmp_path / "f.pt", torch.device("meta"))
+    assert loaded["on_device"].device.type == "meta" and loaded["on_device"].shape == (3,)
+    assert loaded["on_cpu"].device.type == "cpu" and loaded["on_cpu"].tolist() == [1.0, 1.0]
+
+
+def test_a_checkpoint_written_on_a_gpu_resumes_on_a_cpu(fast_config, tmp_path):
+    """Every file a resume reads with torch.load, written again as a GPU run writes it: a plain torch.load on a
+    machine without a GPU refuses it; the resume reads each tensor onto this process's device (the random
+    generators' states onto the CPU) and ends as the uninterrupted run did."""
+    train(fast_config("train.save_every_steps=2"))  # 3 steps, a checkpoint at step 2
+    folder = tmp_path / "run" / checkpoint.FOLDER / f"{checkpoint.PREFIX}{2:08d}"
+    for name in ("optimizer.pt", "scheduler.pt", "rank_0.pt"):
+        _as_if_saved_on_a_gpu(folder / name)
+    if not torch.cuda.is_available():  # what a resume without map_location met
+        with pytest.raises(RuntimeError, match="CUDA device but torch.cuda.is_available"):
+            torch.load(folder / "rank_0.pt", weights_only=True)
+    train(compose_config(*FAST, "train.save_every_steps=2", f"resume={folder}", output_dir=tmp_path / "resumed"))
+    whole, resumed = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("run", "resumed"))
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
 def _fake_checkpoint(run: Path, step: int, complete: bool = True) -> Path:
     folder = run / checkpoint.FOLDER / f"{checkpoint.PREFIX}{step:08d}"
     folder.mkdir(parents=True)

@@ -22,6 +22,7 @@ from rlhf.algos.sft import nll_loss
 from rlhf.data import shared_prompt
 from rlhf.data.collate import collate_sequences, encode, require_completion
 from rlhf.errors import UserError
+from rlhf.metrics import processes, sum_over_every_process
 from rlhf.models.output_layer import check_when
 from rlhf.models.reference import FrozenCopy, Reference
 from rlhf.validate import Range, limits
@@ -149,13 +150,17 @@ class DPO(ReferenceRegularized):
         super().load_state_dict(state)  # a resume: the policy holds the checkpoint's weights
 
     def loss(self, model, batch: dict[str, Tensor], training: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
-        """``training=False`` (held-out batches): the loss state is read but not updated."""
+        """``training=False`` (held-out batches): the loss state is read but not updated. A training batch's pairs
+        carry :func:`~rlhf.metrics.sum_over_every_process` where several processes run (``PairLogps.global_sum``):
+        a loss that reads the step's whole batch (BCO's running mean) sums over them."""
         policy = completion_stats(model, batch)
         ref_logps = self.reference_logps(batch, model, held_out=not training,
                                          policy_logps=None if training else policy.logps)  # zeros: reference=none
         n = policy.logps.shape[0] // 2  # pairs: chosen answers first
+        # A training step's pairs are spread over the processes: a loss that reads the whole batch sums over them
         pairs = PairLogps(policy.logps[:n], policy.logps[n:], ref_logps[:n], ref_logps[n:],
-                          policy.num_tokens[:n], policy.num_tokens[n:])
+                          policy.num_tokens[:n], policy.num_tokens[n:],
+                          global_sum=sum_over_every_process if training and processes() > 1 else None)
         chosen_logratios, rejected_logratios = pairs.chosen_logratios, pairs.rejected_logratios
         state = self.loss_state if training else dict(self.loss_state)
         losses = self.loss_fn(pairs, self.beta, state)

@@ -41,6 +41,11 @@ class PairLogps:
     ref_rejected: Tensor
     chosen_tokens: Tensor
     rejected_tokens: Tensor
+    # Sums a tensor over every process of a training step, each holding its own pairs (a collective: every process
+    # calls it, :func:`rlhf.metrics.sum_over_every_process`), for a loss that reads the step's whole batch (BCO's
+    # running mean). None: these pairs are all there is (one process; or a held-out batch, whose metrics do not
+    # depend on the number of processes).
+    global_sum: Callable[[Tensor], Tensor] | None = None
 
     @property
     def chosen_logratios(self) -> Tensor:
@@ -166,15 +171,25 @@ def bco_pair_loss(pairs: PairLogps, beta: float, state: LossState, running_mean:
     ``beta x log-ratio``: ``-log s(r_w - delta) - log s(-(r_l - delta))``. ``running_mean=false`` (TRL 1.16's
     ``"bco_pair"``): ``delta = 0``. ``true`` (the paper; older TRL): ``delta`` is the running mean of all training
     rewards (``state["bco_reward_mean"]``, with ``"bco_reward_count"``; saved in checkpoints), updated with this
-    batch before use; each process keeps its own (older TRL averaged across processes)."""
+    batch before use.
+
+    The batch is the step's whole batch over every process: with ``pairs.global_sum`` (a training step of several
+    processes, :class:`rlhf.algos.dpo.DPO`) the count and sum of the rewards are summed over the processes (one
+    all-reduce of two numbers), so every process keeps the same mean, the one a single process would keep over
+    all of their rewards; the objective does not depend on the number of processes (older TRL averaged each
+    process's batch mean, the same for equal batches). A held-out batch updates a copy of the state with its own
+    rewards only."""
     chosen, rejected = beta * pairs.chosen_logratios, beta * pairs.rejected_logratios
     if not running_mean:
         return -F.logsigmoid(chosen) - F.logsigmoid(-rejected)
-    rewards = torch.cat([chosen, rejected]).detach()
+    rewards = torch.cat([chosen, rejected]).detach().double()
+    batch = torch.stack([torch.tensor(float(rewards.numel()), dtype=torch.float64, device=rewards.device),
+                         rewards.sum()])  # [count, sum], on the rewards' device (where a GPU's collective wants it)
+    batch_count, batch_sum = (pairs.global_sum(batch) if pairs.global_sum is not None else batch).cpu()
     count = state.get("bco_reward_count", torch.zeros((), dtype=torch.float64))
     mean = state.get("bco_reward_mean", torch.zeros((), dtype=torch.float64))
-    total = count + rewards.numel()
-    mean = mean + (rewards.double().mean().cpu() - mean) * rewards.numel() / total
+    total = count + batch_count
+    mean = mean + (batch_sum / batch_count - mean) * batch_count / total
     state["bco_reward_count"], state["bco_reward_mean"] = total, mean
     delta = mean.to(chosen.dtype).to(chosen.device)
     return -F.logsigmoid(chosen - delta) - F.logsigmoid(-(rejected - delta))

@@ -23,6 +23,7 @@ from rlhf.algos.base import completion_stats
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.data.collate import collate_sequences, encode, require_completion
 from rlhf.errors import UserError
+from rlhf.metrics import processes, sum_over_every_process
 from rlhf.models.output_layer import check_when
 from rlhf.models.reference import FrozenCopy
 from rlhf.validate import Range, limits
@@ -50,12 +51,7 @@ def kl_estimate(mismatched_logratios: Tensor) -> Tensor:
     """KTO's reference point: the mean log-ratio of the batch's mismatched pairs, averaged over the processes (each
     process's mean, as TRL gathers them), floored at 0, without gradient. A collective when several processes run:
     every process calls it once per batch."""
-    kl = mismatched_logratios.detach().mean()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-        if world > 1:
-            torch.distributed.all_reduce(kl, op=torch.distributed.ReduceOp.SUM)
-            kl = kl / world
+    kl = sum_over_every_process(mismatched_logratios.detach().mean()) / processes()
     return kl.clamp(min=0)
 
 

@@ -6,7 +6,9 @@ log-probabilities of a held-out batch are kept (in memory, by the batch's tokens
 evaluation of the same batch. At the first evaluation of a run whose reference is a copy of the initial policy
 (``algo/reference=copy``, :attr:`~rlhf.models.reference.Reference.copies_policy`), before any training step, they
 are the policy's own: the same weights compute the same values, bit for bit (tested), so that evaluation needs no
-reference pass either.
+reference pass either. Every process keeps its own batches' values, yet all take the same way (a forward pass, or
+none): under FSDP2 and ZeRO-3 the reference's forward pass is a collective, so where any process misses (one-row
+KTO batches hit on their own mismatched pair), every process runs it (one all-reduce of a flag per held-out batch).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import Tensor
 
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
+from rlhf.metrics import processes, sum_over_every_process
 from rlhf.models.output_layer import tap_output_layer
 from rlhf.models.reference import disable_dropout
 from rlhf.validate import Range, limits
@@ -84,13 +87,18 @@ class ReferenceRegularized(Algorithm):
                 return self.reference.logps(batch, model, policy)
         kept = self.__dict__.setdefault("_held_out_reference", {})
         key = _tokens_key(batch)
-        if key in kept:
-            return kept[key]
-        if policy_logps is not None and model is self._copy_of_policy:
-            values = policy_logps.detach()
-        else:
+        # Taken on every process alike (set up, then cleared by a training batch or a resume on each).
+        untrained_twin = policy_logps is not None and model is self._copy_of_policy
+        if not untrained_twin and _any_process(key not in kept, batch["input_ids"].device):
+            # A forward pass: under FSDP2 or ZeRO-3 a collective, so every process runs it when any one misses
+            # (a process may hit where another misses: its batch was seen before, e.g. KTO's one-row held-out
+            # batch, whose mismatched pair is itself). A process that would have hit computes the same values.
             with torch.no_grad():
                 values = self.reference.logps(batch, model, policy)
+        elif key in kept:
+            return kept[key]
+        else:
+            values = policy_logps.detach()
         if len(kept) < self.HELD_OUT_BATCHES_KEPT:
             kept[key] = values
         return values
@@ -101,6 +109,14 @@ class ReferenceRegularized(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.forget_untrained_policy()  # a resume: the policy holds the checkpoint's weights
+
+
+def _any_process(flag: bool, device: torch.device) -> bool:
+    """``flag`` OR-ed over every process of the default process group (one all-reduce of one number, on ``device``,
+    where the backend expects it: a GPU's for NCCL); ``flag`` itself on one process."""
+    if processes() == 1:
+        return flag
+    return bool(sum_over_every_process(torch.tensor(float(flag), device=device)) > 0)
 
 
 def _tokens_key(batch: dict[str, Tensor]) -> bytes:

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from rlhf.errors import UserError
+from rlhf.files import load_torch
 from rlhf.hardware.sharded import Sharded
 from rlhf.models.quantize import has_8bit_weights
 
@@ -198,7 +199,7 @@ class FSDP2(Sharded):
 
         model_state, optimizer_state = get_state_dict(model, _inner(optimizer))
         state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=str(folder / "sharded"), planner=_weights_only_planner())
+        dcp.load(state, checkpoint_id=str(folder / "sharded"), planner=_weights_only_planner(self.accelerator.device))
         set_state_dict(model, _inner(optimizer), model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
 
@@ -206,16 +207,18 @@ class FSDP2(Sharded):
         return [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
 
 
-def _weights_only_planner():
+def _weights_only_planner(device: torch.device):
     """``torch.distributed.checkpoint``'s default load planner, except that the entries that are not tensors (the
     optimizer's hyperparameters and step counts, saved as pickled bytes) are read with
-    ``torch.load(weights_only=True)``: torch's own reads them with ``weights_only=False``."""
+    ``torch.load(weights_only=True)`` (torch's own reads them with ``weights_only=False``), any tensor in them onto
+    ``device``, this process's (:func:`rlhf.files.load_torch`; the tensor entries are read onto the CPU, then copied
+    into the live state)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
 
     class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item, value) -> None:
-            loaded = torch.load(value, weights_only=True)
+            loaded = load_torch(value, device)
             if self.flatten_state_dict:  # the default: put it back into the nested state dict
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
             else:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from hydra.utils import instantiate
 from safetensors.torch import load_file
 
@@ -14,6 +15,9 @@ from rlhf import checkpoint, train
 from rlhf.algos import dpo_losses as L
 from rlhf.algos.dpo import DPO
 from rlhf.errors import UserError
+from rlhf.hardware import free_port
+from rlhf.metrics import sum_over_every_process
+from tests.algos import workers
 from tests.conftest import CONF, FAST, compose_config
 
 # Two pairs. Policy/reference log-probabilities (summed) and completion lengths.
@@ -155,6 +159,52 @@ def test_bco_pair_uses_and_keeps_the_running_reward_mean():
     assert state["bco_reward_count"].item() == 4 and state["bco_reward_mean"].item() == pytest.approx(delta)
     L.bco_pair_loss(at_init(2), BETA, state, running_mean=True)  # rewards all 0: the mean of all 8 is half the first
     assert state["bco_reward_mean"].item() == pytest.approx(delta / 2) and state["bco_reward_count"].item() == 8
+
+
+@pytest.mark.serial
+def test_bcos_running_mean_on_two_processes_is_one_processs_mean_of_both_batches():
+    """Each process holds part of a step's pairs (2 and 1, so that the mean of the processes' means differs from
+    the mean of the rewards); both keep the running mean one process keeps over all of them, and each pair's loss
+    is the one process's."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(workers.bco_two_steps, args=(free_port(), results), nprocs=2, join=True)
+        results = dict(results)
+    state: dict = {}
+    whole = [L.bco_pair_loss(workers.bco_shard(step, None), BETA, state, running_mean=True).tolist()
+             for step in range(2)]
+    alone: dict = {}  # rank 0's mean of its own rewards: what each process kept before
+    for step in range(2):
+        L.bco_pair_loss(workers.bco_shard(step, 0), BETA, alone, running_mean=True)
+    assert alone["bco_reward_mean"].item() != pytest.approx(state["bco_reward_mean"].item())  # the test can fail
+    assert state["bco_reward_count"].item() == 12  # 2 steps x 3 pairs x (chosen, rejected)
+    for rank, rows in ((0, slice(0, 2)), (1, slice(2, 3))):
+        count, mean, losses = results[rank]
+        assert count == 12 and mean == pytest.approx(state["bco_reward_mean"].item(), rel=1e-12)
+        assert losses == [pytest.approx(step[rows], rel=1e-6) for step in whole]
+
+
+def test_dpo_sums_a_training_batch_over_the_processes_but_not_a_held_out_one(monkeypatch):
+    """``PairLogps.global_sum`` is the all-reduce on a training step of several processes, else None (one process's
+    path unchanged; a held-out batch's metrics do not depend on the number of processes)."""
+    from rlhf.algos import dpo
+    from rlhf.models.tiny import TinySpec
+
+    seen = []
+
+    def spy(pairs, beta, state):
+        seen.append(pairs.global_sum)
+        return L.sigmoid_loss(pairs, beta, state)
+
+    policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+    algo = DPO(loss=spy)
+    algo.setup(policy.model, policy.tokenizer)
+    batch = algo.collate([algo.tokenize({"prompt": "abc=", "chosen": "cba", "rejected": "cab"}, policy.tokenizer)])
+    algo.loss(policy.model, batch)
+    monkeypatch.setattr(dpo, "processes", lambda: 2)
+    algo.loss(policy.model, batch)
+    algo.evaluate(policy.model, batch)
+    assert seen == [None, sum_over_every_process, None]
 
 
 def test_weighted_sum_is_the_weighted_sum_and_needs_one_weight_per_loss():

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from rlhf.algos.kto import KL, KTO, kl_estimate, kto_loss
 from rlhf.errors import UserError
 from rlhf.models.reference import FrozenCopy
 from rlhf.models.tiny import TinySpec
+from tests.conftest import ROOT
 
 
 def sig(x: float) -> float:
@@ -114,3 +118,28 @@ def test_a_reference_of_precomputed_rows_only_is_refused_before_anything_loads()
     with pytest.raises(UserError, match="Fix: algo/reference=copy"):
         check_config(compose_config("algo=kto", "algo/reference=precomputed"))
     check_config(compose_config("algo=kto", "algo/reference=shared_layers"))
+
+
+@pytest.mark.serial
+def test_a_one_row_held_out_batch_under_fsdp_ends(tmp_path):
+    """Three held-out rows in batches of 2 on 2 processes: rank 0 evaluates rows 0-1, rank 1 row 2 alone, whose
+    mismatched pair (prompt i, completion i - 1) is the row itself, so its reference values are already kept when
+    they are asked for again. Under FSDP2 the reference's forward pass is a collective: rank 1 must run it too, or
+    rank 0 waits in it until the collective timeout (it did before every process agreed on hit or miss)."""
+    path = tmp_path / "unpaired.jsonl"
+    rows = [{"prompt": f"{w}=", "completion": w[::-1] if i % 3 else w, "label": bool(i % 3)}
+            for i, w in enumerate(["abc", "de", "fgh", "ij", "klm", "no", "pqr", "st", "uvw", "xy", "zab", "cd"])]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    run = tmp_path / "run"
+    overrides = ["algo=kto", "hardware=fsdp", "hardware.timeout_s=30", f"data.path={path}", "data.eval_size=3",
+                 "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+                 "model.tiny.intermediate_size=64", "model.tiny.warm_start_steps=0", "train.max_steps=1",
+                 "train.per_device_batch_size=2", "train.eval_batch_size=2", "train.eval_every_steps=0",
+                 # the evaluation after a training step: at the start, the untrained policy's values need no reference
+                 "train.eval_at_start=false", "train.save_every_steps=0", f"hydra.run.dir={run}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    final = json.loads((run / "summary.json").read_text())["final"]
+    assert math.isfinite(final["eval/loss"]) and math.isfinite(final["eval/kl"])
