@@ -30,10 +30,11 @@ from hydra.core.override_parser.types import IntervalSweep
 from hydra.core.plugins import Plugins
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, RunMode
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf import hub, train
+from rlhf.algos.base import Algorithm
 from rlhf.config import build, check_config, check_fields
 from rlhf.data.source import DataSource
 from rlhf.errors import UserError
@@ -127,11 +128,13 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
     elif group == "algo/kl_controller":  # PPO's coefficient, checkpointed
         controller = instantiate(node)
         assert controller.value > 0 and instantiate(cfg.algo).kl_controller.value == controller.value
-    elif group in ONLINE_GROUPS:  # a function of the algorithm, built with it
-        assert callable(instantiate(node)) and instantiate(cfg.algo).columns == ("prompt",)
+    elif group in ONLINE_GROUPS:  # a function of the algorithm: the algorithm built from the config holds this one
+        algo = instantiate(cfg.algo)
+        held = getattr(algo, group.removeprefix("algo/"))
+        assert getattr(held, "func", held) is get_object(node._target_) and algo.columns == ("prompt",)
     elif group == "algo":
         algo = instantiate(node)
-        assert set(algo.columns) >= {"prompt"} and callable(algo.loss)
+        assert set(algo.columns) >= {"prompt"} and type(algo).loss is not Algorithm.loss  # its own loss
     elif group == "hardware":
         if node.num_nodes > 1 and node.rdzv_endpoint is None:  # multinode: says what every machine needs
             with pytest.raises(UserError, match="rdzv_endpoint=<main machine>:<port>"):

@@ -122,7 +122,9 @@ def test_each_reference_option_composes_and_builds(option, tmp_path):
 
     extra = [f"algo.reference.name_or_path={tmp_path}"] if option == "model" else []
     cfg = compose_config("algo=dpo", f"algo/reference={option}", *extra)
-    assert callable(instantiate(cfg.algo).reference)
+    from hydra.utils import get_object
+
+    assert type(instantiate(cfg.algo).reference) is get_object(cfg.algo.reference._target_)  # the one it names
 
 
 def test_a_reference_model_without_its_path_is_refused_before_anything_loads():
