@@ -50,7 +50,7 @@ def sum_over_every_process(values: torch.Tensor) -> torch.Tensor:
     itself on one process. For code that has no accelerator to hand (an algorithm's loss); a collective: every
     process calls it."""
     if processes() == 1:
-        return values
+        return values.detach()
     total = values.detach().clone()
     torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM)
     return total

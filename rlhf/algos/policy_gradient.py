@@ -53,7 +53,8 @@ from rlhf.models.reference import FrozenCopy, Reference, disable_dropout
 from rlhf.validate import Range, limits
 
 _K1_IN_THE_LOSS = ("{where}: kl_in_reward=false puts the KL estimate in the loss, where k1's gradient is zero in "
-                   "expectation (E_pi[grad log pi] = 0): the KL weight would regularize nothing. Fix: "
+                   "expectation (E_pi[grad log pi] = 0; with a per-sequence mean, only a bias of the length): the KL "
+                   "weight would not pull the policy toward the reference. Fix: "
                    "{where_slash}kl_estimator=k2 (its gradient is that of KL(pi||ref); k3's is that of KL(ref||pi)), "
                    "or {where}.kl_in_reward=true (k1 as a reward, as TRL's RLOO and PPO)")
 
@@ -195,13 +196,13 @@ class PolicyGradient(OnlineAlgorithm):
         mask = samples["completion_mask"]
         if self.mask_truncated_completions:
             mask = drop_truncated(mask, samples["truncated"])
-        count = mask.sum().float()
+        count = mask.sum().float()  # may be 0 (every completion truncated): floored below, as dapo_loss's own count
         processes = 1
         if _distributed():
             count = count.to(_device(model))
             torch.distributed.all_reduce(count)
             processes = torch.distributed.get_world_size()
-        per_micro_batch = count.cpu() / (processes * self.steps_per_generation)
+        per_micro_batch = count.cpu().clamp(min=1) / (processes * self.steps_per_generation)
         samples["loss_tokens"] = per_micro_batch.expand(samples["rewards"].shape[0]).clone()
         return samples, metrics
 

@@ -132,9 +132,10 @@ def dapo_loss(per_token_loss: Tensor, mask: Tensor, num_tokens: Tensor | float |
 
     ``num_tokens``: what the caller divides by so that every token of the *global* batch weighs the same. The loop
     divides each micro-batch's loss by its accumulation steps and averages gradients over processes, so pass the
-    completion tokens of the whole global batch (all processes, all accumulation steps) divided by
-    ``processes × accumulation steps``: the mean token count of a micro-batch. ``None``: this micro-batch's own
-    count (then equal to :func:`bnpo_loss`).
+    loss's tokens of the whole global batch (all processes, all accumulation steps; without the truncated
+    completions' where ``mask_truncated_completions`` leaves them out) divided by ``processes × accumulation
+    steps``: the mean token count of a micro-batch, at least 1. ``None``: this micro-batch's own count (then equal
+    to :func:`bnpo_loss`).
     """
     mask = mask.to(per_token_loss.dtype)
     divisor = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
@@ -181,7 +182,11 @@ IMPORTANCE_SAMPLING_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]
 #   (TRL's GRPO default) regularizes too, by the forward KL's gradient; k1 does nothing and is refused there.
 #   Per token, these are the gradients of each token's KL given its prefix; the sequence's KL also moves through the
 #   later tokens' distributions, which a per-token loss term leaves out (Tang & Munos, section 4); the KL in the
-#   reward, summed over the completion, keeps that part.
+#   reward, summed over the completion, keeps that part. And they hold where a token's weight in the loss does not
+#   depend on what was sampled: a constant divisor (``loss_type=dr_grpo``; ``dapo``'s is a whole rollout's count).
+#   ``grpo`` and ``bnpo`` divide by the sampled lengths, which adds a term through the length: k1's expected gradient
+#   is then ``beta · ∇E_π[(1/|o|)·…]``-shaped, a bias toward some lengths, still no pull toward the reference
+#   (tested by exact expectation over every sequence of a two-step policy).
 #   Tested by exact expectation over every outcome of a small categorical policy (tests/algos/test_policy_losses.py).
 
 

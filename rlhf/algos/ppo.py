@@ -65,7 +65,8 @@ class PPO(PolicyGradient):
     Args:
         kl_controller: the KL coefficient (:class:`~rlhf.algos.reward_shaping.FixedKLController` ``kl_coef``, or
             the adaptive one); a fixed 0 holds no reference model.
-        kl_in_reward: ``True``: ``−kl_coef · KL_t`` per token in the reward (PPO's); ``False``: in the loss.
+        kl_in_reward: ``True``: ``−kl_coef · KL_t`` per token in the reward (PPO's); ``False``: in the loss (with
+            ``algo/kl_estimator=k2`` or ``k3``: k1's expected gradient is zero there, refused).
         separate_critic: the critic reads a copy of the policy's backbone, not the policy's hidden states.
         num_ppo_epochs, num_mini_batches: passes over each rollout, and the micro-batches it is split into.
         gamma, lam: GAE's discount and lambda. vf_coef: the value loss's weight. cliprange_value: its clip.

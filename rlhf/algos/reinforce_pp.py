@@ -30,7 +30,7 @@ class ReinforcePP(PolicyGradient):
             (REINFORCE++-baseline); ``False``: the paper's REINFORCE++, no per-prompt baseline.
         gamma: the discount of the token returns.
         kl_in_reward: ``True`` (the default in ``conf/algo/reinforce_pp.yaml``): the KL is a per-token reward;
-            ``False``: ``beta`` times it is added to the loss.
+            ``False``: ``beta`` times it is added to the loss (with k2 or k3: k1 is refused there).
     """
 
     def __init__(self, group_baseline: bool = False, gamma: float = 1.0, **kwargs: Any) -> None:

@@ -4,7 +4,7 @@ Per prompt, ``num_generations`` completions are sampled; each one's baseline is 
 its prompt (:func:`rlhf.algos.advantages.leave_one_out`), an unbiased baseline that needs no critic. The KL to the
 reference is in the reward by default, as in the paper and TRL's ``RLOOTrainer``: ``r − beta · Σ_t KL_t`` with the
 per-token estimate of the sampling policy (``kl_estimator``, k1 by default); ``kl_in_reward=false`` puts
-``beta · KL`` in the loss instead, as GRPO does. The loss is the shared clipped surrogate
+``beta · KL`` in the loss instead, as GRPO does, with k2 or k3 (k1's expected gradient is zero there: refused). The loss is the shared clipped surrogate
 (:class:`rlhf.algos.policy_gradient.PolicyGradient`): at ``num_iterations=1`` it is REINFORCE with the baseline.
 """
 

@@ -9,13 +9,14 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from rlhf import train
 from rlhf.algos.advantages import reinforce_pp_tokens
 from rlhf.algos.grpo import GRPO
 from rlhf.algos.policy_gradient import all_gather_rows, global_masked_moments
-from rlhf.algos.policy_losses import kl_k1, kl_k2, kl_k3
+from rlhf.algos.policy_losses import grpo_loss, kl_k1, kl_k2, kl_k3
 from rlhf.algos.reinforce_pp import ReinforcePP
 from rlhf.algos.reward_shaping import batch_moments, kl_penalized_rewards
 from rlhf.algos.rloo import RLOO
@@ -341,6 +342,70 @@ def test_the_kl_term_in_the_loss_has_its_estimators_expected_gradient(estimator,
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
+def _expected_kl_gradient_over_two_steps(estimator, loss_type, beta: float = 0.5) -> tuple[torch.Tensor, ...]:
+    """Exact expectation through GRPO's loss over every sequence of a two-step policy on tokens {a, b, EOS} (EOS
+    ends a sequence; at most 2 tokens): sum over the 7 sequences s of P(s) (not differentiated, as sampled) times
+    the loss of s alone (zero advantages: only the KL term), and its gradient in the logits of both steps. Also the
+    per-token documented gradient: beta / 2 x grad of sum over the prefixes reached of P(prefix) x KL at the prefix
+    (reverse for k2, forward for k3), and the two sets of logits."""
+    import functools
+
+    from rlhf.algos.policy_losses import dr_grpo_loss
+
+    first = torch.tensor([0.4, -0.3, 0.1], dtype=torch.float64, requires_grad=True)
+    second = torch.tensor([[0.2, 0.5, -0.6], [-0.4, 0.3, 0.2]], dtype=torch.float64, requires_grad=True)
+    ref_first = torch.tensor([0.5, 0.2, 0.3], dtype=torch.float64).log()
+    ref_second = torch.tensor([[0.3, 0.3, 0.4], [0.6, 0.1, 0.3]], dtype=torch.float64).log()
+    aggregation = functools.partial(dr_grpo_loss, max_completion_length=2) if loss_type == "dr_grpo" else grpo_loss
+    algo = GRPO(beta=beta, kl_estimator=kl_k3, loss_type=aggregation)
+    algo.kl_estimator = estimator  # k1 in the loss is refused when built: set here to show why
+    logp1, logp2 = torch.log_softmax(first, -1), torch.log_softmax(second, -1)
+    expected = 0.0
+    for sequence in [(2,), *((x, y) for x in (0, 1) for y in (0, 1, 2))]:
+        steps = [(logp1, ref_first)] + ([(logp2[sequence[0]], ref_second[sequence[0]])] if len(sequence) > 1 else [])
+        logps = torch.stack([logp[token] for (logp, _), token in zip(steps, sequence)])
+        refs = torch.stack([ref[token] for (_, ref), token in zip(steps, sequence)])
+        pad = 2 - len(sequence)
+        logps, refs = F.pad(logps, (0, pad)).unsqueeze(0), F.pad(refs, (0, pad)).unsqueeze(0)
+        mask = torch.tensor([[1.0] * len(sequence) + [0.0] * pad], dtype=torch.float64)
+        batch = {"advantages": torch.zeros(1, dtype=torch.float64), "ref_logps": refs,
+                 "truncated": torch.tensor([sequence[-1] != 2])}
+        loss, _ = algo.policy_loss(logps, mask, torch.zeros(1, 2), batch)
+        expected = expected + logps.detach().sum().exp() * loss
+    got = torch.autograd.grad(expected, (first, second), retain_graph=True)
+    pi1 = logp1.exp()
+
+    def kl(log_p, log_q):
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+    if estimator is kl_k2:
+        per_prefix = [kl(logp1, ref_first), kl(logp2, ref_second)]
+    else:
+        per_prefix = [kl(ref_first, logp1), kl(ref_second, logp2)]
+    target = beta / 2 * (per_prefix[0] + (pi1[:2].detach() * per_prefix[1]).sum())
+    return got, torch.autograd.grad(target, (first, second))
+
+
+def test_k1_in_the_loss_has_no_expected_gradient_with_a_constant_divisor_and_a_length_bias_with_a_mean():
+    """Over every sequence of a two-step policy: k1's expected gradient is zero where a token's weight does not
+    depend on the sample (dr_grpo's constant divisor), and not zero under grpo's per-sequence mean (the divisor
+    is the sampled length: a bias through the length, not a pull toward the reference)."""
+    constant, _ = _expected_kl_gradient_over_two_steps(kl_k1, "dr_grpo")
+    assert all(float(g.abs().max()) < 1e-12 for g in constant), constant
+    mean, _ = _expected_kl_gradient_over_two_steps(kl_k1, "grpo")
+    assert max(float(g.abs().max()) for g in mean) > 1e-3
+
+
+@pytest.mark.parametrize("estimator", [kl_k2, kl_k3])
+def test_k2_and_k3_in_the_loss_give_each_prefixs_kl_gradient_over_whole_sequences(estimator):
+    """With the constant divisor, the expected gradient over every two-step sequence is, per token, that of the KL
+    at the token's prefix (reverse for k2, forward for k3) weighted by the prefix's probability."""
+    got, want = _expected_kl_gradient_over_two_steps(estimator, "dr_grpo")
+    assert max(float(w.abs().max()) for w in want) > 0.01
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-10)
+
+
 def test_k1_in_the_loss_is_refused_naming_k2_and_the_reward_as_fixes():
     """k1's expected gradient as a loss term is zero: beta would regularize nothing (tests/algos/test_policy_losses.py
     shows it by exact expectation). Refused when built, and by the config check before anything loads."""
@@ -391,6 +456,7 @@ def test_the_second_pass_over_a_rollout_is_the_hand_computed_clipped_surrogate()
     low = ((ratio < 1 - epsilon) & (advantages < 0))[mask].double().mean()
     high = ((ratio > 1 + epsilon) & (advantages > 0))[mask].double().mean()
     assert (ratio[mask] - 1).abs().max() > epsilon and low + high > 0  # the step moved the ratio past the clip
+    assert abs(float(want)) > 1e-3  # far from 0: a flipped sign would not match
     assert float(loss) == pytest.approx(float(want), abs=1e-5)
     assert float(metrics["clip_ratio/low_mean"]) == pytest.approx(float(low))
     assert float(metrics["clip_ratio/high_mean"]) == pytest.approx(float(high))
@@ -409,3 +475,11 @@ def test_dapo_with_masked_truncation_counts_only_the_tokens_in_the_loss():
     algo.rollout = rollout
     samples, _ = algo.collect(None, lambda: (None, 0))
     assert samples["loss_tokens"].tolist() == [6.0] * 4  # 3 + 2 + 1: the truncated row's 4 are not counted
+    all_truncated = {"truncated": torch.ones(4, dtype=torch.bool)}
+    algo.rollout = lambda model, prompts, seed: ({**rollout(model, prompts, seed)[0], **all_truncated}, {})
+    samples, _ = algo.collect(None, lambda: (None, 0))
+    assert samples["loss_tokens"].tolist() == [1.0] * 4  # no token in the loss: floored, so the loss is 0, not NaN
+    logps = torch.zeros(4, 4, requires_grad=True)
+    loss, _ = algo.policy_loss(logps, mask, torch.zeros(4, 4), {**samples, "advantages": torch.ones(4)})
+    loss.backward()
+    assert float(loss) == 0.0 and torch.isfinite(logps.grad).all()
