@@ -84,9 +84,10 @@ def test_a_short_run_keeps_the_best_and_trains(tmp_path):
 @pytest.mark.slow
 def test_iterative_sft_learns_on_the_embedded_task(tmp_path):
     """From the embedded SFT warm start, the held-out greedy exact match rises. Measured for this run (30 steps of
-    16 prompts x 4 completions, keep the right answers, constant lr; the command in tests/algos/test_policy_gradient.py
-    with algo=iterative_sft), seeds 0-4, 2-core AMD EPYC, torch 2.13.0+cpu, 2026-11-27: 0.551 -> 0.605-0.645, a rise of
-    0.054 at the least; the gate asks for 0.03 (margin 0.024)."""
+    16 prompts x 4 completions, keep the right answers, constant lr; the command in
+    tests/algos/test_policy_gradient.py with algo=iterative_sft), seeds 0-4, 2-core AMD EPYC (no AVX-512), torch
+    2.13.0+cpu, 2026-11-27: 0.551 -> 0.605-0.645, a rise of 0.054 at the least; the gate asks for 0.03 (margin
+    0.024)."""
     from tests.algos.test_grpo import LEARNS, held_out_reward_before_and_after
 
     overrides = ["algo=iterative_sft", *(o for o in LEARNS if not o.startswith(("algo=", "train.max_steps="))),

@@ -184,7 +184,7 @@ def test_dapo_divides_by_the_rollouts_mean_tokens_per_micro_batch_not_the_micro_
 # Measured for these runs (30 steps of 16 prompts x 8, the defaults of each algorithm, constant lr), seeds 0-4, with
 # `python scripts/seeds.py --jobs 2 --seeds 0-4 --metrics eval/reward --gate eval/reward=0 -- algo=<algo> hardware=cpu
 # scheduler=constant train.max_steps=30 train.per_device_batch_size=16 train.eval_every_steps=0
-# train.save_every_steps=0 data.task.num_eval=256 train.eval_batch_size=128` (2-core AMD EPYC, torch 2.13.0+cpu,
+# train.save_every_steps=0 data.task.num_eval=256 train.eval_batch_size=128` (2-core AMD EPYC without AVX-512, torch 2.13.0+cpu,
 # transformers 5.23.0, 2026-11-27): from 0.551, RLOO to 0.625-0.656 (a rise of 0.074 at the least), REINFORCE++ to
 # 0.629-0.672 (0.078). The gate asks for 0.04: a margin of 0.034 and 0.038 below the worst seed.
 @pytest.mark.slow

@@ -187,8 +187,9 @@ def test_ppo_learns_on_the_embedded_task(tmp_path):
     """From the embedded SFT warm start, the held-out greedy exact match rises. PPO's critic starts untrained, so it
     needs more steps than the others' gates: measured for this run (60 steps of 16 prompts x 8, defaults, constant
     lr; the command in tests/algos/test_policy_gradient.py with algo=ppo train.max_steps=60), seeds 0-4, 2-core AMD
-    EPYC, torch 2.13.0+cpu, 2026-11-27: 0.551 -> 0.598-0.637, a rise of 0.047 at the least (at 30 steps -0.020 to
-    +0.086: no gate there; at 30 steps with lr 3e-4 it fell); the gate asks for 0.02 (margin 0.027)."""
+    EPYC (no AVX-512), torch 2.13.0+cpu, 2026-11-27: 0.551 -> 0.598-0.637, a rise of 0.047 at the least (at 30
+    steps -0.020 to +0.086: no gate there; at 30 steps with lr 3e-4 it fell); the gate asks for 0.02 (margin
+    0.027)."""
     from tests.algos.test_grpo import LEARNS, held_out_reward_before_and_after
 
     before, after = held_out_reward_before_and_after(tmp_path, "algo=ppo", *(o for o in LEARNS if o != "algo=grpo"))
