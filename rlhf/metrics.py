@@ -56,6 +56,15 @@ def sum_over_every_process(values: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def flag_on_any_process(flag: bool, device: torch.device | str) -> bool:
+    """``flag`` OR-ed over every process of torch.distributed's default group (one all-reduce of one number on
+    ``device``, where the backend wants it: a GPU's for NCCL); ``flag`` itself on one process. A collective: every
+    process calls it. For code without an accelerator to hand (an algorithm's rollout or held-out cache)."""
+    if processes() == 1:
+        return flag
+    return bool(sum_over_every_process(torch.tensor(float(flag), device=device)) > 0)
+
+
 def max_over_processes(value: float, accelerator) -> float:
     """The largest of each process's ``value`` (one small all-gather). A collective: every process calls it."""
     if accelerator.num_processes == 1:

@@ -48,6 +48,7 @@ from rlhf.algos.policy_losses import (
 from rlhf.algos.reward_shaping import Moments, batch_moments, combine_moments
 from rlhf.algos.token_logps import selective_log_softmax
 from rlhf.errors import UserError
+from rlhf.metrics import flag_on_any_process, processes, sum_over_every_process
 from rlhf.models.output_layer import answer, answers, check_when, tap_output_layer, token_request
 from rlhf.models.reference import FrozenCopy, Reference, disable_dropout
 from rlhf.validate import Range, limits
@@ -197,12 +198,9 @@ class PolicyGradient(OnlineAlgorithm):
         if self.mask_truncated_completions:
             mask = drop_truncated(mask, samples["truncated"])
         count = mask.sum().float()  # may be 0 (every completion truncated): floored below, as dapo_loss's own count
-        processes = 1
-        if _distributed():
-            count = count.to(_device(model))
-            torch.distributed.all_reduce(count)
-            processes = torch.distributed.get_world_size()
-        per_micro_batch = count.cpu().clamp(min=1) / (processes * self.steps_per_generation)
+        if processes() > 1:
+            count = sum_over_every_process(count.to(_device(model)))
+        per_micro_batch = count.cpu().clamp(min=1) / (processes() * self.steps_per_generation)
         samples["loss_tokens"] = per_micro_batch.expand(samples["rewards"].shape[0]).clone()
         return samples, metrics
 
@@ -213,7 +211,9 @@ class PolicyGradient(OnlineAlgorithm):
             return self.rollout(model, *next_prompts())
         group, kept, dropped, all_metrics, wanted, have = self.num_generations, [], [], [], None, 0
         # Every process draws as many batches as the one that needs most: generation is a collective with several.
-        while len(all_metrics) < self.max_sampling_batches and (wanted is None or _any_process(have < wanted, model)):
+        device = _device(model) if processes() > 1 else "cpu"  # where the flag's all-reduce runs, with several
+        while len(all_metrics) < self.max_sampling_batches and (
+                wanted is None or flag_on_any_process(have < wanted, device)):
             samples, metrics = self.rollout(model, *next_prompts())
             all_metrics.append(metrics)
             wanted = wanted or samples["rewards"].numel()
@@ -255,28 +255,15 @@ class PolicyGradient(OnlineAlgorithm):
 
 
 # ---- collectives: statistics over the global batch -------------------------------------------------------------------
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() \
-        and torch.distributed.get_world_size() > 1
-
-
+# Sums and flags go through rlhf.metrics (sum_over_every_process, flag_on_any_process); the gathers are here.
 def _device(model) -> torch.device:
     return next(extract_model_from_parallel(model).parameters()).device
-
-
-def _any_process(flag: bool, model) -> bool:
-    """``flag`` OR-ed over every process (one all-reduce on the policy's device; just ``flag`` in one process)."""
-    if not _distributed():
-        return flag
-    value = torch.tensor([float(flag)], device=_device(model))
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item() > 0)
 
 
 def all_gather_rows(values: Tensor, model) -> tuple[Tensor, slice]:
     """Every process's ``values`` (equal shapes), concatenated in process order along the first dimension, and the
     slice of this process's rows in it: ``(values, slice(0, N))`` with one process."""
-    if not _distributed():
+    if processes() == 1:
         return values, slice(0, values.shape[0])
     device = _device(model)
     parts = [torch.empty_like(values, device=device) for _ in range(torch.distributed.get_world_size())]
@@ -289,7 +276,7 @@ def global_masked_moments(values: Tensor, mask: Tensor, model) -> Moments:
     """``(count, mean, M2)`` of the entries of ``values`` where ``mask`` is 1, over every process (float64; one
     all-gather of three numbers per process)."""
     local = batch_moments(values[mask.bool()])
-    if not _distributed():
+    if processes() == 1:
         return local
     moments = torch.tensor(local, dtype=torch.float64, device=_device(model))
     parts = [torch.empty_like(moments) for _ in range(torch.distributed.get_world_size())]

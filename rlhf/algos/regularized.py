@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
-from rlhf.metrics import processes, sum_over_every_process
+from rlhf.metrics import flag_on_any_process
 from rlhf.models.output_layer import tap_output_layer
 from rlhf.models.reference import disable_dropout
 from rlhf.validate import Range, limits
@@ -89,7 +89,7 @@ class ReferenceRegularized(Algorithm):
         key = _tokens_key(batch)
         # Taken on every process alike (set up, then cleared by a training batch or a resume on each).
         untrained_twin = policy_logps is not None and model is self._copy_of_policy
-        if not untrained_twin and _any_process(key not in kept, batch["input_ids"].device):
+        if not untrained_twin and flag_on_any_process(key not in kept, batch["input_ids"].device):
             # A forward pass: under FSDP2 or ZeRO-3 a collective, so every process runs it when any one misses
             # (a process may hit where another misses: its batch was seen before, e.g. KTO's one-row held-out
             # batch, whose mismatched pair is itself). A process that would have hit computes the same values.
@@ -109,14 +109,6 @@ class ReferenceRegularized(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.forget_untrained_policy()  # a resume: the policy holds the checkpoint's weights
-
-
-def _any_process(flag: bool, device: torch.device) -> bool:
-    """``flag`` OR-ed over every process of the default process group (one all-reduce of one number, on ``device``,
-    where the backend expects it: a GPU's for NCCL); ``flag`` itself on one process."""
-    if processes() == 1:
-        return flag
-    return bool(sum_over_every_process(torch.tensor(float(flag), device=device)) > 0)
 
 
 def _tokens_key(batch: dict[str, Tensor]) -> bytes:
