@@ -70,11 +70,14 @@ SIZES = {
             "intermediate_size": 1376},
     "100m": {"vocab_size": 32000, "hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12,
              "intermediate_size": 2048},
+    # ~1.1B: TinyLlama-1.1B's shape (22 layers, grouped-query attention with 4 key/value heads); for GPUs
+    "1b": {"vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32,
+           "num_key_value_heads": 4, "intermediate_size": 5632},
 }
 # Timed steps per size when --steps is not given: a few seconds of steady state or more on 2 CPU cores. On a GPU a
 # step of these sizes takes 30-150 ms, and a 10-step window there moved by a factor of 2 between two runs (H200).
-STEPS = {"3m": 32, "25m": 12, "100m": 6}
-STEPS_GPU = {"3m": 100, "25m": 100, "100m": 60}
+STEPS = {"3m": 32, "25m": 12, "100m": 6, "1b": 2}
+STEPS_GPU = {"3m": 100, "25m": 100, "100m": 60, "1b": 30}
 CHECKPOINT_INTERVAL = 100  # conf/config.yaml's train.save_every_steps: the interval whose cost is reported
 # (prompt tokens, completion tokens) at most; each row draws its lengths from [half, all] of them.
 SHAPES = {"short": (32, 32), "long": (128, 128)}
@@ -91,17 +94,24 @@ CASES = {
     "dpo_precomputed_shipped": ("dpo", ["algo/reference=precomputed"], {}),
     "sft_fp32": ("sft", [], EQUAL),
     "sft_bf16": ("sft", ["hardware.mixed_precision=bf16"], {**EQUAL, "bf16": True}),
+    "grpo_fp32": ("grpo", [], EQUAL),
+    "grpo_bf16": ("grpo", ["hardware.mixed_precision=bf16"], {**EQUAL, "bf16": True}),
 }
-BF16 = {"dpo_bf16", "sft_bf16"}  # cases in bf16 on both sides (MFU against the bf16 peak)
+BF16 = {"dpo_bf16", "sft_bf16", "grpo_bf16"}  # cases in bf16 on both sides (MFU against the bf16 peak)
 SHIPPED_TRL_BF16 = {"dpo_shipped", "dpo_precomputed_shipped"}  # TRL's side runs in its default bf16
 DEFAULT_CASES = list(CASES)
 LR, BETA, LOSS_TOLERANCE = 1e-4, 0.1, 1e-4
+# GRPO on both sides: completions per prompt (a step's batch counts completions, so --batch is a multiple of it);
+# sampling at temperature 1 over the whole vocabulary, no KL (both sides' default beta 0), TRL's loss_type "grpo"
+# (ours by default); the reward is rlhf.rewards.char_similarity on the reverse task's prompts.
+GROUP = 8
 PROFILED_STEPS = 3  # --profile: steps recorded by torch.profiler on each side, from the timed window's first
 
 
 # ---- data and models ----------------------------------------------------------------------------------------------
 def make_rows(algo: str, shape: str, count: int, seed: int = 0) -> list[dict[str, str]]:
-    """Random lowercase strings: prompt, and chosen/rejected (DPO) or completion (SFT)."""
+    """Random lowercase strings: prompt, and chosen/rejected (DPO) or completion (SFT); GRPO: the reverse task's
+    prompt of a random string (``"<string>="``)."""
     prompt_max, completion_max = SHAPES[shape]
     rng = random.Random(seed)
 
@@ -111,11 +121,18 @@ def make_rows(algo: str, shape: str, count: int, seed: int = 0) -> list[dict[str
     if algo == "dpo":
         return [{"prompt": text(prompt_max), "chosen": text(completion_max), "rejected": text(completion_max)}
                 for _ in range(count)]
+    if algo == "grpo":
+        from rlhf.data.tasks import ReverseTask
+
+        return [{"prompt": ReverseTask.prompt(text(prompt_max - 1))} for _ in range(count)]
     return [{"prompt": text(prompt_max), "completion": text(completion_max)} for _ in range(count)]
 
 
-def tokens_per_sample(algo: str, rows: list[dict[str, str]]) -> float:
-    """Mean tokens of a sample with the byte tokenizer (a character is a token; EOS after each completion)."""
+def tokens_per_sample(algo: str, rows: list[dict[str, str]], shape: str = "short") -> float:
+    """Mean tokens of a sample with the byte tokenizer (a character is a token; EOS after each completion). GRPO:
+    a completion and its prompt, the completion at its most (a random model rarely samples EOS)."""
+    if algo == "grpo":
+        return sum(len(r["prompt"]) for r in rows) / len(rows) + SHAPES[shape][1]
     if algo == "dpo":
         return sum(2 * len(r["prompt"]) + len(r["chosen"]) + len(r["rejected"]) + 2 for r in rows) / len(rows)
     return sum(len(r["prompt"]) + len(r["completion"]) + 1 for r in rows) / len(rows)
@@ -144,9 +161,10 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
 
 
 # ---- the same computation ---------------------------------------------------------------------------------------
-def check_losses(model_dir: Path, shape: str, rows_count: int = 8) -> dict[str, tuple[float, float]]:
-    """First-step losses of both on the same batch in float32: DPO with a reference that differs from the policy,
-    and SFT. ``{"dpo": (rlhf, TRL), "sft": (rlhf, TRL)}``."""
+def check_losses(model_dir: Path, shape: str, rows_count: int = 8, device: str = "cpu"
+                 ) -> dict[str, tuple[float, float]]:
+    """First-step losses of both on the same batch in float32 on ``device``: DPO with a reference that differs from
+    the policy, SFT, and GRPO (:func:`grpo_losses`). ``{"dpo": (rlhf, TRL), "sft": ..., "grpo": ...}``."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -156,38 +174,108 @@ def check_losses(model_dir: Path, shape: str, rows_count: int = 8) -> dict[str, 
     from rlhf.algos.sft import SFT
     from rlhf.models.reference import FrozenCopy
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    reference = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=generator))
+    reference = perturbed(model)
+    model, reference = model.to(device), reference.to(device)
+    on = lambda batch: {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}  # noqa: E731
     out: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        common = {"output_dir": tmp, "per_device_eval_batch_size": rows_count, "report_to": [],
+                  "use_cpu": device == "cpu", "bf16": False, "max_length": None}
         rows = make_rows("dpo", shape, rows_count, seed=1)
         algo = DPO(beta=BETA, reference=FrozenCopy())
         algo.setup(model, tokenizer)
         algo.frozen = {"reference": reference}
         with torch.no_grad():
-            ours = float(algo.loss(model, algo.collate([algo.tokenize(r, tokenizer) for r in rows]))[0])
-        args = DPOConfig(output_dir=tmp, per_device_eval_batch_size=rows_count, report_to=[], beta=BETA, use_cpu=True,
-                         bf16=False, max_length=None)
-        trainer = DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(reference), args=args,
-                             processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
-                             eval_dataset=Dataset.from_list(rows))
+            ours = float(algo.loss(model, on(algo.collate([algo.tokenize(r, tokenizer) for r in rows])))[0])
+        trainer = DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(reference),
+                             args=DPOConfig(beta=BETA, **common), processing_class=tokenizer,
+                             train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows))
         out["dpo"] = (ours, trainer.evaluate()["eval_loss"])
         rows = make_rows("sft", shape, rows_count, seed=1)
         algo = SFT()
         algo.setup(model, tokenizer)
         with torch.no_grad():
-            ours = float(algo.loss(model, algo.collate([algo.tokenize(r, tokenizer) for r in rows]))[0])
-        args = SFTConfig(output_dir=tmp, per_device_eval_batch_size=rows_count, report_to=[], use_cpu=True,
-                         bf16=False, max_length=None)
-        trainer = SFTTrainer(model=copy.deepcopy(model), args=args, processing_class=tokenizer,
+            ours = float(algo.loss(model, on(algo.collate([algo.tokenize(r, tokenizer) for r in rows])))[0])
+        trainer = SFTTrainer(model=copy.deepcopy(model), args=SFTConfig(**common), processing_class=tokenizer,
                              train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows))
         out["sft"] = (ours, trainer.evaluate()["eval_loss"])
+        out["grpo"] = grpo_losses(model, reference, tokenizer, device, tmp)
     return out
+
+
+def perturbed(model, scale: float = 0.02):
+    """A reference that differs from the policy: its weights plus seeded noise."""
+    import torch
+
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator).to(p.device))
+    return reference
+
+
+def grpo_losses(model, reference, tokenizer, device: str, tmp: str, prompts: int = 2, group: int = 4,
+                temperature: float = 0.7, beta: float = 0.04) -> tuple[float, float]:
+    """GRPO's loss on the same sampled batch, ours and TRL's ``GRPOTrainer._compute_loss``: ``prompts`` prompts of
+    random tokens (the second left-padded by 3) x ``group`` completions of random lengths (EOS-ended or truncated,
+    right-padded), rewards in [0, 1] turned into advantages by ours (group-standardized, TRL's ``scale_rewards=
+    "group"``), at ``temperature`` 0.7 and with a k3 KL to the perturbed reference at ``beta`` (each side computes the
+    reference's log-probabilities itself): a temperature or KL term left out on either side moves the loss."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf.algos.grpo import GRPO
+    from rlhf.algos.online import training_batch
+    from rlhf.algos.policy_gradient import completion_logps
+    from rlhf.models.reference import FrozenCopy
+    from rlhf.rewards import char_similarity
+
+    generator = torch.Generator().manual_seed(2)
+    n, prompt_len, completion_len = prompts * group, 12, 10
+    prompt_ids = torch.randint(0, 256, (prompts, prompt_len), generator=generator).repeat_interleave(group, 0)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[group:, :3] = 0
+    prompt_ids[group:, :3] = tokenizer.pad_token_id
+    completion_ids = torch.randint(0, 256, (n, completion_len), generator=generator)
+    lengths = torch.randint(3, completion_len + 2, (n,), generator=generator)  # completion_len + 1: truncated
+    positions = torch.arange(completion_len)
+    completion_ids[positions == (lengths - 1).unsqueeze(1)] = tokenizer.eos_token_id
+    completion_mask = (positions < lengths.unsqueeze(1)).long()
+    completion_ids[completion_mask == 0] = tokenizer.pad_token_id
+    rewards = torch.rand(n, generator=generator)
+    algo = GRPO(num_generations=group, beta=beta, temperature=temperature, reference=FrozenCopy(),
+                reward_funcs={"char_similarity": char_similarity})
+    algo.setup(model, tokenizer)
+    samples = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+               "completion_mask": completion_mask, "truncated": lengths > completion_len, "rewards": rewards}
+    samples = {k: v.to(device) for k, v in samples.items()}
+    advantages = algo.scale_rewards(samples["rewards"], group)
+    batch = training_batch(samples)
+    with torch.no_grad():
+        batch["ref_logps"] = completion_logps(reference, batch, False, temperature)[0]
+        batch["advantages"] = advantages
+        ours = float(algo.loss(model, batch)[0])
+    args = GRPOConfig(output_dir=tmp, per_device_train_batch_size=n, num_generations=group, beta=beta,
+                      temperature=temperature, loss_type="grpo", scale_rewards="group", report_to=[],
+                      use_cpu=device == "cpu", bf16=False, max_completion_length=completion_len)
+    trainer = GRPOTrainer(model=copy.deepcopy(model), reward_funcs=char_similarity, args=args,
+                          processing_class=tokenizer, train_dataset=Dataset.from_list([{"prompt": "a="}] * n))
+    trainer.model.eval()
+    input_ids = torch.cat([samples["prompt_ids"], samples["completion_ids"]], 1)
+    attention = torch.cat([samples["prompt_mask"], samples["completion_mask"]], 1)
+    with torch.no_grad():
+        trainer.ref_model.load_state_dict(reference.state_dict())  # TRL's own reference (its output layer patched)
+        ref_logps = trainer._get_per_token_logps_and_entropies(trainer.ref_model, input_ids, attention,
+                                                               completion_len)[0]
+        inputs = {"prompt_ids": samples["prompt_ids"], "prompt_mask": samples["prompt_mask"],
+                  "completion_ids": samples["completion_ids"], "completion_mask": samples["completion_mask"],
+                  "advantages": advantages, "ref_per_token_logps": ref_logps}
+        theirs = float(trainer._compute_loss(trainer.model, inputs))
+    return ours, theirs
 
 
 # ---- one timed run per process ----------------------------------------------------------------------------------
@@ -202,31 +290,43 @@ def _hardware(case: str, device: str, threads: int) -> list[str]:
     return ["hardware=gpu", f"hardware.threads_per_process={threads}", *(["hardware.mixed_precision=no"] if fp32 else [])]
 
 
+def _algo_overrides(algo: str, batch: int, shape: str) -> list[str]:
+    """Per algorithm: DPO's beta; GRPO's group, completion length and reward, its batch counted in prompts."""
+    if algo == "dpo":
+        return [f"train.per_device_batch_size={batch}", f"algo.beta={BETA}"]
+    if algo == "grpo":
+        if batch % GROUP:
+            raise ValueError(f"GRPO's batch counts completions: --batch {batch} is not a multiple of {GROUP}")
+        return [f"train.per_device_batch_size={batch // GROUP}", f"algo.num_generations={GROUP}",
+                f"algo.max_completion_length={SHAPES[shape][1]}", "algo/reward_funcs=similarity",
+                "algo.log_completions=false"]
+    return [f"train.per_device_batch_size={batch}"]
+
+
 def _our_command(case: str, model_dir: Path, data: Path, run_dir: Path, batch: int, steps: int, threads: int,
-                 cache: Path, extra: list[str], device: str = "cpu") -> list[str]:
+                 cache: Path, extra: list[str], device: str = "cpu", shape: str = "short") -> list[str]:
     algo, overrides, _ = CASES[case]
     if device != "cpu":  # hardware=gpu is bf16 already
         overrides = [o for o in overrides if not o.startswith("hardware.mixed_precision=")]
     return [sys.executable, str(ROOT / "train.py"), f"algo={algo}", *_hardware(case, device, threads),
             f"model.name_or_path={model_dir}", f"data.path={data}", "data.eval_size=8", f"data.cache_dir={cache}",
-            f"train.per_device_batch_size={batch}", f"train.max_steps={2 * steps}", f"train.log_every_steps={steps}",
+            *_algo_overrides(algo, batch, shape), f"train.max_steps={2 * steps}", f"train.log_every_steps={steps}",
             "train.eval_at_start=false", "train.eval_every_steps=0", "train.save_every_steps=0",
             "train.save_final=false", "train.max_grad_norm=1.0", "optimizer=adamw", f"optimizer.lr={LR}",
-            "optimizer.weight_decay=0.0", "scheduler=constant", *([f"algo.beta={BETA}"] if algo == "dpo" else []),
-            *overrides, *extra, f"hydra.run.dir={run_dir}"]
+            "optimizer.weight_decay=0.0", "scheduler=constant", *overrides, *extra, f"hydra.run.dir={run_dir}"]
 
 
 def run_ours(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int,
-             extra: list[str], device: str = "cpu") -> dict:
+             extra: list[str], device: str = "cpu", shape: str = "short") -> dict:
     return run_ours_into(work / f"ours-{case}", case, model_dir, data, work / "cache", batch, steps, threads, extra,
-                         device)
+                         device, shape)
 
 
 def run_ours_into(run_dir: Path, case: str, model_dir: Path, data: Path, cache: Path, batch: int, steps: int,
-                  threads: int, extra: list[str], device: str = "cpu") -> dict:
+                  threads: int, extra: list[str], device: str = "cpu", shape: str = "short") -> dict:
     """One of our runs into ``run_dir``: its steady-state samples/s and the tokens/s it ran through the model (the
     last logged window), and its peak memory."""
-    command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, cache, extra, device)
+    command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, cache, extra, device, shape)
     result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"rlhf ({case} {' '.join(extra)}) failed:\n{result.stderr[-3000:]}")
@@ -257,9 +357,9 @@ def checkpoint_cost(model_dir: Path, work: Path, shape: str, batch: int, steps: 
 
 
 def run_trl(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int,
-            device: str = "cpu", profile_to: Path | None = None) -> dict:
+            device: str = "cpu", profile_to: Path | None = None, shape: str = "short") -> dict:
     spec = {"case": case, "model_dir": str(model_dir), "data": str(data), "batch": batch, "steps": steps,
-            "threads": threads, "out": str(work / f"trl-{case}"), "device": device,
+            "threads": threads, "out": str(work / f"trl-{case}"), "device": device, "shape": shape,
             "profile_to": str(profile_to) if profile_to else None}
     result = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], capture_output=True,
                             text=True, env=_env(threads), cwd=ROOT)
@@ -312,6 +412,16 @@ def trl_worker(spec: dict) -> None:
     if algo == "dpo":
         trainer = DPOTrainer(model=model, args=DPOConfig(beta=BETA, **common), processing_class=tokenizer,
                              train_dataset=rows)
+    elif algo == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        from rlhf.rewards import char_similarity
+
+        args = GRPOConfig(num_generations=GROUP, max_completion_length=SHAPES[spec.get("shape", "short")][1],
+                          temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", scale_rewards="group",
+                          log_completions=False, disable_dropout=True, **common)
+        trainer = GRPOTrainer(model=model, reward_funcs=char_similarity, args=args, processing_class=tokenizer,
+                              train_dataset=rows)
     else:
         trainer = SFTTrainer(model=model, args=SFTConfig(**common), processing_class=tokenizer, train_dataset=rows)
     clock = Clock()
@@ -351,12 +461,12 @@ def markdown(results: list[dict], losses: dict, checkpoints: dict, header: dict)
              f"({', '.join(f'{k} N={v}' for k, v in header['steps'].items())}), {header['batch']} samples per step; "
              "rlhf with its defaults"
              + (f" and {', '.join(f'`{o}`' for o in header['ours'])}" if header["ours"] else "") + ".", "",
-             "Same computation first (float32, same batch; DPO with a reference that differs from the policy):", "",
-             "| size | DPO loss rlhf | DPO loss TRL | abs diff | SFT loss rlhf | SFT loss TRL | abs diff |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for size, pair in losses.items():
-        (a, b), (c, d) = pair["dpo"], pair["sft"]
-        lines.append(f"| {size} | {a:.6f} | {b:.6f} | {abs(a - b):.1e} | {c:.6f} | {d:.6f} | {abs(c - d):.1e} |")
+             "Same computation first (float32, same batch; DPO with a reference that differs from the policy; GRPO "
+             "at temperature 0.7 with a KL term to it):", "",
+             "| size | loss | rlhf | TRL | abs diff |", "|---|---|---:|---:|---:|"]
+    for size, pairs in losses.items():
+        for algo, (a, b) in pairs.items():
+            lines.append(f"| {size} | {algo.upper()} | {a:.6f} | {b:.6f} | {abs(a - b):.1e} |")
     lines += ["", "| size | shape | case | rlhf samples/s | TRL samples/s | rlhf / TRL | rlhf tokens/s | "
               "MFU rlhf | MFU TRL | peak MB rlhf | peak MB TRL |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -476,7 +586,7 @@ def main() -> int:
             for shape in shapes:
                 if shape != shapes[0] and size != sizes[0] and not args.long_everywhere:
                     continue
-                for algo in ("dpo", "sft"):
+                for algo in ("dpo", "sft", "grpo"):
                     rows = make_rows(algo, shape, args.rows)
                     write_jsonl(rows, work / f"{algo}-{shape}.jsonl")
                 for case in cases:
@@ -489,13 +599,13 @@ def main() -> int:
                     data = work / f"{algo}-{shape}.jsonl"
                     case_dir = work / f"{size}-{shape}"
                     case_dir.mkdir(exist_ok=True)
-                    per_sample = tokens_per_sample(algo, make_rows(algo, shape, args.rows))
+                    per_sample = tokens_per_sample(algo, make_rows(algo, shape, args.rows), shape)
                     profiles = out / "profile" / f"{size}-{shape}-{case}"
                     ours = run_ours(case, model_dir, data, case_dir, args.batch, steps, threads,
                                     [*args.ours, *([f"train.profile_steps={PROFILED_STEPS}"] if args.profile else [])],
-                                    device)
+                                    device, shape)
                     theirs = run_trl(case, model_dir, data, case_dir, args.batch, steps, threads, device,
-                                     profiles.with_name(profiles.name + "-trl") if args.profile else None)
+                                     profiles.with_name(profiles.name + "-trl") if args.profile else None, shape)
                     if args.profile:
                         for name in ("profile.txt", "profile_trace.json"):
                             (profiles.with_name(profiles.name + "-rlhf")).mkdir(parents=True, exist_ok=True)
