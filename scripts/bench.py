@@ -138,8 +138,9 @@ def tokens_per_sample(algo: str, rows: list[dict[str, str]], shape: str = "short
     return sum(len(r["prompt"]) + len(r["completion"]) + 1 for r in rows) / len(rows)
 
 
-def build_model(size: str, folder: Path) -> int:
-    """Save a seeded random-init Llama of ``size`` with the byte tokenizer to ``folder``; return its parameters."""
+def build_model(size: str, folder: Path, device: str = "cpu") -> int:
+    """Save a seeded random-init Llama of ``size`` with the byte tokenizer to ``folder``; return its parameters.
+    Initialized on ``device`` (a GPU initializes a 1B model in a second; its random weights differ from a CPU's)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -150,7 +151,8 @@ def build_model(size: str, folder: Path) -> int:
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
@@ -218,11 +220,12 @@ def perturbed(model, scale: float = 0.02):
 
 
 def grpo_losses(model, reference, tokenizer, device: str, tmp: str, prompts: int = 2, group: int = 4,
-                temperature: float = 0.7, beta: float = 0.04) -> tuple[float, float]:
+                temperature: float = 0.7, beta: float = 0.5) -> tuple[float, float]:
     """GRPO's loss on the same sampled batch, ours and TRL's ``GRPOTrainer._compute_loss``: ``prompts`` prompts of
     random tokens (the second left-padded by 3) x ``group`` completions of random lengths (EOS-ended or truncated,
     right-padded), rewards in [0, 1] turned into advantages by ours (group-standardized, TRL's ``scale_rewards=
-    "group"``), at ``temperature`` 0.7 and with a k3 KL to the perturbed reference at ``beta`` (each side computes the
+    "group"``), at ``temperature`` 0.7 and with a k3 KL to the perturbed reference at ``beta`` 0.5 (large: at the
+    first step the surrogate adds -mean(advantages) = 0, so the KL term is what the value shows; each side computes the
     reference's log-probabilities itself): a temperature or KL term left out on either side moves the loss."""
     import torch
     from datasets import Dataset

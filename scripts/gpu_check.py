@@ -1,0 +1,385 @@
+"""The GPU check: everything that needs a GPU, in one process tree that fits one device call, written as a dated
+page (``docs/gpu/<date>-<device>.md``) and a summary table of the goals on stdout.
+
+    bash scripts/gpu_check.sh                      # on the GPU machine (installs the carried wheels first)
+    python scripts/gpu_check.py --device cuda --out /tmp/gpu-check [--budget-s 420]
+    python scripts/gpu_check.py --device cpu --out /tmp/rehearsal   # the rehearsal: tiny sizes, the same code
+
+Sections, in order (each result is written to ``<out>/gpu_check.json`` as soon as it exists, so a run stopped at
+its limit still leaves what it measured):
+
+1. **Correctness** (float32, one batch): the first-step DPO, SFT and GRPO losses of ours and TRL's on the same batch
+   (``scripts/bench.py``'s checks: a reference that differs from the policy; GRPO at temperature 0.7 with a KL term),
+   |Δ| < 1e-4; the tiled output layer (``algo.fused_output_layer=true``) and the shared-prompt layout
+   (``algo.shared_prompt=true``) against two plain sequences a pair: DPO's loss and every parameter's gradient;
+   a resume: a DPO run as shipped writes checkpoints at steps N and 2N, a second run resumes from the first's
+   step-N checkpoint (the state a run killed after it leaves on disk) into a folder of its own, and both final
+   models are compared (bit for bit, else the largest difference is reported).
+2. **Checkpoint cost**: that first run's checkpoint seconds against its step seconds, as a share of training at one
+   checkpoint every 100 steps (``train.save_every_steps``' default), batch 8.
+3. **Speed and memory** against TRL at equal settings (``scripts/bench.py``'s cases: bf16 autocast, live reference,
+   no gradient checkpointing, the same batch, lengths and AdamW; GRPO with HF generate on both sides, 8 completions
+   a prompt), in the order of :data:`PLAN`, each pair started only while the budget (``--budget-s``) leaves room for
+   it: samples/s of both, the ratio, peak GPU memory (torch's allocator) of both, MFU.
+
+Then the goals (:data:`GOALS`) are judged from what was measured ("not measured" where a case did not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+_spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+LOSS_TOLERANCE = 1e-4  # |Δ| of a first-step loss, ours against TRL's (and a layout's against the plain one)
+GRADIENT_TOLERANCE = 1e-3  # the largest gradient difference over the largest gradient
+CHECKPOINT_INTERVAL = 100  # train.save_every_steps' default
+
+# (size, batch, case) in the order they run: what the goals need first, the rest while the budget lasts.
+PLAN = [("100m", 8, "dpo_bf16"), ("100m", 64, "dpo_bf16"), ("100m", 8, "sft_bf16"), ("100m", 64, "sft_bf16"),
+        ("100m", 64, "grpo_bf16"), ("100m", 8, "dpo_shipped"), ("1b", 64, "dpo_bf16"), ("1b", 64, "sft_bf16"),
+        ("100m", 8, "grpo_bf16"), ("100m", 64, "dpo_shipped"), ("1b", 8, "dpo_bf16"), ("1b", 8, "sft_bf16"),
+        ("1b", 64, "grpo_bf16"), ("1b", 8, "dpo_shipped")]
+# The rehearsal on a CPU: a GRPO pair at the smallest size, in float32 (bf16 is emulated on a CPU without
+# bf16 units, ~15x slower: the bf16 twins differ by one override, checked by check_plan). DPO's and SFT's runners:
+# tests/test_bench.py.
+TINY_PLAN = [("3m", 8, "grpo_fp32")]
+STEPS = {"100m": 30, "1b": 15, "3m": 2}  # timed steps (as many untimed first); GRPO: GRPO_STEPS
+GRPO_STEPS = {"100m": 5, "1b": 3, "3m": 1}  # a GRPO step generates 32 tokens one at a time
+CORRECTNESS_SIZE = {"cuda": "100m", "cpu": "3m"}
+RESUME_STEPS = {"cuda": 20, "cpu": 1}  # N: checkpoints at N and 2N
+
+# goal name -> (what it reads, the test); rows of the summary table.
+GOALS = [
+    ("DPO bf16 ≥ 1.3× TRL's samples/s", "dpo_bf16", lambda r: r["ratio"] >= 1.3),
+    ("SFT bf16 ≥ 1.3×", "sft_bf16", lambda r: r["ratio"] >= 1.3),
+    ("GRPO (HF generate), 8 completions a prompt ≥ 1.5×", "grpo_bf16", lambda r: r["ratio"] >= 1.5),
+    ("DPO as shipped ≥ 2× TRL's as shipped", "dpo_shipped", lambda r: r["ratio"] >= 2.0),
+    ("peak GPU memory ≤ TRL's", "*", lambda r: r["ours"]["peak_mem_mb"] <= r["trl"]["peak_mem_mb"]),
+]
+
+
+def check_plan(plan: list[tuple[str, int, str]]) -> None:
+    """Every entry names a size and a case of ``scripts/bench.py``, has its step counts, and its overrides build
+    (GRPO's batch a multiple of its group): what the rehearsal does not run is checked here, before any minute
+    of a GPU is spent."""
+    for size, batch, case in plan:
+        if size not in bench.SIZES or case not in bench.CASES or size not in STEPS or size not in GRPO_STEPS:
+            raise ValueError(f"plan entry {(size, batch, case)}: unknown size or case, or no step count")
+        bench._our_command(case, ROOT, ROOT, ROOT, batch, STEPS[size], 1, ROOT, [], "cuda")
+
+
+class Report:
+    """What the check found, kept in ``<out>/gpu_check.json`` after every addition."""
+
+    def __init__(self, out: Path, header: dict) -> None:
+        self.out, self.data = out, {"header": header, "correctness": [], "checkpoint": None, "speed": [],
+                                    "skipped": []}
+        self.save()
+
+    def add(self, section: str, item) -> None:
+        if isinstance(self.data[section], list):
+            self.data[section].append(item)
+        else:
+            self.data[section] = item
+        self.save()
+
+    def save(self) -> None:
+        (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=1))
+
+
+# ---- correctness --------------------------------------------------------------------------------------------------
+def dpo_gradients(model, reference, tokenizer, rows, device: str, **options) -> tuple[float, dict]:
+    """DPO's loss and every parameter's gradient on ``rows`` with ``options`` (``shared_prompt``,
+    ``fused_output_layer``), in float32; the reference is ``reference``'s weights in the policy's form (a tapped
+    output layer where the policy's is)."""
+    import torch
+
+    from rlhf.algos.dpo import DPO
+    from rlhf.models.reference import FrozenCopy
+
+    policy = copy.deepcopy(model).train()
+    algo = DPO(beta=bench.BETA, reference=FrozenCopy(), **options)
+    algo.setup(policy, tokenizer)
+    frozen = copy.deepcopy(policy).eval()
+    frozen.load_state_dict(reference.state_dict())
+    algo.frozen = {"reference": frozen}
+    batch = algo.collate([algo.tokenize(r, tokenizer) for r in rows])
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    loss = algo.loss(policy, batch)[0]
+    loss.backward()
+    return float(loss), {name: p.grad.detach().float().clone() for name, p in policy.named_parameters()}
+
+
+def layouts(model_dir: Path, device: str) -> list[dict]:
+    """The tiled output layer and the shared-prompt layout against two plain sequences a pair (fused off)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    reference = bench.perturbed(model)
+    rows = bench.make_rows("dpo", "short", 8, seed=3)
+    plain_loss, plain = dpo_gradients(model, reference, tokenizer, rows, device, shared_prompt=False,
+                                      fused_output_layer=False)
+    scale = max(float(g.abs().max()) for g in plain.values())
+    out = []
+    for name, options in (("tiled output layer", {"shared_prompt": False, "fused_output_layer": True}),
+                          ("shared-prompt layout", {"shared_prompt": True, "fused_output_layer": False})):
+        loss, grads = dpo_gradients(model, reference, tokenizer, rows, device, **options)
+        worst = max(float((grads[k] - plain[k]).abs().max()) for k in plain) / scale
+        out.append({"check": f"{name} = two plain sequences a pair (DPO loss; gradients)",
+                    "value": f"|Δloss| {abs(loss - plain_loss):.1e}; max |Δgrad| / max |grad| {worst:.1e}",
+                    "ok": abs(loss - plain_loss) < LOSS_TOLERANCE and worst < GRADIENT_TOLERANCE})
+    return out
+
+
+def train(command: list[str], what: str) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=bench._env(_threads()))
+    if result.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{result.stderr[-3000:]}")
+
+
+def resume_and_checkpoints(model_dir: Path, work: Path, device: str, steps: int, batch: int = 8) -> tuple[dict, dict]:
+    """The resume check and the checkpoint cost, from two runs of DPO as shipped (``hardware=gpu``'s bf16, or the
+    CPU's float32): see the module's docstring."""
+    import torch
+    from safetensors.torch import load_file
+
+    data = work / "resume.jsonl"
+    bench.write_jsonl(bench.make_rows("dpo", "short", 8 * batch * steps), data)
+    whole, resumed = work / "resume-whole", work / "resume-resumed"
+    base = bench._our_command("dpo_shipped", model_dir, data, whole, batch, steps, _threads(), work / "cache",
+                              [f"train.save_every_steps={steps}", "train.save_final=true", "train.keep_last=null"],
+                              device)
+    train(base, "the uninterrupted run")
+    checkpoint = whole / "checkpoints" / f"step_{steps:08d}"
+    again = [a for a in base if not a.startswith("hydra.run.dir=")] + [f"resume={checkpoint}",
+                                                                       f"hydra.run.dir={resumed}"]
+    train(again, "the resumed run")
+    a, b = (load_file(str(run / "final" / "model.safetensors")) for run in (whole, resumed))
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    same = all(torch.equal(a[k], b[k]) for k in a)
+    resume = {"check": f"resume from step {steps} of {2 * steps} = the uninterrupted run (final weights)",
+              "value": "bit-identical" if same else f"max |Δweight| {worst:.1e}", "ok": same or worst < 1e-3,
+              "bit_identical": same, "max_abs_diff": worst}
+    lines = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    saves = [line["perf/checkpoint_time_s"] for line in lines if "perf/checkpoint_time_s" in line]
+    step_s = [line["perf/step_time_s"] for line in lines if "perf/step_time_s" in line][-1]
+    checkpoint_s = sum(saves) / len(saves)
+    cost = {"checkpoint_s": checkpoint_s, "step_s": step_s, "batch": batch,
+            "share": checkpoint_s / (CHECKPOINT_INTERVAL * step_s)}
+    return resume, cost
+
+
+# ---- speed --------------------------------------------------------------------------------------------------------
+def speed_pair(size: str, batch: int, case: str, model_dir: Path, params: int, work: Path, device: str,
+               peaks: dict, steps: int) -> dict:
+    """Ours and TRL's on one case (``scripts/bench.py``'s runners), with MFU as the benchmark computes it."""
+    algo = bench.CASES[case][0]
+    rows = bench.make_rows(algo, "short", max(64 if device == "cpu" else 512, 4 * batch))
+    data = work / f"{algo}-short.jsonl"
+    bench.write_jsonl(rows, data)
+    case_dir = work / f"{size}-{batch}"
+    case_dir.mkdir(exist_ok=True)
+    ours = bench.run_ours(case, model_dir, data, case_dir, batch, steps, _threads(), [], device)
+    theirs = bench.run_trl(case, model_dir, data, case_dir, batch, steps, _threads(), device)
+    per_sample = bench.tokens_per_sample(algo, rows)
+    live = algo == "dpo"  # a live reference runs forward each step (no case here precomputes it)
+    flops = 6.0 * params + (2.0 * params if live else 0.0)
+    for side in (ours, theirs):
+        side["tokens_per_s"] = side["samples_per_s"] * per_sample
+        computed = side.get("computed_tokens_per_s", side["tokens_per_s"])
+        side["mfu"] = flops * computed / peaks.get("bfloat16", peaks["float32"])
+    return {"size": size, "batch": batch, "case": case, "params": params, "steps": steps, "ours": ours,
+            "trl": theirs, "ratio": ours["samples_per_s"] / theirs["samples_per_s"]}
+
+
+# ---- the page -----------------------------------------------------------------------------------------------------
+def goals(data: dict) -> list[tuple[str, str, str]]:
+    """``(goal, measured, verdict)`` rows: each goal over every speed row it reads."""
+    out = []
+    for name, case, test in GOALS:
+        rows = [r for r in data["speed"] if case == "*" or r["case"] == case]
+        if not rows:
+            out.append((name, "not measured", "not measured"))
+            continue
+        if case == "*":
+            shown = "; ".join(f"{r['size']} b{r['batch']} {r['case']} {r['ours']['peak_mem_mb']:.0f} vs "
+                              f"{r['trl']['peak_mem_mb']:.0f} MB" for r in rows)
+        else:
+            shown = "; ".join(f"{r['size']} b{r['batch']} {r['ratio']:.2f}×" for r in rows)
+        out.append((name, shown, "met" if all(test(r) for r in rows) else "NOT met"))
+    mfu = [r for r in data["speed"] if r["case"] == "dpo_bf16" and r["size"] == "1b" and r["batch"] == 64]
+    out.append(("bf16 MFU, DPO at ~1B, batch 64 ≥ 40%", f"{mfu[0]['ours']['mfu']:.1%}" if mfu else "not measured",
+                ("met" if mfu[0]["ours"]["mfu"] >= 0.4 else "NOT met") if mfu else "not measured"))
+    cost = data["checkpoint"]
+    out.append(("a checkpoint at the default interval, batch 8 ≤ 2% of training",
+                f"{cost['share']:.2%}" if cost else "not measured",
+                ("met" if cost["share"] <= 0.02 else "NOT met") if cost else "not measured"))
+    return out
+
+
+def page(data: dict) -> str:
+    h = data["header"]
+    lines = [f"# GPU check, {h['date']}: {h['machine']}", "",
+             f"Measured {h['date']} on {h['machine']}; {h['versions']}. Command: `{h['command']}` "
+             f"({h['elapsed_s']:.0f} s of a {h['budget_s']} s budget). Peak matrix-product rates measured in the run: "
+             + ", ".join(f"{k} {v / 1e12:.1f} TFLOP/s" for k, v in data["peaks"].items()) + ".", "",
+             "## Goals", "", "| goal | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {g} | {m} | {v} |" for g, m, v in goals(data)]
+    lines += ["", "## Correctness", "", "| check | measured | within tolerance |", "|---|---|---|"]
+    lines += [f"| {c['check']} | {c['value']} | {'yes' if c['ok'] else '**NO**'} |" for c in data["correctness"]]
+    lines += ["", "## Speed and memory against TRL (equal settings)", "",
+              "| size | batch | case | steps timed | rlhf samples/s | TRL samples/s | rlhf / TRL | MFU rlhf | MFU TRL | "
+              "peak MB rlhf | peak MB TRL |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["speed"]:
+        lines.append(f"| {r['size']} ({r['params'] / 1e6:.0f}M) | {r['batch']} | {r['case']} | {r['steps']} | "
+                     f"{r['ours']['samples_per_s']:.1f} | {r['trl']['samples_per_s']:.1f} | **{r['ratio']:.2f}×** | "
+                     f"{r['ours']['mfu']:.1%} | {r['trl']['mfu']:.1%} | {r['ours']['peak_mem_mb']:.0f} | "
+                     f"{r['trl']['peak_mem_mb']:.0f} |")
+    for s in data["skipped"]:
+        lines.append(f"| {s['size']} | {s['batch']} | {s['case']} | not run: {s['why']} | | | | | | | |")
+    cost = data["checkpoint"]
+    if cost:
+        lines += ["", f"Checkpoint (DPO as shipped, batch {cost['batch']}): {cost['checkpoint_s']:.2f} s against a "
+                  f"{cost['step_s']:.3f} s step: {cost['share']:.2%} of training at one every {CHECKPOINT_INTERVAL} "
+                  "steps."]
+    lines += ["", "GRPO's samples are completions (8 a prompt); its MFU counts the trained tokens only (6 x parameters "
+              "each), not the generation's forward passes. Each case trains twice the timed steps and times the "
+              "second half; both sides in processes of their own, one after the other, on the same GPU."]
+    return "\n".join(lines) + "\n"
+
+
+def summary(data: dict) -> str:
+    rows = goals(data) + [(c["check"], c["value"], "ok" if c["ok"] else "FAILED") for c in data["correctness"]]
+    width = max(len(g) for g, _, _ in rows)
+    return "\n".join(f"{g:<{width}}  {v:<13}  {m}" for g, m, v in rows)
+
+
+# ---- main ---------------------------------------------------------------------------------------------------------
+_THREADS = [1]
+
+
+def _threads() -> int:
+    return _THREADS[0]
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cuda: the check; cpu: its rehearsal at tiny sizes (every code path, no figure)")
+    parser.add_argument("--out", default=str(ROOT / "outputs" / "gpu_check"),
+                        help="where gpu_check.json and the dated page go")
+    parser.add_argument("--budget-s", type=int, default=420,
+                        help="seconds the whole check may take: speed pairs start only while they fit")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: the CPUs)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    import datasets
+    import torch
+    import transformers
+
+    from rlhf.hardware.base import cpus_available
+    from rlhf.perf import machine_name, probe
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU here (the rehearsal is --device cpu)")
+    _THREADS[0] = args.threads or cpus_available()
+    torch.set_num_threads(_threads())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = machine_name(torch.device(device))
+    header = {"date": time.strftime("%Y-%m-%d"), "machine": f"{name}, {platform.system()}",
+              "versions": bench.versions(), "command": "python scripts/gpu_check.py " + " ".join(sys.argv[1:]),
+              "budget_s": args.budget_s, "elapsed_s": 0.0, "device": device}
+    report = Report(out, header)
+    report.data["peaks"] = probe(torch.device(device))
+    print(f"{name}: {header['versions']}", flush=True)
+
+    def elapsed() -> float:
+        return time.perf_counter() - started
+
+    def note(message: str) -> None:
+        print(f"[{elapsed():4.0f} s] {message}", flush=True)
+
+    check_plan(PLAN + TINY_PLAN)
+    plan, tiny = (TINY_PLAN, True) if device == "cpu" else (PLAN, False)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        models: dict[str, tuple[Path, int]] = {}
+
+        def model(size: str) -> tuple[Path, int]:
+            if size not in models:
+                folder = work / f"model-{size}"
+                models[size] = (folder, bench.build_model(size, folder, device))
+                note(f"built {size}: {models[size][1] / 1e6:.1f}M parameters")
+            return models[size]
+
+        size = CORRECTNESS_SIZE[device]
+        model_dir, _ = model(size)
+        for algo, (ours, theirs) in bench.check_losses(model_dir, "short", device=device).items():
+            report.add("correctness", {"check": f"{algo.upper()} first-step loss = TRL's ({size}, float32)",
+                                       "value": f"{ours:.6f} vs {theirs:.6f}, |Δ| {abs(ours - theirs):.1e}",
+                                       "ok": abs(ours - theirs) < LOSS_TOLERANCE})
+        note("losses against TRL checked")
+        for row in layouts(model_dir, device):
+            report.add("correctness", row)
+        note("layouts checked")
+        resume, cost = resume_and_checkpoints(model_dir, work, device, RESUME_STEPS[device])
+        report.add("correctness", resume)
+        report.add("checkpoint", cost)
+        note(f"resume: {resume['value']}; a checkpoint costs {cost['share']:.2%} of training")
+        durations: dict[str, float] = {}  # seconds the last pair of each size took
+        for size, batch, case in plan:
+            steps = (GRPO_STEPS if case.startswith("grpo") else STEPS)[size]
+            guess = durations.get(size, 0.0) * (2.0 if size == "1b" else 1.5)
+            if tiny is False and elapsed() + guess > args.budget_s:
+                report.add("skipped", {"size": size, "batch": batch, "case": case, "why": "out of the time budget"})
+                note(f"skipped {size} b{batch} {case}: {guess:.0f} s would pass the budget")
+                continue
+            began = time.perf_counter()
+            model_dir, params = model(size)
+            row = speed_pair(size, batch, case, model_dir, params, work, device, report.data["peaks"], steps)
+            durations[size] = time.perf_counter() - began
+            report.add("speed", row)
+            note(f"{size} b{batch} {case}: {row['ratio']:.2f}x; peak MB {row['ours']['peak_mem_mb']:.0f} vs "
+                 f"{row['trl']['peak_mem_mb']:.0f} [{durations[size]:.0f} s]")
+    report.data["header"]["elapsed_s"] = elapsed()
+    report.save()
+    text = page(report.data)
+    path = out / f"{header['date']}-{slug(name)}.md"
+    path.write_text(text)
+    print(text)
+    print(summary(report.data))
+    failed = [c["check"] for c in report.data["correctness"] if not c["ok"]]
+    if failed:
+        print(f"correctness FAILED: {failed}", file=sys.stderr)
+        return 1
+    print(f"written {path} and {out / 'gpu_check.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""scripts/gpu_check.sh: the GPU check rehearsed on the CPU at the tiny size (every section runs, the page and the
+JSON are written, the correctness checks pass), and its goals judged from what was measured."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
+
+
+def test_the_rehearsal_runs_every_section_and_writes_the_page(tmp_path):
+    env = {**os.environ, "WHEELS": "none", "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu"], capture_output=True,
+                            text=True, cwd=ROOT, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.startswith("versions: torch ")  # the import check ran before the check
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    checks = [c["check"].split(" = ")[0] for c in report["correctness"]]
+    assert checks == ["DPO first-step loss", "SFT first-step loss", "GRPO first-step loss", "tiled output layer",
+                      "shared-prompt layout", "resume from step 1 of 2"], checks
+    assert all(c["ok"] for c in report["correctness"]), report["correctness"]
+    assert report["correctness"][-1]["bit_identical"]  # on a CPU a resume repeats the run bit for bit
+    cost = report["checkpoint"]
+    assert cost["checkpoint_s"] > 0 and cost["share"] == pytest.approx(cost["checkpoint_s"] / (100 * cost["step_s"]))
+    [row] = report["speed"]
+    assert (row["size"], row["batch"], row["case"]) == ("3m", 8, "grpo_fp32")
+    for side in ("ours", "trl"):
+        assert row[side]["samples_per_s"] > 0 and row[side]["peak_mem_mb"] > 0 and 0 < row[side]["mfu"] < 1
+    pages = list(tmp_path.glob("20*-*.md"))
+    assert len(pages) == 1, pages
+    page = pages[0].read_text()
+    for heading in ("## Goals", "## Correctness", "## Speed and memory", "Checkpoint (DPO as shipped, batch 8)"):
+        assert heading in page, heading
+    assert "| 3m (4M) | 8 | grpo_fp32 | 1 |" in page
+    assert "| DPO bf16 ≥ 1.3× TRL's samples/s | not measured | not measured |" in page
+    summary = result.stdout.split("\n\n")[-1]  # the table after the page: goals, then each check
+    assert "DPO bf16 ≥ 1.3× TRL's samples/s" in summary and "GRPO first-step loss = TRL's" in summary
+    assert (tmp_path / "gpu_check.log").read_text().count("## Goals") == 1
+
+
+def _row(case, ratio, ours_mb=100.0, trl_mb=200.0, size="100m", batch=8, mfu=0.1):
+    return {"size": size, "batch": batch, "case": case, "ratio": ratio,
+            "ours": {"peak_mem_mb": ours_mb, "mfu": mfu}, "trl": {"peak_mem_mb": trl_mb}}
+
+
+def test_goals_are_met_only_by_every_row_that_reads_them_and_unmeasured_ones_say_so():
+    data = {"speed": [_row("dpo_bf16", 1.4), _row("dpo_bf16", 1.2, batch=64), _row("sft_bf16", 1.5),
+                      _row("dpo_bf16", 1.5, size="1b", batch=64, mfu=0.41, ours_mb=300.0, trl_mb=250.0)],
+            "checkpoint": {"share": 0.019}}
+    verdicts = {goal: (measured, verdict) for goal, measured, verdict in gpu_check.goals(data)}
+    assert verdicts["DPO bf16 ≥ 1.3× TRL's samples/s"] == ("100m b8 1.40×; 100m b64 1.20×; 1b b64 1.50×", "NOT met")
+    assert verdicts["SFT bf16 ≥ 1.3×"][1] == "met"
+    assert verdicts["GRPO (HF generate), 8 completions a prompt ≥ 1.5×"] == ("not measured", "not measured")
+    assert verdicts["peak GPU memory ≤ TRL's"][1] == "NOT met"  # the 1b row is above TRL's
+    assert verdicts["bf16 MFU, DPO at ~1B, batch 64 ≥ 40%"] == ("41.0%", "met")
+    assert verdicts["a checkpoint at the default interval, batch 8 ≤ 2% of training"] == ("1.90%", "met")
+    data["checkpoint"] = {"share": 0.021}
+    assert gpu_check.goals(data)[-1][2] == "NOT met"
+
+
+def test_the_plan_names_what_the_benchmark_has():
+    gpu_check.check_plan(gpu_check.PLAN)
+    with pytest.raises(ValueError, match="unknown size or case"):
+        gpu_check.check_plan([("100m", 8, "dpo_bf17")])
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        gpu_check.check_plan([("100m", 12, "grpo_bf16")])
