@@ -146,8 +146,14 @@ def _signum(stop) -> int:
 
 @dataclass
 class StepOutcome:
-    grad_norm: float | None  # before clipping; None when not known (ZeRO before its step, or a skipped step)
+    norm: torch.Tensor | float | None  # the gradient norm before clipping, on the device (read only when logged);
+    # None when not known (ZeRO before its step, or a skipped step)
     stop: bool  # a stop signal reached some process: checkpoint and stop after this step
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The gradient norm as a number (reading it waits for the device: once per log window)."""
+        return None if self.norm is None else float(self.norm)
 
 
 def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: int | None = None) -> StepOutcome:
@@ -155,50 +161,61 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: in
     ``batches.next()``, the clip, then the step on every process, or on none when any process saw a non-finite
     loss or gradient (``train.on_nonfinite``). Advances ``state`` (step, log window) and the schedule, which moves
     on a skipped step too, so that the run keeps its length. The loop passes the algorithm's batch source;
-    :class:`rlhf.step_trainer.StepTrainer` passes the micro-batches its caller gave."""
+    :class:`rlhf.step_trainer.StepTrainer` passes the micro-batches its caller gave.
+
+    The step waits for the device once, to read whether it is finite (skip or step: the one decision the host must
+    make); the metrics, token counts and gradient norm stay on the device, summed into the log window, and are read
+    when the window is logged (:func:`window_metrics`). So a GPU runs ahead of the host between log windows."""
     strategy, model, accum = run.strategy, run.model, accumulation or run.accumulation
-    step_metrics, step_tokens, step_samples, finite = [], 0, 0, True
+    step_sums: dict[str, torch.Tensor | float] = {}
+    step_weights: dict[str, float] = {}
+    nonfinite, step_tokens, step_samples = None, 0, 0
     for micro in range(accum):
         batch = batches.next()
         with strategy.accumulate(model, sync=micro == accum - 1):  # gradients averaged on the last one only
             loss, metrics = run.algo.loss(model, batch)
             strategy.backward(loss / accum, model)
-        finite = finite and math.isfinite(float(loss.detach()))
-        step_metrics.append(metrics)
-        step_tokens += int(batch["attention_mask"].sum())
+        bad = ~torch.isfinite(loss.detach())
+        nonfinite = bad if nonfinite is None else nonfinite | bad
+        for key, value in metrics.items():  # float64 on the device: the sums a Python float would make
+            value = value.detach().to(torch.float64) if isinstance(value, torch.Tensor) else float(value)
+            step_sums[key] = step_sums.get(key, 0.0) + value / accum
+            step_weights[key] = step_weights.get(key, 0.0) + 1.0 / accum
+        step_tokens = step_tokens + batch["attention_mask"].sum()
         step_samples += run.algo.samples(batch)
-    grad_norm = strategy.clip_gradients(model, run.settings.max_grad_norm)
-    finite = finite and (grad_norm is None or math.isfinite(grad_norm))
+    norm = strategy.clip_gradients(model, run.settings.max_grad_norm)
+    if norm is not None:
+        nonfinite = nonfinite | ~torch.isfinite(torch.as_tensor(norm, device=nonfinite.device))
+    finite = not bool(nonfinite)  # the step's one read of the device
     # One all-reduce for both: any process's NaN, or stop signal, acts on every process at this step.
     flags = any_process({"nonfinite": not finite, "stop": stop.signum is not None}, run.accelerator)
     state.step += 1
     if flags["nonfinite"]:
-        skip_or_stop(state, run.settings, strategy, model, run.optimizer, grad_norm)
-        grad_norm = None
+        skip_or_stop(state, run.settings, strategy, model, run.optimizer, None if norm is None else float(norm))
+        norm = None
     else:
         after = strategy.step(model, run.optimizer)  # ZeRO: the norm is known only now, after its step
         if after is not None and not math.isfinite(after):
             raise NonFinite(f"step {state.step}: the gradient norm is {after} and DeepSpeed has already applied the "
                             "step; stopping without saving. " + CAUSES)
-        grad_norm = after if grad_norm is None else grad_norm
+        norm = after if norm is None else norm
         state.nonfinite_in_row = 0
-        for metrics in step_metrics:
-            for key, value in metrics.items():
-                state.window_sums[key] += float(value) / accum
-                state.window_weights[key] += 1.0 / accum
+        for key, value in step_sums.items():
+            state.window_sums[key] += value
+            state.window_weights[key] += step_weights[key]
         state.window_tokens += step_tokens
         state.window_samples += step_samples
     with warnings.catch_warnings():  # a skipped first step: torch warns that the optimizer has not stepped
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         run.scheduler.step()
     state.window_steps += 1
-    return StepOutcome(grad_norm, flags["stop"])
+    return StepOutcome(norm, flags["stop"])
 
 
 def window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, elapsed_s: float) -> dict[str, float]:
     """The log window's training metrics (means over its steps and every process), speed, lr and counters."""
     processes = run.accelerator.num_processes
-    tokens_per_s = state.window_tokens * processes / elapsed_s
+    tokens_per_s = int(state.window_tokens) * processes / elapsed_s
     metrics = {**window_means(state, "train/", run.accelerator), "train/lr": run.scheduler.get_last_lr()[0],
                "perf/tokens_per_s": tokens_per_s,
                "perf/samples_per_s": state.window_samples * processes / elapsed_s,

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from rlhf.data.collate import to_device
+from rlhf.state import read_at_once
+
 if TYPE_CHECKING:
     from rlhf.state import TrainState
 
@@ -79,8 +82,9 @@ def any_process(flags: Mapping[str, bool], accelerator) -> dict[str, bool]:
 
 
 def window_means(state: TrainState, prefix: str, accelerator) -> dict[str, float]:
-    """The log window's metric means over every process: each metric's sum over its weight, both summed first."""
-    sums = sum_over_processes({**{f"sum:{k}": v for k, v in state.window_sums.items()},
+    """The log window's metric means over every process: each metric's sum over its weight, both summed first (the
+    sums, kept on the device through the window, read once here)."""
+    sums = sum_over_processes({**{f"sum:{k}": v for k, v in read_at_once(state.window_sums).items()},
                                **{f"weight:{k}": v for k, v in state.window_weights.items()}}, accelerator)
     keys = sorted(key.removeprefix("sum:") for key in sums if key.startswith("sum:"))
     return {f"{prefix}{key}": sums[f"sum:{key}"] / sums[f"weight:{key}"] for key in keys
@@ -103,7 +107,7 @@ def _evaluate(model, algo, loader, accelerator) -> dict[str, float]:
     sums: dict[str, torch.Tensor] = {}
     rows_seen = 0.0
     for batch, rows in tqdm(loader, desc="evaluating", leave=False, disable=not accelerator.is_main_process):
-        batch = {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = to_device(batch, accelerator.device)
         for key, value in algo.evaluate(model, batch).items():
             sums[key] = sums.get(key, 0) + value.double() * rows
         rows_seen += rows

@@ -7,6 +7,19 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+
+def read_at_once(values: dict[str, float | torch.Tensor]) -> dict[str, float]:
+    """``values`` as Python floats, the device's tensors among them read in one transfer (one wait for the device,
+    not one per value)."""
+    on_device = [key for key, value in values.items() if isinstance(value, torch.Tensor)]
+    out = {key: float(value) for key, value in values.items() if not isinstance(value, torch.Tensor)}
+    if on_device:
+        stacked = torch.stack([values[key].detach().to(torch.float64).reshape(()) for key in on_device])
+        out.update(zip(on_device, stacked.tolist()))
+    return out
+
 
 @dataclass
 class TrainState:
@@ -17,10 +30,11 @@ class TrainState:
     batch_in_epoch: int = 0  # micro-batches of this epoch already consumed by this process
     nonfinite_steps: int = 0  # steps skipped because the loss or gradient norm was not finite
     nonfinite_in_row: int = 0  # of which at the end, in a row
-    window_sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # log window, this rank
+    # log window, this rank: each metric's sum (a float64 tensor on the device while training: read when logged)
+    window_sums: dict[str, float | torch.Tensor] = field(default_factory=lambda: defaultdict(float))
     window_weights: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     window_steps: int = 0  # optimizer steps in the log window
-    window_tokens: int = 0  # non-padding tokens this rank trained on in the log window (for perf/*)
+    window_tokens: int | torch.Tensor = 0  # non-padding tokens this rank trained on in the log window (for perf/*)
     window_samples: int = 0  # examples this rank trained on in the log window (Algorithm.samples; for perf/*)
     last: dict[str, float] = field(default_factory=dict)  # the latest metrics of each key (summary.json)
 
@@ -31,9 +45,10 @@ class TrainState:
         self.window_steps, self.window_tokens, self.window_samples = 0, 0, 0
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain numbers (what a checkpoint stores): the device's sums read here."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {**data, "window_sums": dict(self.window_sums), "window_weights": dict(self.window_weights),
-                "last": dict(self.last)}
+        return {**data, "window_sums": read_at_once(self.window_sums), "window_weights": dict(self.window_weights),
+                "window_tokens": int(self.window_tokens), "last": dict(self.last)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainState:

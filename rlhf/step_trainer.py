@@ -24,7 +24,7 @@ from rlhf import checkpoint
 from rlhf.algos.sft import SFT
 from rlhf.built_run import BuiltRun, build_run
 from rlhf.config import build, check_config
-from rlhf.data.collate import encode
+from rlhf.data.collate import encode, to_device
 from rlhf.errors import UserError
 from rlhf.logging import Loggers
 from rlhf.loop import train_step, window_metrics
@@ -165,9 +165,9 @@ class StepTrainer:
         count = -(-len(rows) // size)
         bounds = [len(rows) * k // count for k in range(count + 1)]
         device = self.run.accelerator.device
-        batches = [{k: v.to(device) for k, v in self.run.algo.collate(
-            [{"input_ids": ids, "completion_mask": mask} for ids, mask in rows[a:b]]).items()}
-            for a, b in zip(bounds, bounds[1:])]
+        batches = [to_device(self.run.algo.collate([{"input_ids": ids, "completion_mask": mask}
+                                                    for ids, mask in rows[a:b]]), device)
+                   for a, b in zip(bounds, bounds[1:])]
         self.run.model.train()
         start = time.perf_counter()
         outcome = train_step(self.run, self.state, _Given(batches), _NoStop(), accumulation=count)

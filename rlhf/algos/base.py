@@ -180,7 +180,8 @@ def keep_completion_logits(batch: dict[str, Any]) -> dict[str, Any]:
     mask = batch["completion_mask"]
     scored = mask[:, 1:].any(0)  # positions 1..T-1 that hold some sequence's completion token
     first = int(scored.float().argmax()) + 1 if bool(scored.any()) else mask.shape[1] - 1
-    return {**batch, LOGITS_TO_KEEP: torch.tensor(mask.shape[1] - first + 1)}  # a tensor: batches move as tensors
+    # a Python int: it stays on the host when the batch moves to the device, so reading it waits for nothing
+    return {**batch, LOGITS_TO_KEEP: mask.shape[1] - first + 1}
 
 
 def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> CompletionStats:

@@ -69,3 +69,9 @@ def collate_sequences(input_ids: Sequence[Sequence[int]], completion_masks: Sequ
         "attention_mask": pad([[1] * len(s) for s in input_ids], 0),
         "completion_mask": pad(completion_masks, 0),
     }
+
+
+def to_device(batch: dict, device) -> dict:
+    """``batch`` with its tensors on ``device``; other values (a Python int the host reads, such as
+    ``logits_to_keep``) as they are."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -314,12 +314,12 @@ class DataParallel:
     def backward(self, loss: torch.Tensor, model) -> None:
         self.accelerator.backward(loss)
 
-    def clip_gradients(self, model, max_grad_norm: float | None) -> float | None:
-        """The global gradient norm before clipping (computed, and returned, even when ``max_grad_norm`` is None:
-        the loop checks it is finite); clip to ``max_grad_norm`` when set. ``None`` when the norm is known only
-        after the step (ZeRO)."""
+    def clip_gradients(self, model, max_grad_norm: float | None) -> torch.Tensor | None:
+        """The global gradient norm before clipping, a tensor on the device (computed, and returned, even when
+        ``max_grad_norm`` is None: the loop checks it is finite); clip to ``max_grad_norm`` when set. ``None`` when
+        the norm is known only after the step (ZeRO)."""
         limit = float("inf") if max_grad_norm is None else max_grad_norm  # inf: the norm only, gradients x 1.0
-        return float(self.accelerator.clip_grad_norm_(model.parameters(), limit))
+        return self.accelerator.clip_grad_norm_(model.parameters(), limit)
 
     def step(self, model, optimizer) -> float | None:
         """Step the optimizer and zero the gradients; return the gradient norm when only the step knows it."""

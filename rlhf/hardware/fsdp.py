@@ -160,11 +160,11 @@ class FSDP2(Sharded):
     def backward(self, loss: torch.Tensor, model) -> None:
         loss.backward()
 
-    def clip_gradients(self, model, max_grad_norm: float | None) -> float | None:
+    def clip_gradients(self, model, max_grad_norm: float | None) -> torch.Tensor | None:
         """The norm of the whole (sharded) gradient, computed across processes; clip to ``max_grad_norm``."""
         limit = float("inf") if max_grad_norm is None else max_grad_norm
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)  # DTensor-aware
-        return float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
 
     # --- saving -------------------------------------------------------------------------------------------
     def unwrap(self, model) -> torch.nn.Module:

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 import rlhf
 from rlhf.algos.base import completion_stats
+from rlhf.data.collate import to_device
 from rlhf.data.fingerprint import data_fingerprint
 from rlhf.files import current_umask
 from rlhf.metrics import sum_over_processes
@@ -185,7 +186,7 @@ class Precomputed(Reference):
                                     desc=f"reference log-probabilities ({split})", dynamic_ncols=True,
                                     disable=not accelerator.is_main_process):
                     scored = indices or [0]  # []: a turn that keeps this process's collectives in step (sharding)
-                    batch = {k: v.to(accelerator.device) for k, v in collate([dataset[i] for i in scored]).items()}
+                    batch = to_device(collate([dataset[i] for i in scored]), accelerator.device)
                     with torch.no_grad():
                         logps = completion_stats(model, batch).logps.float().view(-1, len(scored)).T  # [B, S]
                     if values is None:
