@@ -100,12 +100,14 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
     run.model.train()  # a model loaded with from_pretrained comes in eval mode (dropout off); evaluations set it back
     profiler = StepProfiler(settings.profile_steps, state.step + settings.log_every_steps + 1, run.run_dir,
                             accelerator.device, accelerator.is_main_process)
+    save_every_s = 60.0 * settings.save_every_minutes
     with logging_redirect_tqdm():  # log lines print above the progress bar
-        saved, first = None, state.step
+        saved, first, last_save = None, state.step, _clock()
         while state.step < run.max_steps:
             signals.reached(f"step_{state.step + 1}")
             profiler.before(state.step + 1)
-            outcome = train_step(run, state, batches, stop)
+            due = bool(save_every_s) and _clock() - last_save >= save_every_s  # agreed on by every process below
+            outcome = train_step(run, state, batches, stop, save_due=due)
             bar.update(1)
             step = state.step
             profiler.after(step, run.max_steps)
@@ -128,9 +130,10 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
             if settings.empty_cache_every_steps and step % settings.empty_cache_every_steps == 0:
                 run.strategy.empty_cache()
             saved, paused = None, time.perf_counter()
-            if settings.save_every_steps and step % settings.save_every_steps == 0:
+            if (settings.save_every_steps and step % settings.save_every_steps == 0) or outcome.save:
                 saved = _save_checkpoint(run, state)
                 record({"perf/checkpoint_time_s": time.perf_counter() - paused}, step)  # its cost, beside the steps'
+                last_save = _clock()
             window_start += time.perf_counter() - paused
             if outcome.stop:
                 bar.close()
@@ -138,6 +141,11 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
         bar.close()
     if state.step > first and any_process({"stop": stop.signum is not None}, accelerator)["stop"]:  # final evaluation
         raise Stopped(_signum(stop), saved or _save_checkpoint(run, state), run.run_dir, state.step)
+
+
+def _clock() -> float:
+    """Seconds on a clock that only moves forward: what ``train.save_every_minutes`` counts (the tests set it)."""
+    return time.monotonic()
 
 
 def _signum(stop) -> int:
@@ -149,6 +157,7 @@ class StepOutcome:
     norm: torch.Tensor | float | None  # the gradient norm before clipping, on the device (read only when logged);
     # None when not known (ZeRO before its step, or a skipped step)
     stop: bool  # a stop signal reached some process: checkpoint and stop after this step
+    save: bool = False  # train.save_every_minutes has passed on some process: checkpoint after this step
 
     @property
     def grad_norm(self) -> float | None:
@@ -156,12 +165,14 @@ class StepOutcome:
         return None if self.norm is None else float(self.norm)
 
 
-def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: int | None = None) -> StepOutcome:
+def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: int | None = None,
+               save_due: bool = False) -> StepOutcome:
     """One optimizer step: ``accumulation`` micro-batches (default ``run.accumulation``), each from
     ``batches.next()``, the clip, then the step on every process, or on none when any process saw a non-finite
     loss or gradient (``train.on_nonfinite``). Advances ``state`` (step, log window) and the schedule, which moves
     on a skipped step too, so that the run keeps its length. The loop passes the algorithm's batch source;
-    :class:`rlhf.step_trainer.StepTrainer` passes the micro-batches its caller gave.
+    :class:`rlhf.step_trainer.StepTrainer` passes the micro-batches its caller gave. ``save_due``: this process's
+    clock says a checkpoint is due; the outcome's ``save`` is whether any process's says so (every process saves).
 
     The step waits for the device once, to read whether it is finite (skip or step: the one decision the host must
     make); the metrics, token counts and gradient norm stay on the device, summed into the log window, and are read
@@ -187,8 +198,9 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: in
     if norm is not None:
         nonfinite = nonfinite | ~torch.isfinite(torch.as_tensor(norm, device=nonfinite.device))
     finite = not bool(nonfinite)  # the step's one read of the device
-    # One all-reduce for both: any process's NaN, or stop signal, acts on every process at this step.
-    flags = any_process({"nonfinite": not finite, "stop": stop.signum is not None}, run.accelerator)
+    # One all-reduce for all: any process's NaN, stop signal or due checkpoint acts on every process at this step.
+    flags = any_process({"nonfinite": not finite, "stop": stop.signum is not None, "save": save_due},
+                        run.accelerator)
     state.step += 1
     if flags["nonfinite"]:
         skip_or_stop(state, run.settings, strategy, model, run.optimizer, None if norm is None else float(norm))
@@ -209,7 +221,7 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: in
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         run.scheduler.step()
     state.window_steps += 1
-    return StepOutcome(norm, flags["stop"])
+    return StepOutcome(norm, flags["stop"], flags["save"])
 
 
 def window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, elapsed_s: float) -> dict[str, float]:

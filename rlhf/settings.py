@@ -53,7 +53,8 @@ def _count(meaning: str, fix: Any, low: int = 1) -> Range:
     eval_every_steps=_count("optimizer steps between evaluations; 0 evaluates only at the end", 50, low=0),
     eval_batch_size=_count("examples per process per evaluation batch", 64),
     log_every_steps=_count("optimizer steps averaged into one line of training metrics", 10),
-    save_every_steps=_count("optimizer steps between checkpoints; 0 saves only on a stop signal", 100, low=0),
+    save_every_steps=_count("optimizer steps between checkpoints; 0 off", 500, low=0),
+    save_every_minutes=Range(ge=0, meaning="minutes of training between checkpoints; 0 off", fix=30),
     keep_last=_count("checkpoints kept; null keeps all", 2),
     max_nonfinite_in_row=_count("non-finite steps in a row before the run stops", 5),
     empty_cache_every_steps=_count("optimizer steps between freeing the device's cached memory; 0 never", 50, low=0),
@@ -75,6 +76,7 @@ class TrainSettings:
     log_every_steps: int
     eval_at_start: bool
     save_final: bool
+    save_every_minutes: float
     save_every_steps: int
     keep_last: int | None
     on_nonfinite: str

@@ -78,7 +78,7 @@ SIZES = {
 # step of these sizes takes 30-150 ms, and a 10-step window there moved by a factor of 2 between two runs (H200).
 STEPS = {"3m": 32, "25m": 12, "100m": 6, "1b": 2}
 STEPS_GPU = {"3m": 100, "25m": 100, "100m": 60, "1b": 30}
-CHECKPOINT_INTERVAL = 100  # conf/config.yaml's train.save_every_steps: the interval whose cost is reported
+CHECKPOINT_INTERVAL = 100  # steps: the interval whose cost is reported (train.save_every_steps=100)
 # (prompt tokens, completion tokens) at most; each row draws its lengths from [half, all] of them.
 SHAPES = {"short": (32, 32), "long": (128, 128)}
 
@@ -314,7 +314,7 @@ def _our_command(case: str, model_dir: Path, data: Path, run_dir: Path, batch: i
     return [sys.executable, str(ROOT / "train.py"), f"algo={algo}", *_hardware(case, device, threads),
             f"model.name_or_path={model_dir}", f"data.path={data}", "data.eval_size=8", f"data.cache_dir={cache}",
             *_algo_overrides(algo, batch, shape), f"train.max_steps={2 * steps}", f"train.log_every_steps={steps}",
-            "train.eval_at_start=false", "train.eval_every_steps=0", "train.save_every_steps=0",
+            "train.eval_at_start=false", "train.eval_every_steps=0", "train.save_every_steps=0", "train.save_every_minutes=0",
             "train.save_final=false", "train.max_grad_norm=1.0", "optimizer=adamw", f"optimizer.lr={LR}",
             "optimizer.weight_decay=0.0", "scheduler=constant", *overrides, *extra, f"hydra.run.dir={run_dir}"]
 
@@ -482,7 +482,8 @@ def markdown(results: list[dict], losses: dict, checkpoints: dict, header: dict)
                      f"{r['ours']['tokens_per_s']:.0f} | {r['ours']['mfu']:.1%} | {r['trl']['mfu']:.1%} | "
                      f"{r['ours']['peak_mem_mb']:.0f} | {r['trl']['peak_mem_mb']:.0f} |")
     lines += ["", f"Checkpoints (rlhf, DPO, float32): a checkpoint's seconds against a step's, as a share of training at "
-              f"one every {CHECKPOINT_INTERVAL} steps (`train.save_every_steps`' default):", "",
+              f"one every {CHECKPOINT_INTERVAL} steps (`train.save_every_steps={CHECKPOINT_INTERVAL}`; the default interval is "
+              "`train.save_every_minutes`' 30):", "",
               "| size | checkpoint s | step s | share |", "|---|---:|---:|---:|"]
     for size, cost in checkpoints.items():
         lines.append(f"| {size} | {cost['checkpoint_s']:.2f} | {cost['step_s']:.3f} | {cost['share']:.2%} |")

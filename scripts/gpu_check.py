@@ -15,8 +15,8 @@ its limit still leaves what it measured):
    a resume: a DPO run as shipped writes checkpoints at steps N and 2N, a second run resumes from the first's
    step-N checkpoint (the state a run killed after it leaves on disk) into a folder of its own, and both final
    models are compared (bit for bit, else the largest difference is reported).
-2. **Checkpoint cost**: that first run's checkpoint seconds against its step seconds, as a share of training at one
-   checkpoint every 100 steps (``train.save_every_steps``' default), batch 8.
+2. **Checkpoint cost**: that first run's checkpoint seconds as a share of training at the default interval
+   (``train.save_every_minutes``), and against its step seconds at one checkpoint every 100 steps, batch 8.
 3. **Speed and memory** against TRL at equal settings (``scripts/bench.py``'s cases: bf16 autocast, live reference,
    no gradient checkpointing, the same batch, lengths and AdamW; GRPO with HF generate on both sides, 8 completions
    a prompt), in the order of :data:`PLAN`, each pair started only while the budget (``--budget-s``) leaves room for
@@ -47,7 +47,14 @@ _spec.loader.exec_module(bench)
 
 LOSS_TOLERANCE = 1e-4  # |Δ| of a first-step loss, ours against TRL's (and a layout's against the plain one)
 GRADIENT_TOLERANCE = 1e-3  # the largest gradient difference over the largest gradient
-CHECKPOINT_INTERVAL = 100  # train.save_every_steps' default
+CHECKPOINT_STEPS = 100  # a step interval reported beside the default (a time interval)
+
+
+def default_save_minutes() -> float:
+    """``train.save_every_minutes``' default, read from ``conf/config.yaml``."""
+    import yaml
+
+    return float(yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["train"]["save_every_minutes"])
 
 # (size, batch, case) in the order they run: what the goals need first, the rest while the budget lasts.
 PLAN = [("100m", 8, "dpo_bf16"), ("100m", 64, "dpo_bf16"), ("100m", 8, "sft_bf16"), ("100m", 64, "sft_bf16"),
@@ -181,8 +188,9 @@ def resume_and_checkpoints(model_dir: Path, work: Path, device: str, steps: int,
     saves = [line["perf/checkpoint_time_s"] for line in lines if "perf/checkpoint_time_s" in line]
     step_s = [line["perf/step_time_s"] for line in lines if "perf/step_time_s" in line][-1]
     checkpoint_s = sum(saves) / len(saves)
-    cost = {"checkpoint_s": checkpoint_s, "step_s": step_s, "batch": batch,
-            "share": checkpoint_s / (CHECKPOINT_INTERVAL * step_s)}
+    minutes = default_save_minutes()
+    cost = {"checkpoint_s": checkpoint_s, "step_s": step_s, "batch": batch, "interval_minutes": minutes,
+            "share": checkpoint_s / (60.0 * minutes), "share_every_100_steps": checkpoint_s / (CHECKPOINT_STEPS * step_s)}
     return resume, cost
 
 
@@ -257,8 +265,9 @@ def page(data: dict) -> str:
     cost = data["checkpoint"]
     if cost:
         lines += ["", f"Checkpoint (DPO as shipped, batch {cost['batch']}): {cost['checkpoint_s']:.2f} s against a "
-                  f"{cost['step_s']:.3f} s step: {cost['share']:.2%} of training at one every {CHECKPOINT_INTERVAL} "
-                  "steps."]
+                  f"{cost['step_s']:.3f} s step: {cost['share']:.2%} of training at the default interval (one every "
+                  f"{cost['interval_minutes']:g} minutes, `train.save_every_minutes`), "
+                  f"{cost['share_every_100_steps']:.2%} at one every {CHECKPOINT_STEPS} steps."]
     lines += ["", "GRPO's samples are completions (8 a prompt); its MFU counts the trained tokens only (6 x parameters "
               "each), not the generation's forward passes. Each case trains twice the timed steps and times the "
               "second half; both sides in processes of their own, one after the other, on the same GPU."]

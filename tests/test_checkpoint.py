@@ -425,6 +425,29 @@ def _logged_steps(run: Path, checkpoints: bool = False) -> list[int]:
     return [line["step"] for line in lines if ("perf/checkpoint_time_s" in line) == checkpoints]
 
 
+def test_checkpoints_by_time_after_the_minutes_pass_since_the_last_one_and_beside_a_step_interval(fast_config,
+                                                                                                    monkeypatch):
+    """train.save_every_minutes=2 on a clock that moves a minute each time the loop reads it (once before the run
+    and once per step, once more after each checkpoint): checkpoints at steps 2, 4 and 6; with
+    train.save_every_steps=3 as well, at 2, 3, 5 (two minutes after the one at 3) and 6. Every checkpoint resumes
+    like any other (the same code writes it)."""
+    from rlhf import loop
+
+    def run(*overrides: str) -> list[str]:
+        minutes = iter(range(1000))
+        monkeypatch.setattr(loop, "_clock", lambda: 60.0 * next(minutes))
+        train(fast_config("train.max_steps=6", "train.keep_last=null", "train.save_final=false",
+                          "train.save_every_minutes=2", *overrides))
+        folder = Path(fast_config().output_dir) / checkpoint.FOLDER
+        names = sorted(p.name for p in folder.glob("step_*"))
+        shutil.rmtree(folder, ignore_errors=True)
+        return names
+
+    assert run() == ["step_00000002", "step_00000004", "step_00000006"]
+    assert run("train.save_every_steps=3") == ["step_00000002", "step_00000003", "step_00000005", "step_00000006"]
+    assert run("train.save_every_minutes=0") == []
+
+
 def test_a_resume_from_an_older_checkpoint_sets_the_newer_branch_aside(fast_config, tmp_path, caplog):
     """Checkpoints 2 and 4, then a resume from 2 that writes 3 (keep_last=1): step 4 and the metrics after step 2
     go to checkpoints/abandoned-<time>/, so keep_last keeps 3 (not the stale 4) and resume=auto continues 3. A
