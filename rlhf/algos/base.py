@@ -11,6 +11,7 @@ from torch import Tensor
 
 from rlhf.algos.token_logps import selective_log_softmax
 from rlhf.data import shared_prompt
+from rlhf.data.collate import PACKED_ROWS, SEGMENT_IDS
 from rlhf.data.loaders import Batches
 from rlhf.errors import UserError
 from rlhf.models.output_layer import answer, token_request
@@ -119,8 +120,8 @@ class Algorithm:
     def samples(self, batch: dict[str, Any]) -> int:
         """The examples in a training micro-batch ``batch`` (rows of the data, as ``train.per_device_batch_size``
         counts them: a pair for DPO; a completion for an online algorithm), for ``perf/samples_per_s``. Default:
-        ``batch["input_ids"]``'s rows."""
-        return int(batch["input_ids"].shape[0])
+        ``batch["input_ids"]``'s rows (the rows it packs, for a padding-free batch)."""
+        return int(batch.get(PACKED_ROWS, batch["input_ids"].shape[0]))
 
     def micro_batch_shape(self, batch: dict[str, Any]) -> tuple[int, int]:
         """``(sequences, tokens)`` of the training micro-batch made from ``batch`` (what ``collate`` made of a
@@ -195,7 +196,9 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
     keep = int(batch.get(LOGITS_TO_KEEP) or 0)
     extra = {"logits_to_keep": keep} if keep else {}
     shared = shared_prompt.BRANCH_IDS in batch
+    packed = PACKED_ROWS in batch  # padding-free: position ids keep the rows apart (no mask, no cache)
     inputs = (shared_prompt.model_inputs(batch, model) if shared
+              else {"position_ids": batch["position_ids"], "use_cache": False} if packed
               else {"attention_mask": batch["attention_mask"]})
     length = batch["input_ids"].shape[1]
     # A tapped output layer answers only if it sees the positions asked for (the last `keep`, or all)
@@ -226,5 +229,13 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
                                                                hits)
         hits |= ~mask
         every_token_logps = torch.cat([every_token_logps, every_token_logps])
+    if packed:  # per row of the packed sequence: sums over the positions whose next token is the row's
+        rows, segments = batch[PACKED_ROWS], batch[SEGMENT_IDS][0, 1:]
+
+        def per_row(values: Tensor) -> Tensor:
+            return values.new_zeros(rows).index_add_(0, segments, values[0])
+
+        return CompletionStats(per_row(token_logps), per_row(mask.long()), per_row((~hits).long()) == 0,
+                               token_logps, mask, every_token_logps)
     greedy = hits.all(-1)
     return CompletionStats(token_logps.sum(-1), mask.sum(-1), greedy, token_logps, mask, every_token_logps)

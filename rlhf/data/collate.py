@@ -71,6 +71,29 @@ def collate_sequences(input_ids: Sequence[Sequence[int]], completion_masks: Sequ
     }
 
 
+PACKED_ROWS = "packed_rows"  # a batch key: how many rows a padding-free batch packs (a Python int)
+SEGMENT_IDS = "segment_ids"  # a batch key: the packed row each position belongs to, [1, N]
+
+
+def collate_packed(input_ids: Sequence[Sequence[int]], completion_masks: Sequence[Sequence[int]]):
+    """A padding-free batch: every row's tokens one after the other in one sequence ``[1, N]`` (``N`` the rows'
+    tokens, no padding), ``position_ids`` starting at 0 in each row (what makes transformers' attention keep the
+    rows apart: a block-diagonal causal mask, or flash attention's variable-length kernel), ``segment_ids`` (the
+    row of each position), ``completion_mask`` with each row's first token off (no row predicts the next row's
+    first token, as no padded row predicts its own), an all-ones ``attention_mask`` (the loop counts tokens with
+    it; the model is not given it) and :data:`PACKED_ROWS`."""
+    flat = lambda rows: torch.tensor([t for row in rows for t in row], dtype=torch.long).unsqueeze(0)  # noqa: E731
+    ids = flat(input_ids)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "completion_mask": flat([[0, *mask[1:]] for mask in completion_masks]),
+        "position_ids": flat([range(len(row)) for row in input_ids]),
+        SEGMENT_IDS: flat([[i] * len(row) for i, row in enumerate(input_ids)]),
+        PACKED_ROWS: len(input_ids),
+    }
+
+
 def to_device(batch: dict, device) -> dict:
     """``batch`` with its tensors on ``device``; other values (a Python int the host reads, such as
     ``logits_to_keep``) as they are."""
