@@ -22,6 +22,9 @@ its limit still leaves what it measured):
    a prompt), in the order of :data:`PLAN`, each pair started only while the budget (``--budget-s``) leaves room for
    it: samples/s of both, the ratio, peak GPU memory (torch's allocator) of both, MFU.
 
+4. **Levers** (:data:`LEVERS`): our side of a case again with one option changed (the shared prompt, the fused output
+   layer, padding-free batches with sdpa or flex attention), speed and peak memory against the defaults.
+
 Then the goals (:data:`GOALS`) are judged from what was measured ("not measured" where a case did not run).
 """
 
@@ -65,6 +68,15 @@ PLAN = [("100m", 8, "dpo_bf16"), ("100m", 64, "dpo_bf16"), ("100m", 8, "sft_bf16
 # bf16 units, ~15x slower: the bf16 twins differ by one override, checked by check_plan). DPO's and SFT's runners:
 # tests/test_bench.py.
 TINY_PLAN = [("3m", 8, "grpo_fp32")]
+# Levers, our side only, each against the same case's run in the speed section (which runs first): (size, batch, case,
+# name, overrides). What an option's default should be on a GPU is read off these.
+LEVERS = [("100m", 64, "dpo_bf16", "two sequences a pair", ["algo.shared_prompt=false"]),
+          ("100m", 64, "dpo_bf16", "plain output layer", ["algo.fused_output_layer=false"]),
+          ("100m", 64, "sft_bf16", "padding-free (sdpa)", ["algo.padding_free=true"]),
+          ("100m", 64, "sft_bf16", "padding-free (flex attention)",
+           ["algo.padding_free=true", "model.attn_implementation=flex_attention"]),
+          ("1b", 64, "dpo_bf16", "plain output layer", ["algo.fused_output_layer=false"])]
+TINY_LEVERS = [("3m", 8, "grpo_fp32", "plain output layer", ["algo.fused_output_layer=false"])]
 STEPS = {"100m": 30, "1b": 15, "3m": 2}  # timed steps (as many untimed first); GRPO: GRPO_STEPS
 GRPO_STEPS = {"100m": 5, "1b": 3, "3m": 1}  # a GRPO step generates 32 tokens one at a time
 CORRECTNESS_SIZE = {"cuda": "100m", "cpu": "3m"}
@@ -90,12 +102,19 @@ def check_plan(plan: list[tuple[str, int, str]]) -> None:
         bench._our_command(case, ROOT, ROOT, ROOT, batch, STEPS[size], 1, ROOT, [], "cuda")
 
 
+def check_levers(levers: list, plan: list) -> None:
+    """Every lever's case is one the plan runs (its baseline)."""
+    for size, batch, case, name, _ in levers:
+        if (size, batch, case) not in plan:
+            raise ValueError(f"lever {name!r}: {(size, batch, case)} is not in the plan, so it has no baseline")
+
+
 class Report:
     """What the check found, kept in ``<out>/gpu_check.json`` after every addition."""
 
     def __init__(self, out: Path, header: dict) -> None:
         self.out, self.data = out, {"header": header, "correctness": [], "checkpoint": None, "speed": [],
-                                    "skipped": []}
+                                    "levers": [], "skipped": []}
         self.save()
 
     def add(self, section: str, item) -> None:
@@ -217,6 +236,20 @@ def speed_pair(size: str, batch: int, case: str, model_dir: Path, params: int, w
             "trl": theirs, "ratio": ours["samples_per_s"] / theirs["samples_per_s"]}
 
 
+def lever_run(size: str, batch: int, case: str, name: str, overrides: list[str], model_dir: Path, work: Path,
+              device: str, steps: int, baseline: dict) -> dict:
+    """Our side of ``case`` with ``overrides``, against ``baseline`` (the speed section's row of the same case)."""
+    algo = bench.CASES[case][0]
+    data = work / f"{algo}-short.jsonl"  # written by the speed section's run of the case
+    run_dir = work / f"lever-{size}-{batch}-{case}-{len(list(work.glob('lever-*')))}"
+    ours = bench.run_ours_into(run_dir, case, model_dir, data, work / "cache", batch, steps, _threads(), overrides,
+                               device)
+    base = baseline["ours"]
+    return {"size": size, "batch": batch, "case": case, "lever": name, "overrides": overrides, "ours": ours,
+            "speed": ours["samples_per_s"] / base["samples_per_s"],
+            "memory": ours["peak_mem_mb"] / base["peak_mem_mb"]}
+
+
 # ---- the page -----------------------------------------------------------------------------------------------------
 def goals(data: dict) -> list[tuple[str, str, str]]:
     """``(goal, measured, verdict)`` rows: each goal over every speed row it reads."""
@@ -261,7 +294,16 @@ def page(data: dict) -> str:
                      f"{r['ours']['mfu']:.1%} | {r['trl']['mfu']:.1%} | {r['ours']['peak_mem_mb']:.0f} | "
                      f"{r['trl']['peak_mem_mb']:.0f} |")
     for s in data["skipped"]:
-        lines.append(f"| {s['size']} | {s['batch']} | {s['case']} | not run: {s['why']} | | | | | | | |")
+        lines.append(f"| {s['size']} | {s['batch']} | {s['case']}{' ' + s['lever'] if 'lever' in s else ''} | "
+                     f"not run: {s['why']} | | | | | | | |")
+    if data["levers"]:
+        lines += ["", "## Levers (ours only, against the same case with the defaults)", "",
+                  "| size | batch | case | lever | overrides | samples/s | × defaults' speed | peak MB | "
+                  "× defaults' memory |", "|---|---:|---|---|---|---:|---:|---:|---:|"]
+        for r in data["levers"]:
+            lines.append(f"| {r['size']} | {r['batch']} | {r['case']} | {r['lever']} | `{' '.join(r['overrides'])}` | "
+                         f"{r['ours']['samples_per_s']:.1f} | {r['speed']:.2f} | {r['ours']['peak_mem_mb']:.0f} | "
+                         f"{r['memory']:.2f} |")
     cost = data["checkpoint"]
     if cost:
         lines += ["", f"Checkpoint (DPO as shipped, batch {cost['batch']}): {cost['checkpoint_s']:.2f} s against a "
@@ -303,6 +345,17 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: the CPUs)")
     args = parser.parse_args()
     started = time.perf_counter()
+    try:  # what the GPU machine may lack or hold in another version: fail in seconds, naming it
+        import importlib
+
+        names = ["torch", "transformers", "accelerate", "peft", "datasets", "pyarrow", "huggingface_hub", "hydra",
+                 "omegaconf", "trl"]
+        print("versions: " + ", ".join(f"{n} {importlib.import_module(n).__version__}" for n in names), flush=True)
+        import rlhf.loop  # noqa: F401  (the package imports against these versions)
+    except ImportError as error:
+        print(f"{error}: a package is missing or too old here. Fix: run scripts/device_wheels.sh where pip works and "
+              "carry .whl (scripts/gpu_check.sh installs it)", file=sys.stderr)
+        return 2
     import datasets
     import torch
     import transformers
@@ -334,7 +387,9 @@ def main() -> int:
         print(f"[{elapsed():4.0f} s] {message}", flush=True)
 
     check_plan(PLAN + TINY_PLAN)
-    plan, tiny = (TINY_PLAN, True) if device == "cpu" else (PLAN, False)
+    check_levers(LEVERS, PLAN)
+    check_levers(TINY_LEVERS, TINY_PLAN)
+    plan, levers, tiny = (TINY_PLAN, TINY_LEVERS, True) if device == "cpu" else (PLAN, LEVERS, False)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         models: dict[str, tuple[Path, int]] = {}
@@ -375,6 +430,25 @@ def main() -> int:
             report.add("speed", row)
             note(f"{size} b{batch} {case}: {row['ratio']:.2f}x; peak MB {row['ours']['peak_mem_mb']:.0f} vs "
                  f"{row['trl']['peak_mem_mb']:.0f} [{durations[size]:.0f} s]")
+        for size, batch, case, name, overrides in levers:
+            baseline = next((r for r in report.data["speed"] if (r["size"], r["batch"], r["case"]) ==
+                             (size, batch, case)), None)
+            guess = durations.get(size, 0.0) * 0.75  # one side of a pair
+            if baseline is None or (not tiny and elapsed() + guess > args.budget_s):
+                why = "its case did not run" if baseline is None else "out of the time budget"
+                report.add("skipped", {"size": size, "batch": batch, "case": case, "lever": name, "why": why})
+                note(f"skipped lever {name} on {size} b{batch} {case}: {why}")
+                continue
+            steps = (GRPO_STEPS if case.startswith("grpo") else STEPS)[size]
+            try:
+                row = lever_run(size, batch, case, name, overrides, models[size][0], work, device, steps, baseline)
+            except RuntimeError as error:  # a lever that fails here (e.g. a kernel this GPU lacks) is a finding
+                report.add("skipped", {"size": size, "batch": batch, "case": case, "lever": name,
+                                       "why": f"failed: {str(error).strip().splitlines()[-1][:200]}"})
+                note(f"lever {name} on {size} b{batch} {case} FAILED")
+                continue
+            report.add("levers", row)
+            note(f"lever {name} on {size} b{batch} {case}: {row['speed']:.2f}x speed, {row['memory']:.2f}x memory")
     report.data["header"]["elapsed_s"] = elapsed()
     report.save()
     text = page(report.data)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command (scripts/gpu_check.py): installs the wheels carried in .whl/ (scripts/device_wheels.sh)
-# into /tmp/site where there are any, checks that every package imports, runs the check and leaves its page, its JSON
-# and its log in $OUT (the device tool's output folder; outputs/gpu_check elsewhere). Arguments go to gpu_check.py.
+# into /tmp/site where there are any, runs the check (which first imports every package it needs, printing their
+# versions, and stops with exit 2 naming the missing one) and leaves its page, its JSON and its log in $OUT (the device tool's output folder; outputs/gpu_check elsewhere). Arguments go to gpu_check.py.
 #
 #   bash scripts/device_wheels.sh                         # here, once: the wheels (.whl/, ignored by git)
 #   device run, carry [".whl"]:  bash scripts/gpu_check.sh   # on the GPU machine: ~7 minutes
@@ -16,13 +16,6 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-$PYTHON - <<'PY' || { echo "a package is missing or too old: run scripts/device_wheels.sh and carry .whl" >&2; exit 2; }
-import importlib
-names = ["torch", "transformers", "accelerate", "peft", "datasets", "pyarrow", "huggingface_hub", "hydra",
-         "omegaconf", "trl"]
-print("versions: " + ", ".join(f"{n} {importlib.import_module(n).__version__}" for n in names))
-import rlhf.loop  # noqa: F401  (the package imports against these versions)
-PY
 out=${OUT:-outputs/gpu_check}
 mkdir -p "$out"
 $PYTHON scripts/gpu_check.py --out "$out" "$@" 2>&1 | tee "$out/gpu_check.log"

@@ -37,10 +37,13 @@ def test_the_rehearsal_runs_every_section_and_writes_the_page(tmp_path):
     assert (row["size"], row["batch"], row["case"]) == ("3m", 8, "grpo_fp32")
     for side in ("ours", "trl"):
         assert row[side]["samples_per_s"] > 0 and row[side]["peak_mem_mb"] > 0 and 0 < row[side]["mfu"] < 1
+    [lever] = report["levers"]  # the rehearsal's lever: our GRPO with the plain output layer
+    assert lever["lever"] == "plain output layer" and lever["speed"] > 0 and lever["memory"] > 0
     pages = list(tmp_path.glob("20*-*.md"))
     assert len(pages) == 1, pages
     page = pages[0].read_text()
-    for heading in ("## Goals", "## Correctness", "## Speed and memory", "Checkpoint (DPO as shipped, batch 8)"):
+    for heading in ("## Goals", "## Correctness", "## Speed and memory", "Checkpoint (DPO as shipped, batch 8)",
+                    "## Levers"):
         assert heading in page, heading
     assert "| 3m (4M) | 8 | grpo_fp32 | 1 |" in page
     assert "| DPO bf16 ≥ 1.3× TRL's samples/s | not measured | not measured |" in page
@@ -75,3 +78,14 @@ def test_the_plan_names_what_the_benchmark_has():
         gpu_check.check_plan([("100m", 8, "dpo_bf17")])
     with pytest.raises(ValueError, match="not a multiple of 8"):
         gpu_check.check_plan([("100m", 12, "grpo_bf16")])
+
+
+@pytest.mark.parametrize("lever", gpu_check.LEVERS, ids=lambda lever: f"{lever[0]}-{lever[2]}-{lever[3]}")
+def test_each_lever_composes_and_passes_the_config_check(lever):
+    """The GPU runs each lever's overrides once: a typo there would cost a lent minute, so each composes here."""
+    from rlhf.config import check_config
+    from tests.conftest import compose_config
+
+    size, batch, case, _, overrides = lever
+    algo, case_overrides, _ = gpu_check.bench.CASES[case]
+    check_config(compose_config(f"algo={algo}", *case_overrides, *overrides))
