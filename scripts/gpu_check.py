@@ -23,7 +23,8 @@ its limit still leaves what it measured):
    it: samples/s of both, the ratio, peak GPU memory (torch's allocator) of both, MFU.
 
 4. **Levers** (:data:`LEVERS`): our side of a case again with one option changed (the shared prompt, the fused output
-   layer, padding-free batches with sdpa or flex attention), speed and peak memory against the defaults.
+   layer, padding-free batches with sdpa or flex attention, generation with a static cache), speed and peak memory
+   against the defaults.
 
 Then the goals (:data:`GOALS`) are judged from what was measured ("not measured" where a case did not run).
 """
@@ -75,6 +76,7 @@ LEVERS = [("100m", 64, "dpo_bf16", "two sequences a pair", ["algo.shared_prompt=
           ("100m", 64, "sft_bf16", "padding-free (sdpa)", ["algo.padding_free=true"]),
           ("100m", 64, "sft_bf16", "padding-free (flex attention)",
            ["algo.padding_free=true", "model.attn_implementation=flex_attention"]),
+          ("100m", 64, "grpo_bf16", "static cache (compiled decoding)", ["algo.cache_implementation=static"]),
           ("1b", 64, "dpo_bf16", "plain output layer", ["algo.fused_output_layer=false"])]
 TINY_LEVERS = [("3m", 8, "grpo_fp32", "plain output layer", ["algo.fused_output_layer=false"])]
 STEPS = {"100m": 30, "1b": 15, "3m": 2}  # timed steps (as many untimed first); GRPO: GRPO_STEPS

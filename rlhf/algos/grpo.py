@@ -47,6 +47,10 @@ class GRPO(PolicyGradient):
             is full, at most ``max_sampling_batches`` prompt batches per rollout; then the batch is filled up
             with dropped groups (advantage 0). With several processes each draws as many batches as the one that
             needs most (generation is a collective), keeping its first kept groups.
+        cache_implementation: the key-value cache ``generate`` samples with (TRL's name): ``None`` (transformers'
+            dynamic cache, grown token by token) or ``"static"`` (allocated once at its longest; transformers then
+            compiles the decoding step on a GPU). The same completions on a CPU (tested); its speed is measured by
+            ``scripts/gpu_check.py``'s levers.
         temperature, top_p, top_k, max_completion_length: sampling of training completions (held-out ones are
             greedy); every log-probability of the loss (policy, sampling policy, reference) and the entropy are
             of ``softmax(logits / temperature)``, the policy that sampled (``top_p``/``top_k`` truncate the

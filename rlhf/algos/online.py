@@ -75,8 +75,9 @@ class OnlineAlgorithm(Algorithm):
                  max_prompt_length: int | None = 512, seed: int = 0, reward_funcs: Mapping[str, Callable] | None = None,
                  reward_weights: Sequence[float] | None = None, reward_columns: Sequence[str] = (),
                  log_completions: bool = True, log_completions_every_steps: int = 50,
-                 num_completions_to_print: int = 4) -> None:
+                 num_completions_to_print: int = 4, cache_implementation: str | None = None) -> None:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.cache_implementation = cache_implementation  # generate()'s KV cache: None (transformers' dynamic one)
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
         self.num_generations, self.num_iterations = num_generations, num_iterations
         self.steps_per_generation, self.seed = steps_per_generation, seed
@@ -171,6 +172,8 @@ class OnlineAlgorithm(Algorithm):
         mask = prompts["attention_mask"].repeat_interleave(num_generations, 0)
         settings: dict[str, Any] = {"do_sample": False} if seed is None else {
             "do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        if self.cache_implementation is not None:  # "static": one cache of the longest length, which lets
+            settings["cache_implementation"] = self.cache_implementation  # transformers compile decoding on a GPU
         synced = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1  # sharded parameters: every rank runs every forward pass
         devices = [ids.device] if ids.device.type == "cuda" else []

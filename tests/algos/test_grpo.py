@@ -209,6 +209,25 @@ def test_sampling_is_a_function_of_its_seed_and_leaves_the_global_generator_alon
     assert torch.equal(torch.get_rng_state(), before)
 
 
+@pytest.mark.parametrize("seed", [None, 1])  # greedy (evaluation) and sampled (training)
+def test_a_static_cache_samples_the_completions_of_the_dynamic_one(seed):
+    """algo.cache_implementation=static (one cache of the longest length, compiled decoding on a GPU): the same
+    completions, masks and texts as transformers' dynamic cache, greedy and sampled with the same seed."""
+    prompts, out = None, []
+    for cache in (None, "static"):
+        algo = GRPO(num_generations=4, max_completion_length=6, cache_implementation=cache)
+        source, _ = _source(algo)
+        prompts = prompts or next(iter(source.prompts.loader))
+        out.append(algo.sample(source.model, prompts, 1 if seed is None else 4, seed))
+    assert torch.equal(out[0]["completion_ids"], out[1]["completion_ids"])
+    assert torch.equal(out[0]["completion_mask"], out[1]["completion_mask"])
+    assert out[0]["completions"] == out[1]["completions"] and any(out[0]["completions"])
+    algo = GRPO(num_generations=4, max_completion_length=6, cache_implementation="nonsense")  # it reaches generate
+    source, _ = _source(algo)
+    with pytest.raises(ValueError, match="nonsense"):
+        algo.sample(source.model, prompts, 4, seed)
+
+
 def test_a_rollout_that_does_not_split_into_whole_groups_is_a_clear_error():
     samples = {"rewards": torch.zeros(6)}  # 3 prompts x 2 completions
     assert [len(part["rewards"]) for part in split_groups(samples, 3, 2)] == [2, 2, 2]
