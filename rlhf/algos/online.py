@@ -30,6 +30,7 @@ from rlhf import rewards as reward_lib
 from rlhf.algos.base import PROMPT_TOKENS, Algorithm
 from rlhf.data.loaders import Batches
 from rlhf.errors import UserError
+from rlhf.hardware.holding import gathered_for_generation
 from rlhf.state import TrainState
 from rlhf.validate import Range, limits
 
@@ -174,16 +175,16 @@ class OnlineAlgorithm(Algorithm):
             "do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         if self.cache_implementation is not None:  # "static": one cache of the longest length, which lets
             settings["cache_implementation"] = self.cache_implementation  # transformers compile decoding on a GPU
-        synced = torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1  # sharded parameters: every rank runs every forward pass
         devices = [ids.device] if ids.device.type == "cuda" else []
         started = time.perf_counter()
-        try:
-            with torch.random.fork_rng(devices=devices):
+        try:  # FSDP2's parameters gathered once for the whole rollout, not at every token
+            with torch.random.fork_rng(devices=devices), gathered_for_generation(policy) as still_sharded:
                 if seed is not None:
                     torch.manual_seed(seed)
+                # synced_gpus where the forward passes are still collectives (ZeRO-3): a process whose completions
+                # ended keeps stepping until every process is done
                 out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.max_completion_length,
-                                      pad_token_id=self.pad_id, eos_token_id=self.eos_id, synced_gpus=synced,
+                                      pad_token_id=self.pad_id, eos_token_id=self.eos_id, synced_gpus=still_sharded,
                                       **settings)
         finally:
             policy.train(training)
