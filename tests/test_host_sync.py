@@ -44,7 +44,7 @@ def test_a_step_reads_the_device_once(overrides, fast_config, monkeypatch):
     steps = []
     real_step = loop.train_step
 
-    def counted_step(run, state, batches, stop, accumulation=None):
+    def counted_step(run, state, batches, stop, accumulation=None, **options):
         real_next = batches.next
 
         def next_batch():
@@ -57,7 +57,7 @@ def test_a_step_reads_the_device_once(overrides, fast_config, monkeypatch):
         batches.next = next_batch
         counting[0] += 1
         try:
-            return real_step(run, state, batches, stop, accumulation)
+            return real_step(run, state, batches, stop, accumulation, **options)
         finally:
             counting[0] -= 1
             batches.next = real_next

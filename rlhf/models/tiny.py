@@ -129,7 +129,7 @@ class TinySpec:
         # Every option spelled out: the recipe the cached warm starts were built with, bit for bit, whatever SFT's
         # defaults become (a default that changed the logits' layout once changed every fresh warm start).
         sft = SFT(completion_only_loss=True, max_prompt_length=512, max_length=1024, completion_logits_only=False,
-                  fused_output_layer=False)
+                  fused_output_layer=False, padding_free=False)
         sft.setup(model, tokenizer)
         rows = [sft.tokenize(r, tokenizer) for r in self.task.rows("train", ("prompt", "completion"))]
         steps, batch_size = self.warm_start["steps"], self.warm_start["batch_size"]
