@@ -99,7 +99,7 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
                mininterval=0.5 if sys.stderr.isatty() else 15.0)
     run.model.train()  # a model loaded with from_pretrained comes in eval mode (dropout off); evaluations set it back
     profiler = StepProfiler(settings.profile_steps, state.step + settings.log_every_steps + 1, run.run_dir,
-                            accelerator.device, accelerator.is_main_process)
+                            accelerator.device, accelerator.is_main_process, memory=settings.profile_memory)
     save_every_s = 60.0 * settings.save_every_minutes
     with logging_redirect_tqdm():  # log lines print above the progress bar
         saved, first, last_save = None, state.step, _clock()

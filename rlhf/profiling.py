@@ -7,6 +7,13 @@ allocations and the compiler's first graphs. The first process writes, in the ru
   (device time on a GPU, CPU time on a CPU), top :data:`ROWS`;
 - ``profile_trace.json``: the whole timeline, for ``chrome://tracing`` or https://ui.perfetto.dev.
 
+With ``train.profile_memory=true`` (a GPU only) the CUDA allocator's history is recorded over the same steps too:
+
+- ``memory_snapshot.pickle``: every allocation and free with its Python stack, for https://pytorch.org/memory_viz;
+- ``memory.txt``: torch's peak allocated bytes over the profiled steps, and at the peak of what they allocated the
+  live blocks grouped by the first frame outside torch (the model's line, or ours, that asked for the memory),
+  largest first (:func:`memory_at_peak`).
+
 The profiler slows the steps it records (the table's times include its own overhead); ``perf/*`` of the log
 window that holds them says so by being slower. ``scripts/bench.py --profile`` profiles both sides of a case.
 """
@@ -19,10 +26,15 @@ from pathlib import Path
 
 import torch
 
+from rlhf.errors import UserError
+
 log = logging.getLogger(__name__)
 
 ROWS = 40  # operators in profile.txt's table
 TABLE, TRACE = "profile.txt", "profile_trace.json"
+SNAPSHOT, MEMORY = "memory_snapshot.pickle", "memory.txt"
+MEMORY_ROWS = 20  # places in memory.txt's table
+MEMORY_EVENTS = 200_000  # allocator events kept (the newest): torch's max_entries
 
 
 class StepProfiler:
@@ -31,9 +43,13 @@ class StepProfiler:
     Call :meth:`before` with the number of the step about to run and :meth:`after` with the step just done (and
     the run's last step, where a short run ends the recording early). With ``steps=0`` both do nothing."""
 
-    def __init__(self, steps: int, first_step: int, out_dir: Path, device: torch.device, writes: bool) -> None:
+    def __init__(self, steps: int, first_step: int, out_dir: Path, device: torch.device, writes: bool,
+                 memory: bool = False) -> None:
+        if memory and device.type != "cuda":
+            raise UserError("train.profile_memory=true records the CUDA allocator's history: it needs a GPU. Fix: "
+                            "train.profile_memory=false here (perf/peak_mem_mb and the memory preflight remain)")
         self.steps, self.first, self.last = steps, first_step, first_step + steps - 1
-        self.out_dir, self.device, self.writes = Path(out_dir), device, writes
+        self.out_dir, self.device, self.writes, self.memory = Path(out_dir), device, writes, memory
         self._profiler: torch.profiler.profile | None = None
         self._started_s = 0.0
 
@@ -43,6 +59,9 @@ class StepProfiler:
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._synchronize()
+            if self.memory:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                torch.cuda.memory._record_memory_history(max_entries=MEMORY_EVENTS)
             self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
             self._profiler.__enter__()
             self._started_s = time.perf_counter()
@@ -54,9 +73,16 @@ class StepProfiler:
         per_step_ms = 1000 * (time.perf_counter() - self._started_s) / (step - self.first + 1)
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
+        snapshot = None
+        if self.memory:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
         if not self.writes:
             return
         write_profile(profiler, self.out_dir, self.device, f"steps {self.first}-{step}", per_step_ms)
+        if snapshot is not None:
+            write_memory(snapshot, peak, self.out_dir, f"steps {self.first}-{step}")
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -76,3 +102,56 @@ def write_profile(profiler: torch.profiler.profile, out_dir: Path, device: torch
     profiler.export_chrome_trace(str(out_dir / TRACE))
     log.info("profiled %s: %.1f ms per step; %s and %s in %s", what, per_step_ms, TABLE, TRACE, out_dir)
     return table
+
+
+def memory_at_peak(snapshot: dict, device_index: int = 0) -> tuple[int, list[tuple[int, int, str]]]:
+    """Replay a CUDA allocator snapshot's trace (``torch.cuda.memory._snapshot()``): the most bytes its allocations
+    held at once (allocations made before the recording began are not in it), and what was live then, as
+    ``(bytes, blocks, place)`` per place, largest first; a place is the first frame of an allocation's stack that is
+    not torch's own (``file:line function``)."""
+    live: dict[int, tuple[int, str]] = {}
+    held = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    traces = snapshot.get("device_traces") or [[]]
+    for event in traces[device_index] if device_index < len(traces) else []:
+        action, address = event.get("action"), event.get("addr")
+        if action == "alloc":
+            live[address] = (event["size"], _place(event.get("frames") or []))
+            held += event["size"]
+            if held > peak:
+                peak, at_peak = held, dict(live)
+        elif action in ("free_requested", "free_completed") and address in live:
+            held -= live.pop(address)[0]
+    places: dict[str, list[int]] = {}
+    for size, place in at_peak.values():
+        entry = places.setdefault(place, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    table = sorted(((size, count, place) for place, (size, count) in places.items()), reverse=True)
+    return peak, table
+
+
+def _place(frames: list[dict]) -> str:
+    for frame in frames:
+        name = frame.get("filename", "")
+        if "/torch/" not in name and not name.startswith("<"):
+            return f"{'/'.join(Path(name).parts[-3:])}:{frame.get('line')} {frame.get('name')}"
+    return "(torch only)"
+
+
+def write_memory(snapshot: dict, peak_bytes: int, out_dir: Path, what: str) -> Path:
+    """``memory_snapshot.pickle`` and ``memory.txt`` (see the module's docstring) in ``out_dir``."""
+    import pickle
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / SNAPSHOT, "wb") as file:
+        pickle.dump(snapshot, file)
+    traced, table = memory_at_peak(snapshot)
+    lines = [f"{what}: peak allocated {peak_bytes / 2**20:,.1f} MB (torch.cuda.max_memory_allocated); the steps' own "
+             f"allocations peaked at {traced / 2**20:,.1f} MB above what was allocated before them. Live then, by "
+             f"the first frame outside torch (top {MEMORY_ROWS}):", "", f"{'MB':>10} {'blocks':>7}  place"]
+    lines += [f"{size / 2**20:>10,.1f} {count:>7}  {place}" for size, count, place in table[:MEMORY_ROWS]]
+    path = out_dir / MEMORY
+    path.write_text("\n".join(lines) + "\n")
+    log.info("memory of %s: peak %.1f MB; %s and %s in %s", what, peak_bytes / 2**20, MEMORY, SNAPSHOT, out_dir)
+    return path

@@ -41,9 +41,16 @@ def _count(meaning: str, fix: Any, low: int = 1) -> Range:
     return Range(ge=low, integer=True, meaning=meaning, fix=fix)
 
 
+def _memory_needs_steps(values: Mapping[str, Any], where: str) -> None:
+    if values.get("profile_memory") and not values.get("profile_steps"):
+        raise UserError(f"{where}.profile_memory=true records the allocator over the profiled steps, but "
+                        f"{where}.profile_steps={values.get('profile_steps')}. Fix: {where}.profile_steps=2 (or more)")
+
+
 @limits(
     _steps_or_epochs,
     _known_policy,
+    _memory_needs_steps,
     max_steps=_count("optimizer steps; 0 evaluates the starting model and stops", 300, low=0),
     num_epochs=_count("passes over the training split, instead of max_steps", 1),
     per_device_batch_size=_count("examples per process per micro-batch", 32),
@@ -83,6 +90,7 @@ class TrainSettings:
     max_nonfinite_in_row: int
     empty_cache_every_steps: int
     profile_steps: int
+    profile_memory: bool
 
     def accumulation_steps(self, processes: int) -> int:
         """Micro-batches per optimizer step: set, or derived from ``global_batch_size`` for this many processes,

@@ -360,9 +360,11 @@ def checkpoint_cost(model_dir: Path, work: Path, shape: str, batch: int, steps: 
 
 
 def run_trl(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int,
-            device: str = "cpu", profile_to: Path | None = None, shape: str = "short") -> dict:
+            device: str = "cpu", profile_to: Path | None = None, shape: str = "short",
+            profile_memory: bool = False) -> dict:
     spec = {"case": case, "model_dir": str(model_dir), "data": str(data), "batch": batch, "steps": steps,
             "threads": threads, "out": str(work / f"trl-{case}"), "device": device, "shape": shape,
+            "profile_memory": profile_memory,
             "profile_to": str(profile_to) if profile_to else None}
     result = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], capture_output=True,
                             text=True, env=_env(threads), cwd=ROOT)
@@ -389,7 +391,8 @@ def trl_worker(spec: dict) -> None:
 
     # --profile: the same steps as ours (after the first window of `steps`), the same files (rlhf.profiling)
     profiler = StepProfiler(PROFILED_STEPS if spec.get("profile_to") else 0, spec["steps"] + 1,
-                            Path(spec["profile_to"] or "."), device, writes=True)
+                            Path(spec["profile_to"] or "."), device, writes=True,
+                            memory=bool(spec.get("profile_memory")))
 
     class Clock(TrainerCallback):
         times: list[float] = []

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The wheels the GPU check needs on a machine that has torch, transformers, accelerate and peft but cannot reach a
 # package index (the lent GPU machine: Python 3.12, x86-64): the packages it lacks (hydra-core, omegaconf and its
-# parser runtime, datasets and what it needs beyond that machine's packages, TRL), and the versions of transformers,
-# tokenizers, peft and fsspec that this repository is tested with (constraints.txt), so that the GPU runs the code CI
-# runs. huggingface_hub stays that machine's (1.33 when last read; ours needs httpx2, which it lacks: transformers and
-# datasets take >= 1.31). Into .whl/ (ignored by git), about 20 MB; scripts/gpu_check.sh installs them there.
+# parser runtime, the submitit launcher plugin that Hydra's plugin scan imports from hydra_plugins/, datasets and
+# what it needs beyond that machine's packages, TRL, Liger-Kernel), and the versions of transformers, tokenizers,
+# peft and fsspec that this repository is tested with (constraints.txt), so that the GPU runs the code CI runs.
+# huggingface_hub stays that machine's (1.33 when last read; ours needs httpx2, which it lacks: transformers and
+# datasets take >= 1.31). Into .whl/ (ignored by git), about 21 MB; scripts/gpu_check.sh installs them there.
 #
 #   bash scripts/device_wheels.sh            # then carry .whl with the call that runs scripts/gpu_check.sh
 #   WITH_PYARROW=1 bash scripts/device_wheels.sh   # also pyarrow (+40 MB), should that machine's be too old
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-python3 -m pip}
-PACKAGES="hydra-core omegaconf datasets dill multiprocess trl transformers tokenizers peft fsspec"
+LIGER_VERSION=0.8.5
+PACKAGES="hydra-core omegaconf hydra-submitit-launcher submitit datasets dill multiprocess trl transformers tokenizers peft fsspec"
 [ -n "${WITH_PYARROW:-}" ] && PACKAGES="$PACKAGES pyarrow"
 pin() {  # the version constraints.txt pins
   local name=$1 line
@@ -25,6 +27,9 @@ specs=$(for p in $PACKAGES; do pin "$p"; done)
 $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $specs
+# Liger-Kernel (not a dependency: the GPU check compares our output layer's tiles with its fused linear cross
+# entropy; Triton is on that machine)
+$PIP download -q --no-deps --only-binary=:all: -d .whl "liger-kernel==$LIGER_VERSION"
 # omegaconf's parser runtime has no wheel on the index: build one (pure Python)
 $PIP wheel -q --no-deps -w .whl "$(pin antlr4-python3-runtime)"
 ls .whl

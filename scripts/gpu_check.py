@@ -17,14 +17,17 @@ its limit still leaves what it measured):
    models are compared (bit for bit, else the largest difference is reported).
 2. **Checkpoint cost**: that first run's checkpoint seconds as a share of training at the default interval
    (``train.save_every_minutes``), and against its step seconds at one checkpoint every 100 steps, batch 8.
-3. **Speed and memory** against TRL at equal settings (``scripts/bench.py``'s cases: bf16 autocast, live reference,
+3. **The output layer's kernels** (:func:`output_layer_kernels`): SFT's loss from the last hidden states, the
+   logits whole, our tiles, and Liger-Kernel's fused linear cross entropy where it is installed.
+4. **Speed and memory** against TRL at equal settings (``scripts/bench.py``'s cases: bf16 autocast, live reference,
    no gradient checkpointing, the same batch, lengths and AdamW; GRPO with HF generate on both sides, 8 completions
    a prompt), in the order of :data:`PLAN`, each pair started only while the budget (``--budget-s``) leaves room for
    it: samples/s of both, the ratio, peak GPU memory (torch's allocator) of both, MFU.
-
-4. **Levers** (:data:`LEVERS`): our side of a case again with one option changed (the shared prompt, the fused output
+5. **Levers** (:data:`LEVERS`): our side of a case again with one option changed (the shared prompt, the fused output
    layer, padding-free batches with sdpa or flex attention, generation with a static cache), speed and peak memory
    against the defaults.
+6. **Memory at the peak** (:func:`memory_records`, a GPU only): both sides of the case where ours was above TRL's,
+   the allocator's history over a profiled step, and what was live at the peak by the line that allocated it.
 
 Then the goals (:data:`GOALS`) are judged from what was measured ("not measured" where a case did not run).
 """
@@ -116,7 +119,7 @@ class Report:
 
     def __init__(self, out: Path, header: dict) -> None:
         self.out, self.data = out, {"header": header, "correctness": [], "checkpoint": None, "speed": [],
-                                    "levers": [], "skipped": []}
+                                    "levers": [], "kernels": [], "skipped": []}
         self.save()
 
     def add(self, section: str, item) -> None:
@@ -252,6 +255,94 @@ def lever_run(size: str, batch: int, case: str, name: str, overrides: list[str],
             "memory": ours["peak_mem_mb"] / base["peak_mem_mb"]}
 
 
+# ---- the output layer's kernels ------------------------------------------------------------------------------------
+# (label, rows = sequences x positions, hidden, vocabulary): the SFT batches of the speed section (64 rows of up to
+# 65 tokens) at 100m's and ~1B's widths; the rehearsal's at 3m.
+KERNEL_SHAPES = {"cuda": [("100m, 64 rows", 64 * 65, 768, 32000), ("1b, 64 rows", 64 * 65, 2048, 32000)],
+                 "cpu": [("3m, 8 rows", 8 * 65, 256, 4096)]}
+
+
+def output_layer_kernels(device: str, repeats: int = 5) -> list[dict]:
+    """SFT's loss from the last hidden states (every position scored, bf16 autocast on a GPU), forward and
+    backward, three ways: the logits whole then our one-pass log-softmax (``algo.fused_output_layer=false``), our
+    tiles (``rlhf.algos.token_logps.linear_log_softmax``: ``true``), and Liger-Kernel's fused linear cross entropy
+    (what TRL's ``use_liger_kernel`` uses; where ``liger-kernel`` is installed): milliseconds (best of ``repeats``),
+    peak memory above the inputs (a GPU's), and the loss's distance from the whole logits' in float32 without
+    autocast."""
+    import torch
+
+    from rlhf.algos.token_logps import linear_log_softmax, selective_log_softmax
+
+    def whole(hidden, weight, labels):
+        return -selective_log_softmax(torch.nn.functional.linear(hidden, weight), labels).mean()
+
+    def tiles(hidden, weight, labels):
+        return -linear_log_softmax(hidden, weight, None, labels)[0].mean()
+
+    ways = {"logits whole": whole, "our tiles": tiles}
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        ways["Liger"] = lambda hidden, weight, labels: liger_fused_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), reduction="mean")
+    except ImportError:
+        liger_fused_linear_cross_entropy = None
+    cuda = device == "cuda"
+    rows_out = []
+    for label, rows, hidden_size, vocab in KERNEL_SHAPES[device]:
+        torch.manual_seed(0)
+        hidden0 = torch.randn(1, rows, hidden_size, device=device)
+        weight0 = torch.randn(vocab, hidden_size, device=device) * hidden_size ** -0.5
+        labels = torch.randint(vocab, (1, rows), device=device)
+        with torch.no_grad():
+            reference = float(whole(hidden0.double(), weight0.double(), labels))
+        for name, way in ways.items():
+            best, peak, value = float("inf"), 0.0, float("nan")
+            try:
+                for _ in range(repeats):
+                    hidden = hidden0.clone().requires_grad_()
+                    weight = weight0.clone().requires_grad_()
+                    if cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        base = torch.cuda.memory_allocated()
+                    start = time.perf_counter()
+                    with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+                        loss = way(hidden, weight, labels)
+                    loss.backward()
+                    if cuda:
+                        torch.cuda.synchronize()
+                        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                    best = min(best, time.perf_counter() - start)
+                    value = float(loss.detach())
+                rows_out.append({"shape": label, "way": name, "ms": 1e3 * best, "peak_mb": peak,
+                                 "loss_error": abs(value - reference)})
+            except Exception as error:  # noqa: BLE001  (a kernel that fails on this GPU is a finding)
+                rows_out.append({"shape": label, "way": name, "failed": f"{type(error).__name__}: {error}"[:200]})
+    if liger_fused_linear_cross_entropy is None:
+        rows_out.append({"shape": "-", "way": "Liger", "failed": "liger-kernel is not installed (scripts/device_wheels.sh "
+                                                               "carries it to the GPU machine)"})
+    return rows_out
+
+
+# ---- memory: what is live at the peak ---------------------------------------------------------------------------------
+MEMORY_CASE = ("100m", 64, "dpo_bf16")  # where ours was above TRL's (docs/gpu/bench-h200-b64.md: +1.3 GB)
+
+
+def memory_records(model_dir: Path, work: Path, device: str, steps: int) -> dict[str, str]:
+    """Both sides of :data:`MEMORY_CASE` again with the CUDA allocator's history recorded over a profiled step
+    (``train.profile_memory``; TRL's side through the same profiler): each side's ``memory.txt`` (the peak, and
+    what was live then by the line that allocated it)."""
+    size, batch, case = MEMORY_CASE
+    data = work / f"{bench.CASES[case][0]}-short.jsonl"
+    ours_dir, trl_dir = work / "memory-ours", work / "memory-trl"
+    bench.run_ours_into(ours_dir, case, model_dir, data, work / "cache", batch, steps, _threads(),
+                        ["train.profile_steps=1", "train.profile_memory=true"], device)
+    bench.run_trl(case, model_dir, data, work, batch, steps, _threads(), device, profile_to=trl_dir,
+                  profile_memory=True)
+    return {side: (folder / "memory.txt").read_text() for side, folder in (("rlhf", ours_dir), ("TRL", trl_dir))}
+
+
 # ---- the page -----------------------------------------------------------------------------------------------------
 def goals(data: dict) -> list[tuple[str, str, str]]:
     """``(goal, measured, verdict)`` rows: each goal over every speed row it reads."""
@@ -306,6 +397,16 @@ def page(data: dict) -> str:
             lines.append(f"| {r['size']} | {r['batch']} | {r['case']} | {r['lever']} | `{' '.join(r['overrides'])}` | "
                          f"{r['ours']['samples_per_s']:.1f} | {r['speed']:.2f} | {r['ours']['peak_mem_mb']:.0f} | "
                          f"{r['memory']:.2f} |")
+    if data["kernels"]:
+        lines += ["", "## The output layer's log-probabilities (SFT's loss, forward and backward)", "",
+                  "| shape | way | ms | peak MB | loss error |", "|---|---|---:|---:|---:|"]
+        for k in data["kernels"]:
+            lines.append(f"| {k['shape']} | {k['way']} | not run: {k['failed']} | | |" if "failed" in k else
+                         f"| {k['shape']} | {k['way']} | {k['ms']:.2f} | {k['peak_mb']:.0f} | {k['loss_error']:.1e} |")
+    if data.get("memory"):
+        lines += ["", f"## Memory at the peak ({' '.join(str(x) for x in MEMORY_CASE)}, one profiled step)", ""]
+        for side, text in data["memory"].items():
+            lines += [f"{side}:", "", "```", text.rstrip(), "```", ""]
     cost = data["checkpoint"]
     if cost:
         lines += ["", f"Checkpoint (DPO as shipped, batch {cost['batch']}): {cost['checkpoint_s']:.2f} s against a "
@@ -417,6 +518,9 @@ def main() -> int:
         report.add("correctness", resume)
         report.add("checkpoint", cost)
         note(f"resume: {resume['value']}; a checkpoint costs {cost['share']:.2%} of training")
+        for row in output_layer_kernels(device):
+            report.add("kernels", row)
+        note("output layer kernels timed")
         durations: dict[str, float] = {}  # seconds the last pair of each size took
         for size, batch, case in plan:
             steps = (GRPO_STEPS if case.startswith("grpo") else STEPS)[size]
@@ -451,6 +555,18 @@ def main() -> int:
                 continue
             report.add("levers", row)
             note(f"lever {name} on {size} b{batch} {case}: {row['speed']:.2f}x speed, {row['memory']:.2f}x memory")
+        size = MEMORY_CASE[0]
+        if device != "cuda":
+            report.add("skipped", {"size": size, "batch": MEMORY_CASE[1], "case": MEMORY_CASE[2],
+                                   "why": "the memory record needs a GPU"})
+        elif size in models and elapsed() + 1.5 * durations.get(size, 0.0) <= args.budget_s:
+            try:
+                report.data["memory"] = memory_records(models[size][0], work, device, STEPS[size])
+                report.save()
+                note("memory at the peak recorded, both sides")
+            except RuntimeError as error:
+                report.add("skipped", {"size": size, "batch": MEMORY_CASE[1], "case": MEMORY_CASE[2],
+                                       "why": f"memory record failed: {str(error).strip().splitlines()[-1][:200]}"})
     report.data["header"]["elapsed_s"] = elapsed()
     report.save()
     text = page(report.data)

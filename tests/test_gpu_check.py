@@ -37,13 +37,17 @@ def test_the_rehearsal_runs_every_section_and_writes_the_page(tmp_path):
     assert (row["size"], row["batch"], row["case"]) == ("3m", 8, "grpo_fp32")
     for side in ("ours", "trl"):
         assert row[side]["samples_per_s"] > 0 and row[side]["peak_mem_mb"] > 0 and 0 < row[side]["mfu"] < 1
+    kernels = {k["way"]: k for k in report["kernels"]}  # the output layer three ways (Liger not installed here)
+    assert kernels["logits whole"]["ms"] > 0 and kernels["our tiles"]["ms"] > 0
+    assert kernels["our tiles"]["loss_error"] < 1e-4 and "not installed" in kernels["Liger"]["failed"]
+    assert {"size": "100m", "batch": 64, "case": "dpo_bf16", "why": "the memory record needs a GPU"} in report["skipped"]
     [lever] = report["levers"]  # the rehearsal's lever: our GRPO with the plain output layer
     assert lever["lever"] == "plain output layer" and lever["speed"] > 0 and lever["memory"] > 0
     pages = list(tmp_path.glob("20*-*.md"))
     assert len(pages) == 1, pages
     page = pages[0].read_text()
     for heading in ("## Goals", "## Correctness", "## Speed and memory", "Checkpoint (DPO as shipped, batch 8)",
-                    "## Levers"):
+                    "## Levers", "## The output layer's log-probabilities"):
         assert heading in page, heading
     assert "| 3m (4M) | 8 | grpo_fp32 | 1 |" in page
     assert "| DPO bf16 ≥ 1.3× TRL's samples/s | not measured | not measured |" in page

@@ -25,7 +25,7 @@ def test_train_block_is_written_once_in_the_config():
 
 def test_every_field_has_declared_limits_or_a_type_that_is_enough():
     declared = set(TrainSettings.__limits__)
-    checked_elsewhere = {"eval_at_start", "save_final", "on_nonfinite"}  # bools; a choice checked across fields
+    checked_elsewhere = {"eval_at_start", "save_final", "on_nonfinite", "profile_memory"}  # bools; a choice checked across fields
     assert declared | checked_elsewhere == {f.name for f in dataclasses.fields(TrainSettings)}
 
 
