@@ -11,14 +11,17 @@ import torch
 
 
 def read_at_once(values: dict[str, float | torch.Tensor]) -> dict[str, float]:
-    """``values`` as Python floats, the device's tensors among them read in one transfer (one wait for the device,
-    not one per value)."""
-    on_device = [key for key, value in values.items() if isinstance(value, torch.Tensor)]
-    out = {key: float(value) for key, value in values.items() if not isinstance(value, torch.Tensor)}
-    if on_device:
-        stacked = torch.stack([values[key].detach().to(torch.float64).reshape(()) for key in on_device])
-        out.update(zip(on_device, stacked.tolist()))
-    return out
+    """``values`` as Python floats in their order, the tensors among them read in one transfer per device (one wait
+    for a GPU, not one per value; an online algorithm's reward metrics are CPU tensors beside the GPU's)."""
+    by_device: dict[torch.device, list[str]] = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(key)
+    read: dict[str, float] = {}
+    for keys in by_device.values():
+        stacked = torch.stack([values[key].detach().to(torch.float64).reshape(()) for key in keys])
+        read.update(zip(keys, stacked.tolist()))
+    return {key: read[key] if key in read else float(value) for key, value in values.items()}
 
 
 @dataclass
