@@ -11,7 +11,8 @@ its limit still leaves what it measured):
 1. **Correctness** (float32, one batch): the first-step DPO, SFT and GRPO losses of ours and TRL's on the same batch
    (``scripts/bench.py``'s checks: a reference that differs from the policy; GRPO at temperature 0.7 with a KL term),
    |Δ| < 1e-4; the tiled output layer (``algo.fused_output_layer=true``) and the shared-prompt layout
-   (``algo.shared_prompt=true``) against two plain sequences a pair: DPO's loss and every parameter's gradient;
+   (``algo.shared_prompt=true``; on a GPU also under flex attention's block mask) against two plain sequences a
+   pair: DPO's loss and every parameter's gradient;
    a resume: a DPO run as shipped writes checkpoints at steps N and 2N, a second run resumes from the first's
    step-N checkpoint (the state a run killed after it leaves on disk) into a folder of its own, and both final
    models are compared (bit for bit, else the largest difference is reported).
@@ -76,6 +77,7 @@ TINY_PLAN = [("3m", 8, "grpo_fp32")]
 # name, overrides). What an option's default should be on a GPU is read off these.
 LEVERS = [("100m", 64, "dpo_bf16", "two sequences a pair", ["algo.shared_prompt=false"]),
           ("100m", 64, "dpo_bf16", "plain output layer", ["algo.fused_output_layer=false"]),
+          ("100m", 64, "dpo_bf16", "shared prompt under flex attention", ["model.attn_implementation=flex_attention"]),
           ("100m", 64, "sft_bf16", "padding-free (sdpa)", ["algo.padding_free=true"]),
           ("100m", 64, "sft_bf16", "padding-free (flex attention)",
            ["algo.padding_free=true", "model.attn_implementation=flex_attention"]),
@@ -134,7 +136,8 @@ class Report:
 
 
 # ---- correctness --------------------------------------------------------------------------------------------------
-def dpo_gradients(model, reference, tokenizer, rows, device: str, **options) -> tuple[float, dict]:
+def dpo_gradients(model, reference, tokenizer, rows, device: str, attention: str | None = None,
+                  **options) -> tuple[float, dict]:
     """DPO's loss and every parameter's gradient on ``rows`` with ``options`` (``shared_prompt``,
     ``fused_output_layer``), in float32; the reference is ``reference``'s weights in the policy's form (a tapped
     output layer where the policy's is)."""
@@ -144,6 +147,8 @@ def dpo_gradients(model, reference, tokenizer, rows, device: str, **options) -> 
     from rlhf.models.reference import FrozenCopy
 
     policy = copy.deepcopy(model).train()
+    if attention is not None:
+        policy.set_attn_implementation(attention)
     algo = DPO(beta=bench.BETA, reference=FrozenCopy(), **options)
     algo.setup(policy, tokenizer)
     frozen = copy.deepcopy(policy).eval()
@@ -169,8 +174,12 @@ def layouts(model_dir: Path, device: str) -> list[dict]:
                                       fused_output_layer=False)
     scale = max(float(g.abs().max()) for g in plain.values())
     out = []
-    for name, options in (("tiled output layer", {"shared_prompt": False, "fused_output_layer": True}),
-                          ("shared-prompt layout", {"shared_prompt": True, "fused_output_layer": False})):
+    variants = [("tiled output layer", {"shared_prompt": False, "fused_output_layer": True}),
+                ("shared-prompt layout", {"shared_prompt": True, "fused_output_layer": False})]
+    if device == "cuda":  # flex attention's backward pass runs on a GPU only
+        variants.append(("shared-prompt layout under flex attention",
+                         {"shared_prompt": True, "fused_output_layer": False, "attention": "flex_attention"}))
+    for name, options in variants:
         loss, grads = dpo_gradients(model, reference, tokenizer, rows, device, **options)
         worst = max(float((grads[k] - plain[k]).abs().max()) for k in plain) / scale
         out.append({"check": f"{name} = two plain sequences a pair (DPO loss; gradients)",

@@ -42,7 +42,7 @@ PADDING = -1
 # place tokens by position ids (rotary or learned positions).
 CHECKED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox")
 # transformers' attention implementations that apply a custom 4D mask as given (flash kernels take none)
-MASKED_ATTENTION = ("sdpa", "eager", "rlhf_sdpa")
+MASKED_ATTENTION = ("sdpa", "eager", "rlhf_sdpa", "flex_attention")
 
 
 def prefix_length(chosen_mask: Sequence[int], rejected_mask: Sequence[int]) -> int:
@@ -86,6 +86,8 @@ def model_inputs(batch: dict[str, Tensor], model: torch.nn.Module) -> dict[str, 
     (padding sees itself only, so no row is empty), boolean for sdpa, additive float for ``eager``."""
     branch = batch[BRANCH_IDS]
     length = branch.shape[1]
+    if _attention(model) == "flex_attention":  # a block mask: blocks no token may see are skipped, not computed
+        return {"attention_mask": _block_mask(branch), "position_ids": batch[POSITION_IDS]}
     causal = torch.ones(length, length, dtype=torch.bool, device=branch.device).tril()
     query, key = branch[:, :, None], branch[:, None, :]
     allowed = causal & ((key == 0) | (key == query)) & (query != PADDING)
@@ -94,6 +96,20 @@ def model_inputs(batch: dict[str, Tensor], model: torch.nn.Module) -> dict[str, 
     if _attention(model) == "eager":  # eager adds the mask to its scores
         allowed = torch.zeros(allowed.shape, device=branch.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
     return {"attention_mask": allowed, "position_ids": batch[POSITION_IDS]}
+
+
+def _block_mask(branch: Tensor):
+    """The layout's mask as flex attention's ``BlockMask`` (``torch.nn.attention.flex_attention``): the same rule
+    as the dense mask of :func:`model_inputs`, evaluated per block, so that whole blocks no query sees (the other
+    branch, padding) cost nothing."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def allowed(b, h, q, kv):
+        query, key = branch[b, q], branch[b, kv]
+        return ((kv <= q) & ((key == 0) | (key == query)) & (query != PADDING)) | (q == kv)
+
+    rows, length = branch.shape
+    return create_block_mask(allowed, rows, None, length, length, device=branch.device)
 
 
 def split_branches(branch: Tensor, *per_position: Tensor) -> list[Tensor]:

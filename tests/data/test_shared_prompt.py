@@ -84,6 +84,22 @@ def test_every_checked_family_gives_the_two_sequences_statistics(family, attn):
         assert torch.allclose(a, b, atol=1e-4)
 
 
+def test_under_flex_attention_the_layout_is_a_block_mask_with_the_two_sequences_statistics():
+    """model.attn_implementation=flex_attention: the layout goes to the model as a BlockMask (blocks nobody sees are
+    skipped), and the forward pass gives the plain batch's statistics (flex attention has no backward pass on a CPU:
+    the gradients are checked on a GPU by scripts/gpu_check.py)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    model = _model("llama", "flex_attention")
+    assert shared_prompt.unsupported(model, 1024) is None
+    plain, shared = _batches(model)
+    assert isinstance(shared_prompt.model_inputs(shared, model)["attention_mask"], BlockMask)
+    with torch.no_grad():
+        x, y = completion_stats(model, plain), completion_stats(model, shared)
+    assert torch.allclose(x.logps, y.logps, atol=1e-4) and x.logps.abs().min() > 1
+    assert torch.equal(x.num_tokens, y.num_tokens) and torch.equal(x.greedy_match, y.greedy_match)
+
+
 def test_gradients_logits_kept_fused_output_layer_and_bf16_agree_with_two_sequences():
     model = _model()
     plain, shared = _batches(model)
