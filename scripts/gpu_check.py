@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -484,13 +485,13 @@ def main() -> int:
     torch.set_num_threads(_threads())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = machine_name(torch.device(device))
-    header = {"date": time.strftime("%Y-%m-%d"), "machine": f"{name}, {platform.system()}",
+    device_name = machine_name(torch.device(device))
+    header = {"date": time.strftime("%Y-%m-%d"), "machine": f"{device_name}, {platform.system()}",
               "versions": bench.versions(), "command": "python scripts/gpu_check.py " + " ".join(sys.argv[1:]),
               "budget_s": args.budget_s, "elapsed_s": 0.0, "device": device}
     report = Report(out, header)
     report.data["peaks"] = probe(torch.device(device))
-    print(f"{name}: {header['versions']}", flush=True)
+    print(f"{device_name}: {header['versions']}", flush=True)
 
     def elapsed() -> float:
         return time.perf_counter() - started
@@ -513,21 +514,38 @@ def main() -> int:
                 note(f"built {size}: {models[size][1] / 1e6:.1f}M parameters")
             return models[size]
 
+        def guarded(what: str, section):
+            """Run one section; one that raises is a finding (a failed correctness row), not the end of the
+            check: the device call goes on to the next section and the page is written."""
+            try:
+                return section()
+            except Exception as error:  # noqa: BLE001
+                traceback.print_exc()
+                report.add("correctness", {"check": what, "value": f"raised {type(error).__name__}: "
+                                           f"{str(error).strip().splitlines()[-1][:200] if str(error).strip() else ''}",
+                                           "ok": False})
+                note(f"{what} RAISED {type(error).__name__}")
+                return None
+
         size = CORRECTNESS_SIZE[device]
         model_dir, _ = model(size)
-        for algo, (ours, theirs) in bench.check_losses(model_dir, "short", device=device).items():
+        losses = guarded("losses against TRL", lambda: bench.check_losses(model_dir, "short", device=device))
+        for algo, (ours, theirs) in (losses or {}).items():
             report.add("correctness", {"check": f"{algo.upper()} first-step loss = TRL's ({size}, float32)",
                                        "value": f"{ours:.6f} vs {theirs:.6f}, |Δ| {abs(ours - theirs):.1e}",
                                        "ok": abs(ours - theirs) < LOSS_TOLERANCE})
         note("losses against TRL checked")
-        for row in layouts(model_dir, device):
+        for row in guarded("layouts", lambda: layouts(model_dir, device)) or []:
             report.add("correctness", row)
         note("layouts checked")
-        resume, cost = resume_and_checkpoints(model_dir, work, device, RESUME_STEPS[device])
-        report.add("correctness", resume)
-        report.add("checkpoint", cost)
-        note(f"resume: {resume['value']}; a checkpoint costs {cost['share']:.2%} of training")
-        for row in output_layer_kernels(device):
+        resumed = guarded("resume and checkpoint cost",
+                          lambda: resume_and_checkpoints(model_dir, work, device, RESUME_STEPS[device]))
+        if resumed:
+            resume, cost = resumed
+            report.add("correctness", resume)
+            report.add("checkpoint", cost)
+            note(f"resume: {resume['value']}; a checkpoint costs {cost['share']:.2%} of training")
+        for row in guarded("output layer kernels", lambda: output_layer_kernels(device)) or []:
             report.add("kernels", row)
         note("output layer kernels timed")
         durations: dict[str, float] = {}  # seconds the last pair of each size took
@@ -539,8 +557,15 @@ def main() -> int:
                 note(f"skipped {size} b{batch} {case}: {guess:.0f} s would pass the budget")
                 continue
             began = time.perf_counter()
-            model_dir, params = model(size)
-            row = speed_pair(size, batch, case, model_dir, params, work, device, report.data["peaks"], steps)
+            try:
+                model_dir, params = model(size)
+                row = speed_pair(size, batch, case, model_dir, params, work, device, report.data["peaks"], steps)
+            except Exception as error:  # noqa: BLE001  (a case that fails on this GPU is a finding)
+                traceback.print_exc()
+                report.add("skipped", {"size": size, "batch": batch, "case": case,
+                                       "why": f"failed: {str(error).strip().splitlines()[-1][:200]}"})
+                note(f"{size} b{batch} {case} FAILED")
+                continue
             durations[size] = time.perf_counter() - began
             report.add("speed", row)
             note(f"{size} b{batch} {case}: {row['ratio']:.2f}x; peak MB {row['ours']['peak_mem_mb']:.0f} vs "
@@ -557,7 +582,7 @@ def main() -> int:
             steps = (GRPO_STEPS if case.startswith("grpo") else STEPS)[size]
             try:
                 row = lever_run(size, batch, case, name, overrides, models[size][0], work, device, steps, baseline)
-            except RuntimeError as error:  # a lever that fails here (e.g. a kernel this GPU lacks) is a finding
+            except Exception as error:  # noqa: BLE001  (a lever that fails here, e.g. a kernel this GPU lacks)
                 report.add("skipped", {"size": size, "batch": batch, "case": case, "lever": name,
                                        "why": f"failed: {str(error).strip().splitlines()[-1][:200]}"})
                 note(f"lever {name} on {size} b{batch} {case} FAILED")
@@ -573,13 +598,13 @@ def main() -> int:
                 report.data["memory"] = memory_records(models[size][0], work, device, STEPS[size])
                 report.save()
                 note("memory at the peak recorded, both sides")
-            except RuntimeError as error:
+            except Exception as error:  # noqa: BLE001
                 report.add("skipped", {"size": size, "batch": MEMORY_CASE[1], "case": MEMORY_CASE[2],
                                        "why": f"memory record failed: {str(error).strip().splitlines()[-1][:200]}"})
     report.data["header"]["elapsed_s"] = elapsed()
     report.save()
     text = page(report.data)
-    path = out / f"{header['date']}-{slug(name)}.md"
+    path = out / f"{header['date']}-{slug(device_name)}.md"
     path.write_text(text)
     print(text)
     print(summary(report.data))
