@@ -10,8 +10,8 @@ allocations and the compiler's first graphs. The first process writes, in the ru
 With ``train.profile_memory=true`` (a GPU only) the CUDA allocator's history is recorded over the same steps too:
 
 - ``memory_snapshot.pickle``: every allocation and free with its Python stack, for https://pytorch.org/memory_viz;
-- ``memory.txt``: torch's peak allocated bytes over the profiled steps, and at the peak of what they allocated the
-  live blocks grouped by the first frame outside torch (the model's line, or ours, that asked for the memory),
+- ``memory.txt``: torch's peak allocated bytes so far in the run, and at the peak of what the profiled steps
+  allocated the live blocks grouped by the first frame outside torch (the model's line, or ours, that asked for the memory),
   largest first (:func:`memory_at_peak`).
 
 The profiler slows the steps it records (the table's times include its own overhead); ``perf/*`` of the log
@@ -59,9 +59,8 @@ class StepProfiler:
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._synchronize()
-            if self.memory:
-                torch.cuda.reset_peak_memory_stats(self.device)
-                torch.cuda.memory._record_memory_history(max_entries=MEMORY_EVENTS)
+            if self.memory:  # Python stacks only: symbolizing C++ frames makes a snapshot take minutes
+                torch.cuda.memory._record_memory_history(max_entries=MEMORY_EVENTS, stacks="python")
             self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
             self._profiler.__enter__()
             self._started_s = time.perf_counter()
@@ -82,7 +81,7 @@ class StepProfiler:
             return
         write_profile(profiler, self.out_dir, self.device, f"steps {self.first}-{step}", per_step_ms)
         if snapshot is not None:
-            write_memory(snapshot, peak, self.out_dir, f"steps {self.first}-{step}")
+            write_memory(snapshot, peak, self.out_dir, f"steps {self.first}-{step}", self.device.index or 0)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -132,24 +131,25 @@ def memory_at_peak(snapshot: dict, device_index: int = 0) -> tuple[int, list[tup
 
 
 def _place(frames: list[dict]) -> str:
-    for frame in frames:
+    for frame in frames:  # innermost first; C++ frames (a snapshot with C++ stacks) are skipped like torch's own
         name = frame.get("filename", "")
-        if "/torch/" not in name and not name.startswith("<"):
+        if name.endswith(".py") and "/torch/" not in name:
             return f"{'/'.join(Path(name).parts[-3:])}:{frame.get('line')} {frame.get('name')}"
     return "(torch only)"
 
 
-def write_memory(snapshot: dict, peak_bytes: int, out_dir: Path, what: str) -> Path:
+def write_memory(snapshot: dict, peak_bytes: int, out_dir: Path, what: str, device_index: int = 0) -> Path:
     """``memory_snapshot.pickle`` and ``memory.txt`` (see the module's docstring) in ``out_dir``."""
     import pickle
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / SNAPSHOT, "wb") as file:
         pickle.dump(snapshot, file)
-    traced, table = memory_at_peak(snapshot)
-    lines = [f"{what}: peak allocated {peak_bytes / 2**20:,.1f} MB (torch.cuda.max_memory_allocated); the steps' own "
-             f"allocations peaked at {traced / 2**20:,.1f} MB above what was allocated before them. Live then, by "
-             f"the first frame outside torch (top {MEMORY_ROWS}):", "", f"{'MB':>10} {'blocks':>7}  place"]
+    traced, table = memory_at_peak(snapshot, device_index)
+    lines = [f"{what}: the run's peak allocated so far {peak_bytes / 2**20:,.1f} MB (torch.cuda.max_memory_allocated);"
+             f" the allocations made in these steps held at most {traced / 2**20:,.1f} MB at once (what was allocated "
+             f"before them is not in the trace). Live then, by the first Python frame outside torch (top "
+             f"{MEMORY_ROWS}):", "", f"{'MB':>10} {'blocks':>7}  place"]
     lines += [f"{size / 2**20:>10,.1f} {count:>7}  {place}" for size, count, place in table[:MEMORY_ROWS]]
     path = out_dir / MEMORY
     path.write_text("\n".join(lines) + "\n")

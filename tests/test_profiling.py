@@ -12,14 +12,15 @@ from rlhf.profiling import memory_at_peak
 TORCH = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"}
 MODEL = {"filename": "/x/site-packages/transformers/models/llama/modeling_llama.py", "line": 7, "name": "forward"}
 OURS = {"filename": "/x/rlhf/algos/token_logps.py", "line": 9, "name": "forward"}
+NATIVE = {"filename": "??", "line": 0, "name": "c10::cuda::CUDACachingAllocator::malloc"}  # a C++ frame
 
 
 def test_the_peak_is_replayed_from_the_trace_and_what_was_live_is_grouped_by_the_first_frame_outside_torch():
-    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": [TORCH, MODEL]},
+    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": [NATIVE, TORCH, MODEL]},
               {"action": "alloc", "addr": 2, "size": 50, "frames": [OURS]},
               {"action": "free_requested", "addr": 1, "size": 100},
               {"action": "free_completed", "addr": 1, "size": 100},  # counted once
-              {"action": "alloc", "addr": 3, "size": 120, "frames": [TORCH, MODEL]},
+              {"action": "alloc", "addr": 3, "size": 120, "frames": [NATIVE, TORCH, MODEL]},
               {"action": "alloc", "addr": 4, "size": 60, "frames": [TORCH, MODEL]},  # the peak: 50 + 120 + 60
               {"action": "free_requested", "addr": 3, "size": 120},
               {"action": "alloc", "addr": 5, "size": 90, "frames": [TORCH]},  # 200 < 230: not a new peak

@@ -99,6 +99,9 @@ def gathered_for_generation(model: torch.nn.Module) -> Iterator[bool]:
         return
     saved = []
     try:
+        # FSDP2 decides at its first forward (lazy init) that the root keeps its parameters after forward; run it
+        # now, before the settings are read, or a first forward inside this block would skip that for good
+        units[0]._get_fsdp_state()._lazy_init()  # units[0]: the outermost unit, the root
         for unit in units:  # what set_reshard_after_forward changes, to put back as the strategy set it
             state = unit._get_fsdp_state()
             saved.append((state, state._auto_reshard_after_forward,

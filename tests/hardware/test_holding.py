@@ -87,3 +87,5 @@ def test_fsdp2_parameters_are_gathered_once_for_a_generation_not_at_every_token(
         assert once[1] == every[1] and len(once[1]) > 0  # the same tokens
         assert once[2] is False and every[2] is True  # within the block, generation is no collective
         assert results[rank]["forward after"] >= 2, results[rank]["forward after"]
+        # a generation before any forward pass leaves training's gathers as they are (the root not resharded)
+        assert results[rank]["step after generation-first"] == results[rank]["step after forward-first"], results

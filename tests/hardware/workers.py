@@ -23,13 +23,18 @@ def generation_gathers(rank: int, port: int, results) -> None:
         from rlhf.hardware.holding import gathered_for_generation
         from rlhf.models.tiny import TinySpec
 
-        torch.manual_seed(0)
-        model = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                         warm_start_steps=0).build().model.eval()
         mesh = init_device_mesh("cpu", (2,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+
+        def sharded_model():
+            torch.manual_seed(0)
+            built = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                             warm_start_steps=0).build().model.eval()
+            for layer in built.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(built, mesh=mesh)
+            return built
+
+        model = sharded_model()
         calls = [0]
         for name in ("all_gather_single", "all_gather_into_tensor", "all_gather"):  # FSDP2: all_gather_single
             original = getattr(torch.distributed, name)
@@ -53,6 +58,18 @@ def generation_gathers(rank: int, port: int, results) -> None:
         with torch.no_grad():
             model(input_ids=ids)
         out["forward after"] = calls[0]
+        # a training step's all-gathers after a block, whether or not a forward pass ran before it (FSDP2 settles the
+        # root's resharding at its first forward: that must not happen inside the block)
+        fresh = sharded_model()
+        with torch.no_grad(), gathered_for_generation(fresh) as still_sharded:
+            fresh.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                           synced_gpus=still_sharded, pad_token_id=256, eos_token_id=258)
+        for name, trained in (("step after forward-first", model), ("step after generation-first", fresh)):
+            trained.train()
+            for _ in range(2):  # the second step's: the steady state
+                calls[0] = 0
+                trained(input_ids=ids).logits.sum().backward()
+            out[name] = calls[0]
         results[rank] = out
     finally:
         torch.distributed.destroy_process_group()
