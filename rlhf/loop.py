@@ -175,8 +175,9 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: in
     clock says a checkpoint is due; the outcome's ``save`` is whether any process's says so (every process saves).
 
     The step waits for the device once, to read whether it is finite (skip or step: the one decision the host must
-    make); the metrics, token counts and gradient norm stay on the device, summed into the log window, and are read
-    when the window is logged (:func:`window_metrics`). So a GPU runs ahead of the host between log windows."""
+    make; with several processes the flags' one all-reduce is read too); the metrics, token counts and gradient norm
+    stay on the device, summed into the log window, and are read when the window is logged (:func:`window_metrics`).
+    So a GPU runs ahead of the host between log windows."""
     strategy, model, accum = run.strategy, run.model, accumulation or run.accumulation
     step_sums: dict[str, torch.Tensor | float] = {}
     step_weights: dict[str, float] = {}

@@ -79,7 +79,8 @@ def prepare(run_dir: Path, resume: str | None) -> Path | None:
     found = checkpoint.resolve(resume, run_dir)
     if found is None and (run_dir / "final").exists() and resume == "auto":
         raise UserError(f"resume=auto: {run_dir} holds a finished run (final/) but no checkpoint to resume from. "
-                        "Fix: a new hydra.run.dir for a new run (or train.save_every_steps=N in the next run).")
+                        "Fix: a new hydra.run.dir for a new run (or train.save_every_minutes / train.save_every_steps "
+                        "in the next run).")
     return found
 
 

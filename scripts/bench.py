@@ -105,6 +105,7 @@ LR, BETA, LOSS_TOLERANCE = 1e-4, 0.1, 1e-4
 # sampling at temperature 1 over the whole vocabulary, no KL (both sides' default beta 0), TRL's loss_type "grpo"
 # (ours by default); the reward is rlhf.rewards.char_similarity on the reverse task's prompts.
 GROUP = 8
+TIMEOUT_S: float | None = None  # seconds one run (ours or TRL's) may take before it is stopped; None: no limit
 PROFILED_STEPS = 3  # --profile: steps recorded by torch.profiler on each side, from the timed window's first
 
 
@@ -330,7 +331,7 @@ def run_ours_into(run_dir: Path, case: str, model_dir: Path, data: Path, cache: 
     """One of our runs into ``run_dir``: its steady-state samples/s and the tokens/s it ran through the model (the
     last logged window), and its peak memory."""
     command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, cache, extra, device, shape)
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT)
+    result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT, timeout=TIMEOUT_S)
     if result.returncode != 0:
         raise RuntimeError(f"rlhf ({case} {' '.join(extra)}) failed:\n{result.stderr[-3000:]}")
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -349,7 +350,7 @@ def checkpoint_cost(model_dir: Path, work: Path, shape: str, batch: int, steps: 
     run_dir = work / f"checkpoint-{model_dir.name}"
     command = _our_command("dpo_fp32", model_dir, data, run_dir, batch, steps, threads, work / "cache",
                            [*extra, f"train.save_every_steps={steps}"], device)
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT)
+    result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT, timeout=TIMEOUT_S)
     if result.returncode != 0:
         raise RuntimeError(f"rlhf (checkpoints) failed:\n{result.stderr[-3000:]}")
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -367,6 +368,7 @@ def run_trl(case: str, model_dir: Path, data: Path, work: Path, batch: int, step
             "profile_memory": profile_memory,
             "profile_to": str(profile_to) if profile_to else None}
     result = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], capture_output=True,
+                            timeout=TIMEOUT_S,
                             text=True, env=_env(threads), cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"TRL ({case}) failed:\n{result.stderr[-3000:]}")

@@ -97,10 +97,16 @@ class SFT(Algorithm):
 
 def require_packing(model) -> None:
     """Refuse ``padding_free`` for a model whose attention does not keep packed rows apart by their position ids:
-    two rows of three tokens, packed and alone, must give the same logits."""
+    two rows of three tokens, packed and alone, must give the same logits (checked where the model is, before a
+    strategy places it: on a CPU for a model that trains on a GPU). Flash and flex attention keep them apart by
+    construction (variable-length sequences, a block mask) and have no CPU kernel to check with: not checked."""
     import torch
 
     from rlhf.errors import UserError
+
+    attention = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+    if attention.startswith(("flash_attention", "flex_attention")):
+        return
 
     device = next(model.parameters()).device
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]], device=device)
