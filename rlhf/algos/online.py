@@ -30,7 +30,7 @@ from rlhf import rewards as reward_lib
 from rlhf.algos.base import PROMPT_TOKENS, Algorithm
 from rlhf.data.loaders import Batches
 from rlhf.errors import UserError
-from rlhf.hardware.holding import gathered_for_generation
+from rlhf.models.generation import gathered_for_generation
 from rlhf.state import TrainState
 from rlhf.validate import Range, limits
 

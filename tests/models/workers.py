@@ -12,7 +12,7 @@ import torch
 def generation_gathers(rank: int, port: int, results) -> None:
     """Process ``rank`` of 2 (gloo): a tiny Llama sharded with FSDP2 (each decoder layer, then the root) generates 8
     tokens greedily from its own prompt, with its parameters gathered at every forward pass (``synced_gpus``) and
-    within :func:`rlhf.hardware.holding.gathered_for_generation`; ``results[rank]`` = {way: (all-gathers, ids)},
+    within :func:`rlhf.models.generation.gathered_for_generation`; ``results[rank]`` = {way: (all-gathers, ids)},
     plus the all-gathers of one forward pass after the block."""
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                          timeout=datetime.timedelta(seconds=60))
@@ -20,7 +20,7 @@ def generation_gathers(rank: int, port: int, results) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from rlhf.hardware.holding import gathered_for_generation
+        from rlhf.models.generation import gathered_for_generation
         from rlhf.models.tiny import TinySpec
 
         mesh = init_device_mesh("cpu", (2,))

@@ -1,0 +1,30 @@
+"""rlhf/models/generation.py: FSDP2's parameters gathered once for a generation, counted on 2 CPU processes."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.serial
+def test_fsdp2_parameters_are_gathered_once_for_a_generation_not_at_every_token():
+    """Two processes, FSDP2 over 2 decoder layers and the root (3 units): generating 8 tokens gathers each layer at
+    every forward pass (8 forward passes: 16 all-gathers or more; FSDP2 keeps the root gathered) without the block,
+    each unit at most once within it, with the same tokens and no synced generation; after the block the layers are
+    sharded again (a forward pass gathers them)."""
+    import torch.multiprocessing as mp
+
+    from rlhf.hardware import free_port
+    from tests.models import workers
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(workers.generation_gathers, args=(free_port(), results), nprocs=2, join=True)
+        results = dict(results)
+    for rank in (0, 1):
+        every, once = results[rank]["every forward"], results[rank]["once"]
+        assert every[0] >= 16 and once[0] <= 3, (every[0], once[0])
+        assert once[1] == every[1] and len(once[1]) > 0  # the same tokens
+        assert once[2] is False and every[2] is True  # within the block, generation is no collective
+        assert results[rank]["forward after"] >= 2, results[rank]["forward after"]
+        # a generation before any forward pass leaves training's gathers as they are (the root not resharded)
+        assert results[rank]["step after generation-first"] == results[rank]["step after forward-first"], results
