@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
+from accelerate.utils import send_to_device
 from tqdm.auto import tqdm
 
-from rlhf.data.collate import to_device
 from rlhf.state import read_at_once
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def _evaluate(model, algo, loader, accelerator) -> dict[str, float]:
     sums: dict[str, torch.Tensor] = {}
     rows_seen = 0.0
     for batch, rows in tqdm(loader, desc="evaluating", leave=False, disable=not accelerator.is_main_process):
-        batch = to_device(batch, accelerator.device)
+        batch = send_to_device(batch, accelerator.device)
         for key, value in algo.evaluate(model, batch).items():
             sums[key] = sums.get(key, 0) + value.double() * rows
         rows_seen += rows

@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import send_to_device
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf import checkpoint
 from rlhf.algos.sft import SFT
 from rlhf.built_run import BuiltRun, build_run
 from rlhf.config import build, check_config
-from rlhf.data.collate import encode, to_device
+from rlhf.data.collate import encode
 from rlhf.errors import UserError
 from rlhf.logging import Loggers
 from rlhf.loop import train_step, window_metrics
@@ -165,7 +166,7 @@ class StepTrainer:
         count = -(-len(rows) // size)
         bounds = [len(rows) * k // count for k in range(count + 1)]
         device = self.run.accelerator.device
-        batches = [to_device(self.run.algo.collate([{"input_ids": ids, "completion_mask": mask}
+        batches = [send_to_device(self.run.algo.collate([{"input_ids": ids, "completion_mask": mask}
                                                     for ids, mask in rows[a:b]]), device)
                    for a, b in zip(bounds, bounds[1:])]
         self.run.model.train()

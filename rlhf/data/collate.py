@@ -92,9 +92,3 @@ def collate_packed(input_ids: Sequence[Sequence[int]], completion_masks: Sequenc
         SEGMENT_IDS: flat([[i] * len(row) for i, row in enumerate(input_ids)]),
         PACKED_ROWS: len(input_ids),
     }
-
-
-def to_device(batch: dict, device) -> dict:
-    """``batch`` with its tensors on ``device``; other values (a Python int the host reads, such as
-    ``logits_to_keep``) as they are."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

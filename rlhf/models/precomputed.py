@@ -41,13 +41,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
+from accelerate.utils import send_to_device
 from datasets import DatasetDict
 from torch import Tensor
 from tqdm.auto import tqdm
 
 import rlhf
 from rlhf.algos.base import completion_stats
-from rlhf.data.collate import to_device
 from rlhf.data.fingerprint import data_fingerprint
 from rlhf.files import current_umask
 from rlhf.metrics import sum_over_processes
@@ -186,7 +186,7 @@ class Precomputed(Reference):
                                     desc=f"reference log-probabilities ({split})", dynamic_ncols=True,
                                     disable=not accelerator.is_main_process):
                     scored = indices or [0]  # []: a turn that keeps this process's collectives in step (sharding)
-                    batch = to_device(collate([dataset[i] for i in scored]), accelerator.device)
+                    batch = send_to_device(collate([dataset[i] for i in scored]), accelerator.device)
                     with torch.no_grad():
                         logps = completion_stats(model, batch).logps.float().view(-1, len(scored)).T  # [B, S]
                     if values is None:
