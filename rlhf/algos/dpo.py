@@ -18,9 +18,9 @@ from torch import Tensor
 from rlhf.algos.base import completion_stats, keep_completion_logits
 from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
 from rlhf.algos.regularized import ReferenceRegularized
-from rlhf.algos.sft import nll_loss
+from rlhf.algos.sft import nll_loss, require_packing
 from rlhf.data import shared_prompt
-from rlhf.data.collate import collate_sequences, encode, require_completion
+from rlhf.data.collate import collate_packed, collate_sequences, encode, require_completion
 from rlhf.errors import UserError
 from rlhf.metrics import processes, sum_over_every_process
 from rlhf.models.output_layer import check_when
@@ -28,7 +28,22 @@ from rlhf.models.reference import FrozenCopy, Reference
 from rlhf.validate import Range, limits
 
 
-@limits(nll_weight=Range(ge=0, meaning="weight of the NLL term on the chosen answer; 0 is plain DPO, 1 is RPO", fix=1.0))
+def packing_lays_out_alone(values: dict[str, Any], where: str) -> None:
+    """Refuse ``padding_free`` beside a layout it replaces (``shared_prompt=true``) or an NLL it cannot read
+    (``nll_on_prompt``, which reads the chosen sequences' padded rows)."""
+    if values.get("padding_free") is not True:
+        return
+    if values.get("shared_prompt") is True:
+        raise UserError(f"{where}.padding_free=true and {where}.shared_prompt=true are two layouts of one batch: "
+                        f"pick one. Fix: {where}.shared_prompt=auto (off beside padding_free) or "
+                        f"{where}.padding_free=false")
+    if values.get("nll_on_prompt") is True:
+        raise UserError(f"{where}.padding_free=true does not take {where}.nll_on_prompt=true (that NLL reads the "
+                        f"chosen sequences as padded rows). Fix: {where}.padding_free=false")
+
+
+@limits(packing_lays_out_alone,
+        nll_weight=Range(ge=0, meaning="weight of the NLL term on the chosen answer; 0 is plain DPO, 1 is RPO", fix=1.0))
 class DPO(ReferenceRegularized):
     """DPO on ``prompt``/``chosen``/``rejected`` rows; chosen and rejected share one forward pass.
 
@@ -60,7 +75,12 @@ class DPO(ReferenceRegularized):
             (policy and reference): ``auto`` (where the model can take it: a family checked to, an attention that
             takes a custom mask, no sliding window shorter than ``max_length``; :func:`shared_prompt.unsupported`),
             ``true`` (required: a model that cannot take it is an error) or ``false`` (two sequences a pair). Off by
-            itself with ``nll_on_prompt``. Log-probabilities equal the two sequences' to rounding.
+            itself with ``nll_on_prompt`` or ``padding_free``. Log-probabilities equal the two sequences' to rounding.
+        padding_free: a micro-batch's ``2B`` sequences (chosen, then rejected) packed into one sequence without
+            padding, position ids restarting in each (TRL's ``padding_free``; :func:`~rlhf.data.collate.collate_packed`),
+            for policy and reference: no token is padding. The same loss and metrics as padded pairs (tested); a model
+            whose attention does not keep packed rows apart is refused at setup. Takes neither ``shared_prompt=true``
+            nor ``nll_on_prompt``.
 
     The allowed values (``@limits`` above, and :class:`ReferenceRegularized`'s) are checked by
     :func:`rlhf.config.check_config` before anything is built.
@@ -84,10 +104,12 @@ class DPO(ReferenceRegularized):
         completion_logits_only: bool = True,
         fused_output_layer: bool | str = "auto",
         shared_prompt: bool | str = "auto",
+        padding_free: bool = False,
     ) -> None:
         self.fused_output_layer = check_when(fused_output_layer)
         self.shared_prompt = check_when(shared_prompt, "algo.shared_prompt",
                                         "auto (pairs share their prompt where the model can take it)")
+        self.padding_free = padding_free
         self.shares_prompt = shared_prompt is True and not nll_on_prompt  # auto: decided in setup() by the model
         self.completion_logits_only = completion_logits_only and not nll_on_prompt  # that NLL scores the prompt
         self.beta, self.loss_fn, self.nll_weight, self.nll_on_prompt = beta, loss, nll_weight, nll_on_prompt
@@ -107,7 +129,11 @@ class DPO(ReferenceRegularized):
 
     def setup(self, policy, tokenizer) -> None:
         super().setup(policy, tokenizer)
-        if self.shared_prompt is False or self.nll_on_prompt:
+        if self.padding_free:
+            for model in (policy, *(m for m in self.frozen.values() if isinstance(m, torch.nn.Module))):
+                require_packing(model)
+        if self.shared_prompt is False or self.nll_on_prompt or self.padding_free:
+            self.shares_prompt = False
             return
         models = [policy, *(m for m in self.frozen.values() if isinstance(m, torch.nn.Module))]
         reasons = [reason for m in models if (reason := shared_prompt.unsupported(m, self.max_length))]
@@ -125,18 +151,18 @@ class DPO(ReferenceRegularized):
     def sequences(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass (sequence ``k`` is
         row ``k % B``'s ``k // B``-th); with :attr:`shares_prompt`, ``[B, T]`` pairs each after its one prompt
-        (:func:`rlhf.data.shared_prompt.collate`), whose statistics come out in the same ``2B`` order."""
+        (:func:`rlhf.data.shared_prompt.collate`), or with :attr:`padding_free` the ``2B`` packed into ``[1, N]``
+        (:func:`rlhf.data.collate.collate_packed`): either way the statistics come out in the same ``2B`` order."""
         if self.shares_prompt:
             return shared_prompt.collate([r["chosen_input_ids"] for r in rows], [r["chosen_completion_mask"] for r in rows],
                                          [r["rejected_input_ids"] for r in rows],
                                          [r["rejected_completion_mask"] for r in rows], self.pad_id)
         ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
         masks = [r["chosen_completion_mask"] for r in rows] + [r["rejected_completion_mask"] for r in rows]
-        return collate_sequences(ids, masks, self.pad_id)
+        return collate_packed(ids, masks) if self.padding_free else collate_sequences(ids, masks, self.pad_id)
 
     def samples(self, batch: dict[str, Any]) -> int:
-        pairs = int(batch["input_ids"].shape[0])  # a sequence a pair around a shared prompt, else two
-        return pairs if shared_prompt.BRANCH_IDS in batch else pairs // 2
+        return shared_prompt.scored_sequences(batch) // 2  # two answers a pair, however they are laid out
 
     def precompute(self, rows, strategy):
         """The reference strategy's columns (e.g. ``algo/reference=precomputed``'s log-probabilities)."""
@@ -169,8 +195,8 @@ class DPO(ReferenceRegularized):
             if self.nll_on_prompt:  # every token of the chosen sequences but the first, which nothing predicts
                 tokens = batch["attention_mask"][:n, 1:].bool()
                 nll = nll_loss(policy.every_token_logps[:n] * tokens, tokens)
-            else:
-                nll = nll_loss(policy.token_logps[:n], policy.mask[:n])
+            else:  # the chosen answers' summed log-probabilities over their tokens: any layout (padded, packed)
+                nll = -policy.logps[:n].sum() / policy.num_tokens[:n].sum().clamp(min=1)
             loss = loss + self.nll_weight * nll
             nll_metric = {"nll_loss": nll.detach()}  # TRL's name (CPO, ORPO)
         else:

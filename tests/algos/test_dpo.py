@@ -157,3 +157,57 @@ def test_orpo_is_the_nll_of_the_whole_chosen_sequence_minus_lambda_log_sigmoid_o
     algo.nll_on_prompt = False  # the completion tokens only, as RPO and SimPO's cpo_alpha
     only_completion = -(logps[:2] * completion[:2]).sum() / completion[:2].sum()
     assert algo.loss(policy.model, batch)[1]["nll_loss"].item() == pytest.approx(only_completion.item(), rel=1e-5)
+
+
+# ---- padding-free pairs --------------------------------------------------------------------------------------------
+def _dpo_step(padding_free: bool, reference, loss=sigmoid_loss, nll_weight=0.0):
+    """Loss, metrics, gradients and sample count of one DPO step on three pairs of different lengths, the policy
+    moved away from its reference (the same draw each call)."""
+    policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
+    algo = DPO(beta=0.5, reference=reference, loss=loss, nll_weight=nll_weight, padding_free=padding_free,
+               shared_prompt=False)
+    algo.setup(policy.model, policy.tokenizer)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        for p in policy.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    rows = [{"prompt": "abc=", "chosen": "cba", "rejected": "cab"},
+            {"prompt": "hello=", "chosen": "olleh", "rejected": "hel"},
+            {"prompt": "x=", "chosen": "x", "rejected": "xyzzy"}]
+    batch = algo.collate([algo.tokenize(r, policy.tokenizer) for r in rows])
+    loss, metrics = algo.loss(policy.model, batch)
+    loss.backward()
+    return (float(loss.detach()), {k: float(v) for k, v in metrics.items()}, [p.grad for p in policy.model.parameters()],
+            algo.samples(batch), batch["input_ids"].shape)
+
+
+@pytest.mark.parametrize("case", ["copy", "none+simpo", "copy+rpo"])
+def test_padding_free_pairs_give_the_loss_metrics_and_gradients_of_padded_ones(case):
+    """The pairs' six answers packed into one sequence, for policy and reference: the same loss, every metric and
+    gradient, and the same pair count as padded pairs (red when the packed rows see each other, when the chosen
+    and rejected halves are split wrong, or when reference=none counts one sequence)."""
+    from rlhf.algos.dpo_losses import simpo_loss
+    from rlhf.models.reference import NoReference
+
+    reference = (lambda: NoReference()) if case.startswith("none") else (lambda: FrozenCopy())
+    options = {"loss": simpo_loss} if "simpo" in case else {"nll_weight": 1.0} if "rpo" in case else {}
+    padded, packed = (_dpo_step(padding_free, reference(), **options) for padding_free in (False, True))
+    assert packed[4][0] == 1 and padded[4][0] == 6  # one packed sequence against six padded ones
+    assert packed[0] == pytest.approx(padded[0], abs=1e-6)
+    assert packed[1].keys() == padded[1].keys()
+    for name in padded[1]:
+        assert packed[1][name] == pytest.approx(padded[1][name], abs=1e-5), name
+    for a, b in zip(padded[2], packed[2]):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+    assert packed[3] == padded[3] == 3
+
+
+def test_padding_free_refuses_the_layouts_it_replaces():
+    from rlhf.config import check_config
+    from rlhf.errors import UserError
+    from tests.conftest import compose_config
+
+    for extra, message in (("algo.shared_prompt=true", "two layouts of one batch"),
+                           ("algo.nll_on_prompt=true", "does not take algo.nll_on_prompt")):
+        with pytest.raises(UserError, match=message):
+            check_config(compose_config("algo=dpo", "algo.padding_free=true", extra))
