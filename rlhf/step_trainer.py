@@ -30,6 +30,7 @@ from rlhf.errors import UserError
 from rlhf.logging import Loggers
 from rlhf.loop import train_step, window_metrics
 from rlhf.metrics import evaluate
+from rlhf.models.generation import gathered_for_generation
 from rlhf.nonfinite import CAUSES, NonFinite
 from rlhf.state import TrainState
 
@@ -260,11 +261,11 @@ class StepTrainer:
         ids = torch.tensor([[tokenizer.pad_token_id] * (longest - len(e)) + e for e in encoded], device=device)
         mask = torch.tensor([[0] * (longest - len(e)) + [1] * len(e) for e in encoded], device=device)
         model.eval()
-        try:
-            with self.run.accelerator.autocast():
+        try:  # a sharded model's parameters gathered once for the generation (FSDP2, ZeRO-3), not at every token
+            with self.run.accelerator.autocast(), gathered_for_generation(self.run.model) as still_sharded:
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                      do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     num_return_sequences=num_return_sequences,
+                                     num_return_sequences=num_return_sequences, synced_gpus=still_sharded,
                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         finally:
             model.train()

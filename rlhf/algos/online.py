@@ -177,12 +177,12 @@ class OnlineAlgorithm(Algorithm):
             settings["cache_implementation"] = self.cache_implementation  # transformers compile decoding on a GPU
         devices = [ids.device] if ids.device.type == "cuda" else []
         started = time.perf_counter()
-        try:  # FSDP2's parameters gathered once for the whole rollout, not at every token
-            with torch.random.fork_rng(devices=devices), gathered_for_generation(policy) as still_sharded:
+        try:  # FSDP2's and ZeRO-3's parameters gathered once for the whole rollout, not at every token
+            with torch.random.fork_rng(devices=devices), gathered_for_generation(model) as still_sharded:
                 if seed is not None:
                     torch.manual_seed(seed)
-                # synced_gpus where the forward passes are still collectives (ZeRO-3): a process whose completions
-                # ended keeps stepping until every process is done
+                # synced_gpus where the forward passes are still collectives: a process whose completions ended
+                # keeps stepping until every process is done
                 out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.max_completion_length,
                                       pad_token_id=self.pad_id, eos_token_id=self.eos_id, synced_gpus=still_sharded,
                                       **settings)

@@ -1,7 +1,9 @@
 """A model that generates: its parameters gathered once for a whole generation where a strategy shards them.
 
-Under FSDP2 every forward pass of a sharded model all-gathers each unit's parameters and frees them after; generating
-``T`` tokens would gather the model ``T`` times. :func:`gathered_for_generation` gathers it once for the block.
+Under FSDP2 and ZeRO-3 every forward pass of a sharded model all-gathers each unit's (layer's) parameters and frees
+them after; generating ``T`` tokens would gather the model ``T`` times, and every process would have to keep stepping
+until the last one's completions end (``synced_gpus``). :func:`gathered_for_generation` gathers it once for the
+block; the forward passes inside are no collectives.
 """
 
 from __future__ import annotations
@@ -23,11 +25,19 @@ def sharded(model: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def gathered_for_generation(model: torch.nn.Module) -> Iterator[bool]:
-    """FSDP2's parameters gathered once, and kept whole until the block ends, instead of each unit's gathered at
-    every forward pass and freed after it: generating ``T`` tokens then costs one all-gather of the model, not
-    ``T``; the forward passes inside are no collectives. Yields whether the parameters stay sharded after all
-    (ZeRO-3, whose own hooks gather each layer at every forward: generation there stays a collective, ``synced_gpus``).
-    Memory: the whole model in the compute dtype on each process for the length of the block."""
+    """The parameters of ``model`` (as the strategy wrapped it: a DeepSpeed engine, an FSDP2 module, or a plain one)
+    gathered once, and kept whole until the block ends, instead of each unit's gathered at every forward pass and
+    freed after it: generating ``T`` tokens then costs one all-gather of the model, not ``T``; the forward passes
+    inside are no collectives. Yields whether the parameters stay sharded after all (then generation must be
+    synced across processes: ``synced_gpus``), which is the case only where the strategy's internals are not the
+    ones this was written for (a warning says so). Memory: the whole model in the compute dtype on each process for
+    the length of the block. Generate with the unwrapped model inside it."""
+    offload = _zero3_offload(model)
+    if offload is not None:
+        with _zero3_gathered(model.module, offload) as still_sharded:
+            yield still_sharded
+        return
+    model = getattr(model, "module", model)  # DDP's, or a stage 1/2 engine's, whole module
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -58,3 +68,38 @@ def gathered_for_generation(model: torch.nn.Module) -> Iterator[bool]:
             for group, mesh in zip(state._fsdp_param_groups, meshes):
                 group.post_forward_mesh_info = mesh
             unit.reshard()
+
+
+def _zero3_offload(model: torch.nn.Module):
+    """The object that holds the ZeRO-3 hooks of a DeepSpeed engine ``model`` (which gather each module's
+    parameters before its forward and release them after), or None where ``model`` is no ZeRO-3 engine."""
+    partitions_weights = getattr(model, "zero_optimization_partition_weights", None)  # a DeepSpeed engine's
+    if partitions_weights is None or not partitions_weights():
+        return None
+    optimizer = model.optimizer  # stage 3's optimizer holds them; an engine without optimizer: the offload itself
+    return getattr(optimizer, "parameter_offload", optimizer)
+
+
+@contextlib.contextmanager
+def _zero3_gathered(module: torch.nn.Module, offload) -> Iterator[bool]:
+    """ZeRO-3: every parameter of ``module`` gathered (``deepspeed.zero.GatheredParameters``) and the engine's
+    per-module hooks taken off for the block, so that no forward pass inside gathers or releases anything; the hooks
+    put back as the engine made them before the parameters are partitioned again."""
+    import deepspeed
+    from deepspeed.runtime.zero import parameter_offload
+
+    needed = ("_remove_module_hooks", "setup_zero_stage3_hooks", "forward_hooks", "backward_hooks")
+    if not all(hasattr(offload, name) for name in needed):
+        log.warning("DeepSpeed's ZeRO-3 internals differ in this version: generation gathers each layer at every token")
+        yield True
+        return
+    stack = list(parameter_offload.FWD_MODULE_STACK)  # setting the hooks up again pushes the module once more
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        offload._remove_module_hooks()
+        offload.forward_hooks.clear()  # removed handles: setting up appends new ones
+        offload.backward_hooks.clear()
+        try:
+            yield False
+        finally:
+            offload.setup_zero_stage3_hooks()
+            parameter_offload.FWD_MODULE_STACK[:] = stack

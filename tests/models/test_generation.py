@@ -28,3 +28,33 @@ def test_fsdp2_parameters_are_gathered_once_for_a_generation_not_at_every_token(
         assert results[rank]["forward after"] >= 2, results[rank]["forward after"]
         # a generation before any forward pass leaves training's gathers as they are (the root not resharded)
         assert results[rank]["step after generation-first"] == results[rank]["step after forward-first"], results
+
+
+@pytest.mark.serial
+def test_zero3_parameters_are_gathered_once_for_a_generation_not_at_every_token():
+    """Two processes, a DeepSpeed ZeRO-3 engine: without the block, the all-gathers grow with the tokens generated
+    (each forward pass gathers each layer: 12 tokens gather more than 4); within it they do not (the model is gathered
+    once, whatever the length), with the same tokens and no synced generation; after the block the engine's hooks
+    are as they were (none added, no module pushed on DeepSpeed's stack again), the parameters partitioned again, and
+    training steps gather (the hooks work) and lower the loss."""
+    pytest.importorskip("deepspeed")
+    import torch.multiprocessing as mp
+
+    from rlhf.hardware import free_port
+    from tests.models import workers
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(workers.zero3_generation_gathers, args=(free_port(), results), nprocs=2, join=True)
+        results = dict(results)
+    for rank in (0, 1):
+        out = results[rank]
+        short, long = out["every forward", 4], out["every forward", 12]
+        once_short, once_long = out["once", 4], out["once", 12]
+        assert long[0] > short[0] > 0, (short[0], long[0])  # per token without the block
+        assert once_long[0] == once_short[0] < long[0], (once_short[0], once_long[0], long[0])
+        assert once_long[1] == long[1] and once_short[1] == short[1] and len(long[1]) == 12  # the same tokens
+        assert once_long[2] is False and long[2] is True
+        assert out["hooks after"] == out["hooks before"], (out["hooks before"], out["hooks after"])
+        assert out["parameters partitioned after"]
+        assert out["step after"] > 0 and out["losses"][1] < out["losses"][0], out
