@@ -299,9 +299,9 @@ class CheckBeforeRun(Callback):
             HydraConfig.instance().set_config(config)  # ${hydra:...} resolves; Hydra sets it again for the job
             job = OmegaConf.to_container(config, resolve=False)
             job.pop("hydra", None)
+            if str(job.get("output_dir", "")).startswith("${hydra:"):  # the default: the run folder, which Hydra
+                job["output_dir"] = os.path.abspath(str(folder))  # fills in later; a value the user gave is checked
             job = OmegaConf.create(job)
-            if "output_dir" in job:
-                job.output_dir = os.path.abspath(str(folder))  # Hydra fills hydra.runtime.output_dir later
             check_config(job)
         except UserError as error:
             print(f"error: {error}", file=sys.stderr)

@@ -263,6 +263,8 @@ def _train(*args: str, cwd) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["hydra.run.dir="], "error: hydra.run.dir is empty, so the run would write into the current folder"),
+    # the run folder Hydra makes is not where this run would write: output_dir is checked as the user gave it
+    (["output_dir=", "hydra.run.dir=run"], "error: output_dir is empty, so the run would write into the current folder"),
     (["+optimiser=lion", "hydra.run.dir=run"], "error: optimiser is not a config group or key: +optimiser=lion would "
                                                "be ignored and the run would train with the defaults. Did you mean "
                                                "optimizer=lion?"),
