@@ -11,8 +11,8 @@ its limit still leaves what it measured):
 1. **Correctness** (float32, one batch): the first-step DPO, SFT and GRPO losses of ours and TRL's on the same batch
    (``scripts/bench.py``'s checks: a reference that differs from the policy; GRPO at temperature 0.7 with a KL term),
    |Δ| < 1e-4; the tiled output layer (``algo.fused_output_layer=true``) and the shared-prompt layout
-   (``algo.shared_prompt=true``; on a GPU also under flex attention's block mask) against two plain sequences a
-   pair: DPO's loss and every parameter's gradient;
+   (``algo.shared_prompt=true``; on a GPU also under flex attention's block mask) and padding-free pairs
+   (``algo.padding_free=true``) against two plain sequences a pair: DPO's loss and every parameter's gradient;
    a resume: a DPO run as shipped writes checkpoints at steps N and 2N, a second run resumes from the first's
    step-N checkpoint (the state a run killed after it leaves on disk) into a folder of its own, and both final
    models are compared (bit for bit, else the largest difference is reported).
@@ -84,6 +84,9 @@ LEVERS = [("100m", 64, "dpo_bf16", "two sequences a pair", ["algo.shared_prompt=
           ("100m", 64, "sft_bf16", "padding-free (flex attention)",
            ["algo.padding_free=true", "model.attn_implementation=flex_attention"]),
           ("100m", 64, "grpo_bf16", "static cache (compiled decoding)", ["algo.cache_implementation=static"]),
+          ("100m", 64, "dpo_bf16", "padding-free pairs (sdpa)", ["algo.padding_free=true"]),
+          ("100m", 64, "dpo_bf16", "padding-free pairs (flex attention)",
+           ["algo.padding_free=true", "model.attn_implementation=flex_attention"]),
           ("1b", 64, "dpo_bf16", "plain output layer", ["algo.fused_output_layer=false"])]
 TINY_LEVERS = [("3m", 8, "grpo_fp32", "plain output layer", ["algo.fused_output_layer=false"])]
 STEPS = {"100m": 30, "1b": 15, "3m": 2}  # timed steps (as many untimed first); GRPO: GRPO_STEPS
@@ -183,7 +186,8 @@ def layouts(model_dir: Path, device: str) -> list[dict]:
     scale = max(float(g.abs().max()) for g in plain.values())
     out = []
     variants = [("tiled output layer", {"shared_prompt": False, "fused_output_layer": True}),
-                ("shared-prompt layout", {"shared_prompt": True, "fused_output_layer": False})]
+                ("shared-prompt layout", {"shared_prompt": True, "fused_output_layer": False}),
+                ("padding-free pairs", {"shared_prompt": False, "fused_output_layer": False, "padding_free": True})]
     if device == "cuda":  # flex attention's backward pass runs on a GPU only
         variants.append(("shared-prompt layout under flex attention",
                          {"shared_prompt": True, "fused_output_layer": False, "attention": "flex_attention"}))

@@ -27,7 +27,7 @@ def test_the_rehearsal_runs_every_section_and_writes_the_page(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     checks = [c["check"].split(" = ")[0] for c in report["correctness"]]
     assert checks == ["DPO first-step loss", "SFT first-step loss", "GRPO first-step loss", "tiled output layer",
-                      "shared-prompt layout", "resume from step 1 of 2"], checks
+                      "shared-prompt layout", "padding-free pairs", "resume from step 1 of 2"], checks
     assert all(c["ok"] for c in report["correctness"]), report["correctness"]
     assert report["correctness"][-1]["bit_identical"]  # on a CPU a resume repeats the run bit for bit
     cost = report["checkpoint"]

@@ -47,6 +47,25 @@ def _centered(x: Tensor, dim: int) -> Tensor:
     return torch.where(equal, torch.zeros_like(x), x - x.mean(dim=dim, keepdim=True))
 
 
+def compares_within_a_group(baseline: str, when: str | None = None) -> Callable[[dict, str], None]:
+    """A config check (:func:`rlhf.validate.limits`) refusing ``num_generations=1`` for an algorithm whose
+    advantage compares each completion with the others of its prompt (``baseline`` says how), optionally only
+    when its option ``when`` is on: one completion a prompt is its own baseline, every advantage is 0 and nothing is
+    learned."""
+
+    def check(values: dict, where: str) -> None:
+        generations = values.get("num_generations")
+        if (when is not None and not values.get(when)) or not isinstance(generations, int) or generations >= 2:
+            return
+        on = f" with {where}.{when}=true" if when else ""
+        alone = f"{where}.{when}=false" if when else "algo=ppo (a learned value baseline) or algo=reinforce_pp"
+        raise UserError(f"{where}.num_generations={generations}{on}: {baseline}, so one completion a prompt has "
+                        f"nothing to be compared with and nothing is learned. Fix: {where}.num_generations=2 or more "
+                        f"(8 is common); for one completion a prompt, {alone}")
+
+    return check
+
+
 def group_centered(rewards: Tensor, num_generations: int) -> Tensor:
     """``r_i − mean(group of i)``, ``[B]`` → ``[B]``: the GRPO baseline before any scaling (0 for equal rewards)."""
     return _centered(_groups(rewards, num_generations), dim=1).reshape(-1)

@@ -19,10 +19,12 @@ from typing import Any
 
 from torch import Tensor
 
-from rlhf.algos.advantages import scale_by_group_std
+from rlhf.algos.advantages import compares_within_a_group, scale_by_group_std
 from rlhf.algos.policy_gradient import PolicyGradient, all_gather_rows
+from rlhf.validate import limits
 
 
+@limits(compares_within_a_group("each completion's advantage is its reward against its prompt's group mean"))
 class GRPO(PolicyGradient):
     """GRPO on ``prompt`` rows.
 

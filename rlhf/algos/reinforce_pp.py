@@ -15,13 +15,15 @@ from typing import Any
 
 from torch import Tensor
 
-from rlhf.algos.advantages import discounted_returns, group_centered, whiten_with
+from rlhf.algos.advantages import compares_within_a_group, discounted_returns, group_centered, whiten_with
 from rlhf.algos.policy_gradient import PolicyGradient, global_masked_moments
 from rlhf.algos.reward_shaping import kl_penalized_rewards
 from rlhf.validate import Range, limits
 
 
-@limits(gamma=Range(gt=0, le=1, meaning="the discount of later token rewards in a return; 1 is the paper's", fix=1.0))
+@limits(compares_within_a_group("the group baseline subtracts the mean score of its prompt's completions",
+                                when="group_baseline"),
+        gamma=Range(gt=0, le=1, meaning="the discount of later token rewards in a return; 1 is the paper's", fix=1.0))
 class ReinforcePP(PolicyGradient):
     """REINFORCE++ on ``prompt`` rows. Options as :class:`~rlhf.algos.grpo.GRPO`'s (TRL's names), plus:
 

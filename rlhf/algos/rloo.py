@@ -14,10 +14,13 @@ from typing import Any
 
 from torch import Tensor
 
-from rlhf.algos.advantages import STD_EPS, leave_one_out
+from rlhf.algos.advantages import STD_EPS, compares_within_a_group, leave_one_out
 from rlhf.algos.policy_gradient import PolicyGradient, all_gather_rows
+from rlhf.validate import limits
 
 
+@limits(compares_within_a_group("each completion's baseline is the mean reward of the other completions of its "
+                                "prompt"))
 class RLOO(PolicyGradient):
     """RLOO on ``prompt`` rows. Options as :class:`~rlhf.algos.grpo.GRPO`'s (TRL's names), plus:
 

@@ -167,3 +167,29 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
     assert A.completions_in_kept_groups(rewards, G).tolist() == [True] * 3 + [False] * 6 + [True] * 3
     assert A.groups_with_reward_variance(rewards, G, atol=0.01).tolist() == [True, False, False, False]
     assert A.frac_reward_zero_std(rewards, G).item() == pytest.approx(2 / 4)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algo=grpo"], "algo.num_generations=1: each completion's advantage is its reward against its prompt's group "
+                    "mean, so one completion a prompt has nothing to be compared with"),
+    (["algo=rloo"], "algo.num_generations=1: each completion's baseline is the mean reward of the other"),
+    (["algo=reinforce_pp", "algo.group_baseline=true"], "algo.num_generations=1 with algo.group_baseline=true.*Fix: "
+                                                       r"algo.num_generations=2 or more \(8 is common\); for one "
+                                                       "completion a prompt, algo.group_baseline=false"),
+])
+def test_one_completion_a_prompt_is_refused_where_the_advantage_compares_within_the_group(overrides, message):
+    from rlhf.config import check_config
+    from rlhf.errors import UserError
+    from tests.conftest import compose_config
+
+    with pytest.raises(UserError, match=message):
+        check_config(compose_config(*overrides, "algo.num_generations=1"))
+    check_config(compose_config(*overrides, "algo.num_generations=2"))
+
+
+@pytest.mark.parametrize("overrides", [["algo=ppo"], ["algo=reinforce_pp"], ["algo=iterative_sft"]])
+def test_one_completion_a_prompt_is_allowed_where_it_means_something(overrides):
+    from rlhf.config import check_config
+    from tests.conftest import compose_config
+
+    check_config(compose_config(*overrides, "algo.num_generations=1"))
