@@ -1,6 +1,7 @@
 """Entry point: compose the config with Hydra, then run `rlhf.train(cfg)`. See README.md and `--help`."""
 
 import gc
+import os
 import signal
 import sys
 from pathlib import Path
@@ -46,7 +47,8 @@ def main(cfg: DictConfig) -> float | FailedPoint | None:
         logging.getLogger("rlhf").error("aborted by Ctrl-C; complete checkpoints, if any, are in %s/checkpoints",
                                         cfg.output_dir)
         sys.exit(130)
-    except UserError as error:  # a problem with the input: one message, no traceback
+    except UserError as error:  # a problem with the input: one message, no traceback, on a line of its own
+        end_progress_bars()
         logging.getLogger("rlhf").error("error: %s", error)
         if in_a_sweep():  # recorded in the point's folder; the sweep goes on to its other points
             return record_failure(cfg.output_dir, error)
@@ -61,6 +63,19 @@ def main(cfg: DictConfig) -> float | FailedPoint | None:
     # end the finished job as FAILED while it exits (measured: USR2 during exit kills the process).
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     return objective_value(cfg, metrics)
+
+
+def end_progress_bars() -> None:
+    """Close the progress bars an error left open, and end their line: the message after them starts on a line of
+    its own, in a terminal and in a log file alike (where a bar that cleared itself with a carriage return, as an
+    evaluation's does, still leaves the line unended)."""
+    from tqdm import tqdm
+
+    bars = list(getattr(tqdm, "_instances", ()))
+    for bar in bars:
+        bar.close()
+    if bars or not sys.stderr.isatty():
+        print(file=sys.stderr, flush=True)
 
 
 def resume_command(run_dir) -> str:
@@ -78,6 +93,10 @@ if __name__ == "__main__":
     gc.freeze()  # the objects made by the imports: never garbage, never walked again
     gc.enable()
     install()  # stop signals are recorded from here on (and those that came during the imports are delivered now)
+    # A module of the user's own (a reward function named by _target_) is importable from the folder they run in, as
+    # with `python -m`; last on the path, so that it shadows no installed package. Spawned ranks inherit the path.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     check_overrides(sys.argv[1:])  # a mistyped group, key or option: the project's message, before Hydra's
     sys.argv += hydra_overrides_for_this_rank()  # under torchrun, only rank 0 writes .hydra/ and train.log
     sys.argv[1:] = resume_overrides(sys.argv[1:])  # hydra.run.dir=<run> resume=auto: the run's own overrides

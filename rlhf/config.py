@@ -14,15 +14,19 @@ types it and the fix for:
 - NaN or infinity anywhere; ``model.dtype=float16`` on a CPU; a ``resume_changes`` that is not a list of keys.
 - an ``objective`` whose metric the run does not report (:func:`rlhf.sweep.check_objective`);
 - a reference strategy that needs the policy's LoRA adapter (``algo/reference=adapter``, ``ref_adapter``) with
-  ``peft=none``.
+  ``peft=none``;
+- the algorithm's options against the rest of the run (its ``check_run``: e.g. an online algorithm's rollout that
+  does not split into ``steps_per_generation`` micro-batches).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import inspect
+import logging
 import os
 import sys
 import types
@@ -183,6 +187,7 @@ def check_config(cfg: DictConfig) -> None:
     validate.check_resume_changes(container)
     _check_data_columns(container)
     _check_peft(container)
+    _check_algorithm_with_run(container)
     sweep.check_objective(container)
 
 
@@ -196,6 +201,15 @@ def _check_data_columns(container: dict) -> None:
     check = getattr(get_object(data["_target_"]), "check_columns", None) if "_target_" in data else None
     if columns and check is not None:
         check(data, columns)
+
+
+def _check_algorithm_with_run(container: dict) -> None:
+    """The algorithm's options against the rest of the config (:meth:`rlhf.algos.base.Algorithm.check_run`)."""
+    algo = container.get("algo")
+    if isinstance(algo, dict) and "_target_" in algo:
+        check = getattr(get_object(algo["_target_"]), "check_run", None)
+        if check is not None:
+            check(algo, container)
 
 
 def _check_peft(container: dict) -> None:
@@ -237,15 +251,39 @@ def _option_defaults(group: str, target: str) -> dict[str, Any]:
     return {k: v for k, v in found[0].items() if all(other.get(k) == v for other in found)} if found else {}
 
 
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger):
+    """``logger``'s messages below CRITICAL dropped for the block."""
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _not_importable(where: str, target: str, error: Exception) -> str:
+    """Why ``target`` cannot be imported, and the fix: a module of the user's own is importable from the folder
+    ``train.py`` runs in, or from ``PYTHONPATH``."""
+    cause = error.__cause__ or error
+    if isinstance(cause, ModuleNotFoundError) and cause.name == target.split(".")[0]:  # no such top-level module
+        return (f"{where}._target_={target}: no module named {cause.name!r}. A module of your own (e.g. {cause.name}"
+                f".py with the function) is importable from the folder you run train.py in (now {os.getcwd()}) or "
+                f"from a folder on PYTHONPATH. Fix: run from the folder that holds it, or PYTHONPATH=<that folder> "
+                f"python train.py ...; a package: pip install it")
+    return (f"{where}._target_={target}: cannot import it ({str(cause).strip()}). Fix: check the name (module.function"
+            f" or module.Class), or install the package that provides it.")
+
+
 def _walk(node: Any, where: str) -> None:
     if isinstance(node, dict):
         target = node.get("_target_")
         if isinstance(target, str):
             try:
-                obj = get_object(target)
+                with _quiet(logging.getLogger("hydra.utils")):  # which logs the error: ours is the one message
+                    obj = get_object(target)
             except Exception as error:
-                raise UserError(f"{where}._target_={target}: cannot import it ({error}). Fix: check the name, or "
-                                "install the package that provides it.") from error
+                raise UserError(_not_importable(where, target, error)) from error
             shared = _with_option_defaults(GROUP_LIMITS.get(where), where, target)
             ranges = {**(shared or {}), **getattr(obj, "__limits__", {})}
             check_fields(node, obj, where, nullable={k for k, r in ranges.items() if r.null})

@@ -101,7 +101,7 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
     profiler = StepProfiler(settings.profile_steps, state.step + settings.log_every_steps + 1, run.run_dir,
                             accelerator.device, accelerator.is_main_process, memory=settings.profile_memory)
     save_every_s = 60.0 * settings.save_every_minutes
-    with logging_redirect_tqdm():  # log lines print above the progress bar
+    with bar, logging_redirect_tqdm():  # log lines print above the bar; an error after it, on a line of its own
         saved, first, last_save = None, state.step, _clock()
         while state.step < run.max_steps:
             signals.reached(f"step_{state.step + 1}")
@@ -136,9 +136,7 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
                 last_save = _clock()
             window_start += time.perf_counter() - paused
             if outcome.stop:
-                bar.close()
                 raise Stopped(_signum(stop), saved or _save_checkpoint(run, state), run.run_dir, step)
-        bar.close()
     if state.step > first and any_process({"stop": stop.signum is not None}, accelerator)["stop"]:  # final evaluation
         raise Stopped(_signum(stop), saved or _save_checkpoint(run, state), run.run_dir, state.step)
 

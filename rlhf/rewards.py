@@ -51,7 +51,12 @@ def score(functions: Mapping[str, RewardFunction], weights: Sequence[float] | No
     columns = dict(columns or {})
     values = []
     for name, function in functions.items():
-        got = list(function(prompts=list(prompts), completions=list(completions), **columns))
+        try:
+            got = list(function(prompts=list(prompts), completions=list(completions), **columns))
+        except UserError:
+            raise
+        except Exception as error:  # the user's code: one message naming the function, not a traceback
+            raise UserError(_raised(name, function, error, sorted(columns))) from error
         if len(got) != len(completions):
             raise UserError(f"reward function {name!r} returned {len(got)} values for {len(completions)} completions. "
                             "Fix: return one float (or None where it does not apply) per completion, in order")
@@ -60,6 +65,28 @@ def score(functions: Mapping[str, RewardFunction], weights: Sequence[float] | No
     weight = None if weights is None else torch.tensor(list(weights), dtype=torch.float32)
     reward, _ = weighted_rewards(per_function, weight)
     return reward, per_function
+
+
+def _raised(name: str, function: Callable, error: Exception, columns: list[str]) -> str:
+    """The message for reward function ``name`` raising ``error``: which function (its signature, the line of its own
+    code that raised), how it is called, and that no checkpoint was lost."""
+    import inspect
+    import traceback
+
+    target = getattr(function, "func", function)  # a partial (``_partial_: true``): the function itself
+    where = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
+    try:
+        where += str(inspect.signature(target))
+        source = inspect.getsourcefile(target)
+    except (TypeError, ValueError):
+        source = None
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if source and f.filename == source]
+    line = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    call = ", ".join(["prompts=[...]", "completions=[...]", *(f"{c}=[...]" for c in columns)])
+    return (f"reward function algo.reward_funcs.{name}, {where}, raised {type(error).__name__}{line}: {error}. It is "
+            f"called as fn({call}), lists of one entry per completion, and returns one float (or None) per "
+            f"completion; a function takes the arguments it reads by name and ends its signature with **kwargs. No checkpoint was "
+            f"lost: those saved before (if any) are complete, and resume=auto continues from the last one")
 
 
 def _reward_model_folder(values: dict[str, Any], where: str) -> None:

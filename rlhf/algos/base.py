@@ -82,6 +82,13 @@ class Algorithm:
     def frozen(self, models: dict[str, torch.nn.Module]) -> None:
         self.__dict__["_frozen"] = dict(models)
 
+    @classmethod
+    def check_run(cls, options: dict[str, Any], config: dict[str, Any]) -> None:
+        """Refuse (:class:`~rlhf.errors.UserError`) this algorithm's options (``options``: its config node) in
+        combination with the rest of the run's ``config`` (resolved), before anything is built
+        (:func:`rlhf.config.check_config`); one option's range belongs in :func:`rlhf.validate.limits`. Default:
+        nothing to check."""
+
     def tokenize(self, row: dict[str, str], tokenizer) -> dict[str, list[int]]:
         """One text row to token lists (run once per row, before training; the result is cached)."""
         raise NotImplementedError

@@ -98,6 +98,14 @@ class OnlineAlgorithm(Algorithm):
         self.last_completions: list[dict[str, Any]] = []  # the latest rollout's texts and rewards (not checkpointed)
         self.generation_s = 0.0  # seconds spent sampling training completions since timings() (not checkpointed)
 
+    @classmethod
+    def check_run(cls, options: dict[str, Any], config: dict[str, Any]) -> None:
+        """A rollout (``train.per_device_batch_size`` prompts) must split into ``steps_per_generation`` micro-batches
+        of whole groups."""
+        parts, prompts = options.get("steps_per_generation"), (config.get("train") or {}).get("per_device_batch_size")
+        if isinstance(parts, int) and isinstance(prompts, int) and parts >= 1 and prompts % parts:
+            raise UserError(split_error(prompts, options.get("num_generations"), parts))
+
     # ---- data ----------------------------------------------------------------------------------------------------
     def tokenize(self, row: dict[str, Any], tokenizer) -> dict[str, Any]:
         """The prompt's tokens (the tokenizer's BOS first, as the SFT warm start saw them), its text and the reward
@@ -281,10 +289,17 @@ def split_groups(samples: dict[str, Tensor], parts: int, num_generations: int) -
     n = next(iter(samples.values())).shape[0]
     size = n // parts
     if size * parts != n or size % num_generations:
-        raise UserError(f"a rollout of {n // num_generations} prompts x {num_generations} completions does not split "
-                        f"into algo.steps_per_generation={parts} micro-batches of whole groups. Fix: a "
-                        f"train.per_device_batch_size that is a multiple of {parts}")
+        raise UserError(split_error(n // num_generations, num_generations, parts))
     return [{k: v[i * size:(i + 1) * size] for k, v in samples.items()} for i in range(parts)]
+
+
+def split_error(prompts: int, num_generations: Any, parts: int) -> str:
+    """Why a rollout of ``prompts`` prompts does not split into ``parts`` micro-batches, and the fix."""
+    fits = [n for n in range(parts, 0, -1) if prompts % n == 0][0]
+    return (f"a rollout of train.per_device_batch_size={prompts} prompts x algo.num_generations={num_generations} "
+            f"completions does not split into algo.steps_per_generation={parts} micro-batches of whole groups. Fix: a "
+            f"train.per_device_batch_size that is a multiple of {parts} (e.g. {prompts + (-prompts) % parts}), or "
+            f"algo.steps_per_generation={fits}")
 
 
 def training_batch(samples: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -235,6 +235,20 @@ def test_a_rollout_that_does_not_split_into_whole_groups_is_a_clear_error():
         split_groups(samples, 2, 2)
 
 
+def test_a_rollout_that_does_not_split_is_refused_before_the_run():
+    """Checked with the config, before anything is built (red before: raised at the first step, on the progress
+    bar's line)."""
+    from rlhf.config import check_config
+    from tests.conftest import compose_config
+
+    with pytest.raises(UserError, match=r"a rollout of train.per_device_batch_size=4 prompts x algo.num_generations=8 "
+                                        r"completions does not split into algo.steps_per_generation=3 micro-batches "
+                                        r"of whole groups. Fix: a train.per_device_batch_size that is a multiple of 3 "
+                                        r"\(e.g. 6\), or algo.steps_per_generation=2"):
+        check_config(compose_config("algo=grpo", "train.per_device_batch_size=4", "algo.steps_per_generation=3"))
+    check_config(compose_config("algo=grpo", "train.per_device_batch_size=4", "algo.steps_per_generation=2"))
+
+
 # --- sharded parameters: every process generates for its own prompts, every forward pass gathers the layers -------
 # The embedded warm start (cached by the first run on the machine): its completions end at different lengths, so a
 # process often finishes generating before the other, the case that synced generation is for; and with dynamic
