@@ -17,6 +17,7 @@ import gc
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,47 @@ def cpus_available() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def busy_cpus(window_s: float = 0.15) -> float | None:
+    """How many of this process's CPUs are busy now, with any process's work: each one's non-idle share of the
+    time over ``window_s`` seconds (``/proc/stat``; this process sleeps meanwhile), summed. None where that file is
+    not there (not Linux)."""
+    try:
+        mine = os.sched_getaffinity(0)
+    except AttributeError:
+        return None
+
+    def read() -> dict[int, tuple[int, int]]:
+        times = {}
+        with open("/proc/stat") as stat:
+            for line in stat:
+                name, *fields = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in mine:
+                    values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+                    times[int(name[3:])] = (values[3] + values[4], sum(values))
+        return times
+
+    try:
+        before = read()
+        time.sleep(window_s)
+        after = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = 0.0
+    for cpu, (idle, total) in after.items():
+        idle_before, total_before = before.get(cpu, (idle, total))
+        if total > total_before:
+            busy += 1.0 - (idle - idle_before) / (total - total_before)
+    return busy
+
+
+def threads_beside(busy: float, cpus: int, local_processes: int) -> int:
+    """Torch threads a process for ``local_processes`` processes on ``cpus`` CPUs of which other work keeps ``busy``
+    busy: the idle ones shared out (at least one each). Threads that spin against other work for a core are far
+    slower than fewer threads (measured: 9x on 2 busy cores, README's "Threads")."""
+    idle = cpus - round(busy)
+    return max(1, min(cpus, idle) // max(1, local_processes))
 
 
 def free_port() -> int:
@@ -190,12 +232,24 @@ class DataParallel:
         return max(1, torch.cuda.device_count()) if self.uses_cuda() else 1
 
     def threads(self, local_processes: int) -> int:
-        """Torch threads per process: never more processes x threads than the CPUs the job has."""
+        """Torch threads per process: ``threads_per_process``, else ``OMP_NUM_THREADS``, else the job's CPUs shared
+        out between its processes on this machine, leaving out those that other work keeps busy as the run starts
+        (:func:`busy_cpus`; not inside a Slurm job, whose CPUs are its own). What was left out is said in the
+        start-up line."""
+        self._threads_why = ""
         if self.threads_per_process is not None:
             return self.threads_per_process
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
             return max(1, int(os.environ["OMP_NUM_THREADS"]))
-        return max(1, cpus_available() // max(1, local_processes))
+        cpus = cpus_available()
+        even = max(1, cpus // max(1, local_processes))
+        busy = None if os.environ.get("SLURM_JOB_ID") else busy_cpus()
+        if busy is None or threads_beside(busy, cpus, local_processes) >= even:
+            return even
+        chosen = threads_beside(busy, cpus, local_processes)
+        self._threads_why = (f" ({busy:.1f} of the {cpus} CPUs were busy with other work as the run started: {chosen} "
+                             f"thread(s) a process, not {even}; hardware.threads_per_process sets it)")
+        return chosen
 
     # --- the Accelerator -----------------------------------------------------------------------------------
     def start(self, seed: int = 0) -> Accelerator:
@@ -236,7 +290,7 @@ class DataParallel:
             precision += ", models compiled (torch.compile)"
         frozen = "".join(f"; {name}: {held}" for name, held in self.frozen_held.items())
         return (f"{acc.num_processes} process(es) ({kind}) on {acc.device}, {torch.get_num_threads()} thread(s) "
-                f"each, {local} process(es) on {cpus_available()} CPU(s) here, {precision}{self._sharding}{frozen}")
+                f"each{getattr(self, '_threads_why', '')}, {local} process(es) on {cpus_available()} CPU(s) here, {precision}{self._sharding}{frozen}")
 
     def processes(self) -> int:
         """Processes of the whole run: the Accelerator's count once started, else what the launch will start."""
