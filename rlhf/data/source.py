@@ -254,7 +254,11 @@ class DataSource:
             check_dataset_reachable(self.path, "data.path")
         try:
             return load_dataset(path, self.name, split=split)
+        except StopIteration as error:  # datasets reads a first table from every file: an empty one has none
+            raise UserError(_empty_files_message(self.path, path)) from error
         except ValueError as error:
+            if os.path.isdir(path) and _blank_files(path):  # white space only: "corresponds to no data"
+                raise UserError(_empty_files_message(self.path, path)) from error
             if "split" in str(error).lower():
                 raise UserError(f"data: split {split!r} not found in {self.path} ({error}). Fix: set "
                                 "data.split / data.eval_split to an existing split.") from error
@@ -337,3 +341,21 @@ def _read_local(where: str, read):
         raise UserError(f"{where}: could not read it ({type(error).__name__}: {error}); it looks truncated or "
                         "damaged. Fix: re-create it (DataFrame.to_parquet, Dataset.to_parquet or "
                         "Dataset.save_to_disk).") from error
+
+
+def _blank_files(folder: str) -> list[str]:
+    """The data files under ``folder`` with no bytes or white space only (read only where they are small)."""
+    def blank(file: Path) -> bool:
+        size = file.stat().st_size
+        return size == 0 or (size < 4096 and not file.read_bytes().strip())
+
+    return sorted(str(Path(root, name).relative_to(folder)) for root, _, names in os.walk(folder) for name in names
+                  if Path(name).suffix.lower() in readers.SUPPORTED and blank(Path(root, name)))
+
+
+def _empty_files_message(given: Any, folder: str) -> str:
+    """The message for a local folder of data files of which one holds no rows (``datasets`` fails on it)."""
+    empty = _blank_files(folder) if os.path.isdir(folder) else []
+    named = f" ({', '.join(empty)})" if empty else ""
+    return (f"data.path={given}: a data file in this folder holds no rows{named}. Fix: remove the empty file(s), or "
+            f"point data.path at a file or folder with data.")

@@ -224,6 +224,16 @@ def test_empty_truncated_or_damaged_files_get_one_message(tmp_path, name, conten
         load(tmp_path / name)
 
 
+@pytest.mark.parametrize("content", [b"", b"\n\n"])
+def test_a_folder_whose_data_file_holds_no_rows_names_the_file(tmp_path, content):
+    """A folder of data files read by ``datasets`` (red before: its StopIteration traceback)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_bytes(content)
+    with pytest.raises(UserError, match=rf"data.path={tmp_path / 'data'}: a data file in this folder holds no rows "
+                                        r"\(train.jsonl\). Fix: remove the empty file"):
+        load(tmp_path / "data")
+
+
 def test_an_empty_parquet_file_and_a_truncated_saved_folder(tmp_path):
     path = write(tmp_path / "d.parquet", [], PREF)
     with pytest.raises(UserError, match=r"d.parquet has no rows"):
