@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlhf import validate
+from rlhf import trl_names, validate
 
 # Options that choose another primary config: the names in conf/config.yaml no longer say what is known.
 _OTHER_PRIMARY = ("--config-dir", "--config-path", "--config-name", "-cd", "-cp", "-cn")
@@ -37,13 +37,18 @@ def group_options(group: str, folder: Path | None = None) -> list[str]:
 
 def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
     """The message for the first override in `argv` that names no known group or key, or an option its group
-    lacks; None when there is none."""
+    lacks, or a key of TRL's (:mod:`rlhf.trl_names`); None when there is none."""
     if any(arg.split("=")[0] in _OTHER_PRIMARY for arg in argv):
         return None
     known = validate.known_top_level(folder)
     if not known:
         return None
+    folder = folder or validate.conf_dir()
     for arg in argv:
+        if arg.startswith("+") and "=" in arg:  # an addition: a TRL name added is still TRL's name
+            found = _algo_key_problem(arg, argv, folder, added=True)
+            if found:
+                return found
         if arg.startswith(("-", "+", "~")) or "=" not in arg:
             continue  # a flag, a value of a flag, or an addition/removal (checked once composed)
         key, value = arg.split("=", 1)
@@ -51,8 +56,22 @@ def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
         if top == "hydra":
             continue
         if top not in known:
+            trl = trl_names.trl_fix(top) if top == key else None
+            if trl:
+                return f"{arg}: {trl}."
             return (f"{top} is not a config group or key ({arg}). "
                     + validate.unknown_name_hint(top, arg, known, "check the name (python train.py --help lists them)"))
+        if top == "train" and key.count(".") == 1 and key.split(".")[1] not in _train_keys(folder):
+            field = key.split(".")[1]
+            trl = trl_names.trl_fix(field)
+            close = difflib.get_close_matches(field, _train_keys(folder), n=1)
+            hint = f"{trl}." if trl else f"Did you mean train.{close[0]}={value}?" if close else \
+                f"Fix: one of train.{{{', '.join(_train_keys(folder))}}}."
+            return f"{arg}: train has no key {field!r}. {hint}"
+        if top == "algo" and key != "algo":
+            found = _algo_key_problem(arg, argv, folder, added=False)
+            if found:
+                return found
         if known[top] == "group" and key == top:
             found = _option_problem(top, value, folder)
             if found:
@@ -62,6 +81,102 @@ def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
             if found:
                 return found
     return None
+
+
+def _train_keys(folder: Path) -> list[str]:
+    """The keys of ``train`` in ``conf/config.yaml``."""
+    import yaml
+
+    loaded = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+    return sorted((loaded.get("train") or {}).keys())
+
+
+def _chosen_algo(argv: Sequence[str], folder: Path) -> str | None:
+    """The ``algo`` option the command line runs (the last ``algo=``, an ``experiment=``'s, else the default);
+    None for several (a sweep) or one this check cannot tell."""
+    chosen = None
+    for arg in argv:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key == "algo":
+            chosen = value
+        elif key == "experiment" and chosen is None:
+            for entry in _defaults(folder / "experiment" / f"{value}.yaml"):
+                for name, option in (entry.items() if isinstance(entry, dict) else ()):
+                    if str(name).split()[-1].strip("/") == "algo":
+                        chosen = str(option)
+    if chosen is None:
+        for entry in _defaults(folder / "config.yaml"):
+            if isinstance(entry, dict) and "algo" in entry:
+                chosen = str(entry["algo"])
+    if chosen is None or not (folder / "algo" / f"{chosen}.yaml").is_file():
+        return None
+    return chosen
+
+
+def _algo_fields(option: str, folder: Path) -> tuple[set[str], set[str]]:
+    """``(keys, groups)`` of ``conf/algo/<option>.yaml`` with the options it extends (``defaults: [dpo]``): its
+    fields, and the groups below ``algo`` it selects (``loss``, ``reference``, ``loss_type``...)."""
+    import yaml
+
+    keys: set[str] = set()
+    groups: set[str] = set()
+    try:
+        loaded = yaml.safe_load((folder / "algo" / f"{option}.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return keys, groups
+    for entry in loaded.get("defaults") or []:
+        if isinstance(entry, str) and entry != "_self_" and (folder / "algo" / f"{entry}.yaml").is_file():
+            base_keys, base_groups = _algo_fields(entry, folder)
+            keys |= base_keys
+            groups |= base_groups
+        elif isinstance(entry, dict):
+            groups |= {str(name).split()[-1].strip("/") for name in entry}
+    keys |= {str(k) for k in loaded if k != "defaults"}
+    return keys, groups
+
+
+def _algo_key_problem(arg: str, argv: Sequence[str], folder: Path, added: bool) -> str | None:
+    """``algo.<field>=``, ``algo/<group>=`` (or ``+algo.<field>=``, ``added``) that the chosen algorithm does not
+    have: TRL's ``loss_type`` told apart (:func:`rlhf.trl_names.loss_type_fix`), a group typed with a dot, the
+    other TRL names, or the algorithm's own fields."""
+    key, value = arg.lstrip("+").split("=", 1)
+    if not key.startswith(("algo.", "algo/")) or re.search(r"[${}()\[\]*,]", value):
+        return None
+    option = _chosen_algo(argv, folder)
+    if option is None:
+        return None
+    keys, groups = _algo_fields(option, folder)
+    field = re.split(r"[./]", key)[1]
+    if field in (groups if key.startswith("algo/") else keys | groups) and not (field in groups and
+                                                                               key.startswith("algo.") and added):
+        if key.startswith("algo.") and field in groups and "." not in key[5:] and not added:
+            return f"{arg}: algo/{field} is a config group. Fix: algo/{field}={value} (a slash, not a dot)"
+        return None
+    if field == "loss_type":
+        fix = trl_names.loss_type_fix(value, [o for o in group_options("algo", folder) if "/" not in o],
+                                      group_options("algo/loss", folder), group_options("algo/loss_type", folder),
+                                      online="loss_type" in groups)
+        return f"{arg}: algo={option} has no {'group algo/' if key.startswith('algo/') else 'key '}loss_type. {fix}"
+    if key.startswith("algo/"):
+        others = [g for g in groups if value in group_options(f"algo/{g}", folder)]
+        hint = f"Did you mean algo/{others[0]}={value}?" if others else \
+            f"algo={option}'s groups: {', '.join(f'algo/{g}' for g in sorted(groups))}."
+        where = "belongs to other algorithms" if (folder / "algo" / field).is_dir() else "is no group"
+        return f"{arg}: algo/{field} {where}; algo={option} does not select it. {hint}"
+    if added and field in keys:
+        return None
+    trl = trl_names.trl_fix(field)
+    if trl and not trl_names.TRL_NAMES[field].startswith("algo."):
+        return f"{arg}: {trl}."
+    having = [o for o in group_options("algo", folder) if "/" not in o and field in _algo_fields(o, folder)[0]]
+    if added and not having and not trl:
+        return None  # a key no algorithm has: check_config names the fields of the target
+    close = difflib.get_close_matches(field, sorted(keys), n=1)
+    more = f" and {len(having) - 6} more" if len(having) > 6 else ""
+    hint = (f"{field} is an option of algo={', '.join(having[:6])}{more}." if having
+            else f"Did you mean algo.{close[0]}={value}?" if close else "")
+    return (f"{arg}: algo={option} has no option {field!r} (its options: {', '.join(sorted(keys - {'_target_'}))}). "
+            f"{hint}").rstrip()
 
 
 def _nested_option_problem(group: str, key: str, value: str, folder: Path | None) -> str | None:
