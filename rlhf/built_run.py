@@ -122,6 +122,12 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
                     peak_flops=peak_flops)
 
 
+def activation_checkpointing(model) -> bool:
+    """Whether ``model`` recomputes activations in its backward pass (transformers 5's name, or the name before)."""
+    value = getattr(model, "is_activation_checkpointing", None)  # a PeftModel passes it on to its base
+    return bool(getattr(model, "is_gradient_checkpointing", False) if value is None else value)
+
+
 def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: TrainSettings) -> MemoryPlan:
     """The memory preflight (:mod:`rlhf.memory`) of this run, for one process: the activations are estimated for a
     micro-batch of the longest rows (of the first 1000), as the algorithm collates them."""
@@ -134,7 +140,7 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     bf16 = precision == "bf16" or next(model.parameters()).dtype == torch.bfloat16
     device = strategy.accelerator.device
     activations = activation_bytes(model.config, sequences, tokens, value_bytes,
-                                   checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
+                                   checkpointing=activation_checkpointing(model),
                                    logits_rows=logits_rows(model, device, sequences * tokens),
                                    attention_bytes=attention.kept_bytes(model.config, tokens, device.type, bf16))
     precision = strategy.stored_precision()

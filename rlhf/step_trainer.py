@@ -263,8 +263,9 @@ class StepTrainer:
         model.eval()
         try:  # a sharded model's parameters gathered once for the generation (FSDP2, ZeRO-3), not at every token
             with self.run.accelerator.autocast(), gathered_for_generation(self.run.model) as still_sharded:
+                sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p} if do_sample else {}
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                     do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     do_sample=do_sample, **sampling,  # greedy: no sampling settings to warn about
                                      num_return_sequences=num_return_sequences, synced_gpus=still_sharded,
                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         finally:

@@ -166,3 +166,12 @@ def test_a_config_the_step_cannot_train_is_refused_before_anything_is_built(fast
         StepTrainer.from_config(fast_config("algo=sft", "hardware=cpu_ddp"))
     with pytest.raises(UserError, match="truncation_mode='middle'.*Fix"):
         StepTrainer(FAST, truncation_mode="middle")
+
+
+def test_greedy_generation_warns_about_no_sampling_setting(shared, recwarn, caplog):
+    """``generate(do_sample=False)`` passes no temperature/top-k/top-p for transformers to warn it ignores (red
+    before: its top_k notice at every call); greedy decoding gives the same texts twice."""
+    first = shared.generate(["abc=", "de="], max_new_tokens=4, do_sample=False)
+    assert shared.generate(["abc=", "de="], max_new_tokens=4, do_sample=False) == first
+    notices = [str(w.message) for w in recwarn] + [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert not [n for n in notices if "top_k" in n or "temperature" in n or "top_p" in n], notices

@@ -161,3 +161,15 @@ def test_a_module_that_is_nowhere_says_where_modules_of_ones_own_are_found(tmp_p
                                         r"named 'not_a_module_here'. A module of your own .* is importable from the "
                                         r"folder you run train.py in .*PYTHONPATH"):
         check_config(cfg)
+
+
+def test_a_run_prints_no_warning_the_project_causes(tmp_path):
+    """LoRA (peft reads transformers' deprecated is_gradient_checkpointing: a FutureWarning at every run, red
+    before) with an 8-bit reference (bitsandbytes logs its float16 cast at every matmul: hundreds of lines, red
+    before): no warning, the cast notice at most once."""
+    out = run(*FAST, "peft=lora", "algo/reference=int8", "train.max_steps=2", f"output_dir={tmp_path / 'run'}",
+              cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("MatMul8bitLt: inputs will be cast") <= 1
+    lines = [line for line in out.stderr.splitlines() if "Warning" in line and "MatMul8bitLt" not in line]
+    assert not lines, lines

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -129,15 +130,15 @@ class LoRA(NoAdapter):
         from peft import PeftModel, get_peft_model
 
         self._load_base = load_base
-        if self.init_from is not None:
-            adapted = PeftModel.from_pretrained(model, os.path.expanduser(self.init_from), is_trainable=True)
-        else:
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing: its warning
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated")
+            if self.init_from is not None:
+                return PeftModel.from_pretrained(model, os.path.expanduser(self.init_from), is_trainable=True)
             try:
-                adapted = get_peft_model(model, self.config(model))
+                return get_peft_model(model, self.config(model))
             except ValueError as error:  # e.g. a family peft has no default target modules for
                 raise UserError(f"peft={type(self).__name__.lower()}: {error} Fix: name the layers, e.g. "
                                 "peft.target_modules=[q_proj,v_proj], or peft.target_modules=all-linear") from error
-        return adapted
 
     def save_merged(self, final: Path, tokenizer: Any, save_fn: Callable) -> None:
         """``final/merged/``: the base loaded again unquantized, the adapter of ``final/`` merged into its weights."""

@@ -11,6 +11,7 @@ embedded tiny model, an initial policy) is written to a temporary folder first a
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import warnings
@@ -78,11 +79,32 @@ def quantized_copy(model: torch.nn.Module, settings: dict[str, Any], dtype: torc
     return copy
 
 
+class _OncePerProcess(logging.Filter):
+    """A logger's records whose message starts with ``prefix``: the first passes, the rest are dropped."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix, self.seen = prefix, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(self.prefix):
+            return True
+        seen, self.seen = self.seen, True
+        return not seen
+
+
+_CAST_NOTICE = "MatMul8bitLt: inputs will be cast"
+
+
 @contextlib.contextmanager
 def quiet_bitsandbytes() -> Iterator[None]:
-    """Silence bitsandbytes' per-call notice that 8-bit matmuls cast float32 inputs to float16 (their design)."""
+    """bitsandbytes' notice that 8-bit matmuls cast float32 inputs to float16 (their design), which it logs (and
+    some versions warn) at every call: once per process."""
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _OncePerProcess) for f in logger.filters):
+        logger.addFilter(_OncePerProcess(_CAST_NOTICE))
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"MatMul8bitLt: inputs will be cast")
+        warnings.filterwarnings("ignore", message=_CAST_NOTICE)
         yield
 
 
