@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from rlhf import perf
 from rlhf.algos.base import Algorithm
 from rlhf.config import build
+from rlhf.data.collate import truncated_rows
 from rlhf.data.fingerprint import data_fingerprint
 from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
 from rlhf.errors import UserError
@@ -53,6 +54,7 @@ class BuiltRun:
     accumulation: int
     max_steps: int
     rows: dict[str, int]  # training and held-out rows after tokenization
+    truncated: dict[str, int]  # training rows truncation cut (rlhf.data.collate.truncated_rows)
     skipped_rows: int  # bad rows left out by data.on_bad_row=skip
     resume_record: dict[str, Any]  # what each checkpoint records for resumes (config.json, rlhf.resume_check)
     memory: MemoryPlan  # the preflight: what one process is predicted to hold (rlhf.memory)
@@ -75,7 +77,22 @@ class BuiltRun:
                  f" ({settings.num_epochs} epoch(s))" if settings.num_epochs else "")
         log.info("parameters: %s (%s trainable); %d training rows, %d held-out rows",
                  f"{total:,}", f"{trainable:,}", self.rows["train"], self.rows["eval"])
+        cut = self.truncated
+        if cut["either"]:
+            share = cut["either"] / max(1, cut["rows"])
+            line = (f"truncation: {cut['either']} of {cut['rows']} training rows ({share:.1%}) cut: {cut['prompt_cut']} "
+                    f"prompt(s) longer than algo.max_prompt_length kept their end, {cut['end_cut']} sequence(s) "
+                    f"longer than algo.max_length lost their end (data/truncated_rows)")
+            if share > TRUNCATION_WARNING:
+                log.warning("%s. Fix: a larger algo.max_length / algo.max_prompt_length (the model's context "
+                            "allows %s), or shorter rows", line, getattr(self.strategy.unwrap(self.model).config,
+                                                                     "max_position_embeddings", "?"))
+            else:
+                log.info("%s", line)
         log.info("%s", self.memory.describe())
+
+
+TRUNCATION_WARNING = 0.05  # a larger share of training rows cut by truncation is a warning, not an info line
 
 
 def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
@@ -117,6 +134,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     return BuiltRun(settings, run_dir, strategy, accelerator, model, tokenizer, algo, optimizer, scheduler,
                     training, evaluation, accumulation, max_steps,
                     rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows,
+                    truncated=truncated_rows(tokenized["train"]),
                     resume_record=record(cfg, strategy, fingerprint), memory=memory,
                     adapter=adapter, peak=peak, flops_per_token=perf.flops_per_token(policy, list(algo.frozen.values())),
                     peak_flops=peak_flops)

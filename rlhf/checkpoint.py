@@ -202,8 +202,10 @@ def save_pretrained_atomically(model, tokenizer, folder: Path, state_dict: dict 
         if not is_write_failure(error):
             raise
         shutil.rmtree(staging, ignore_errors=True)
-        raise UserError(f"could not save the model to {folder} ({error}); the checkpoints, the metrics and any "
-                        "model saved there before are kept. Fix: free disk space, then resume=auto.") from error
+        before = f"the model saved there before is still at {folder}" if folder.exists() else \
+            f"nothing was at {folder} before"
+        raise UserError(f"could not save the model to {folder} ({error}); the checkpoints and the metrics are kept, "
+                        f"{before}. Fix: free disk space, then resume=auto.") from error
     replace_folder(staging, folder)
 
 

@@ -57,6 +57,8 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
         if accelerator.is_main_process:
             if resume is not None:  # a resume from an older checkpoint of this folder: its newer ones go aside
                 run_folder.set_aside_newer(run_dir, state.step, logger.filename)
+            else:  # an earlier attempt's logs, e.g. killed before its first checkpoint: set aside, said in one line
+                run_folder.set_aside_earlier_attempt(run_dir, logger.filename)
             run_folder.clear_previous_results(run_dir)
             logger.start(str(run_dir), OmegaConf.to_container(cfg, resolve=True),
                          resume_step=state.step if resume is not None else None)
@@ -73,6 +75,8 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
 
         if resume is None and run.skipped_rows:  # data.on_bad_row=skip left rows out
             record({"data/skipped_rows": run.skipped_rows}, 0)
+        if resume is None and run.truncated["either"]:  # rows truncation cut (the start-up line says which side)
+            record({"data/truncated_rows": run.truncated["either"]}, 0)
         if resume is None and (run.settings.eval_at_start or run.max_steps == 0):
             _evaluate(run, record, 0)
         _train(run, state, record, record_tables, stop, resume)

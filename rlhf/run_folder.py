@@ -4,10 +4,11 @@
   run into the same folder stops with a message naming the first one's PID. The kernel drops the lock when its
   process dies, so a lock left by a killed run never blocks.
 - :func:`prepare` turns ``resume`` into a checkpoint (or none) and refuses a new run into a folder that holds
-  checkpoints; :func:`clear_previous_results` sets a previous run's ``final/`` and ``summary.json`` aside in
-  ``previous/`` before a new or resumed run writes its first metrics, so that they never sit beside metrics they do
-  not belong to, and :func:`drop_previous_results` removes them once the run's own are written: a kill at any
-  moment leaves the folder a loadable model if it had one.
+  checkpoints; :func:`clear_previous_results` sets a previous run's ``summary.json`` aside in ``previous/`` before a
+  new or resumed run writes its first metrics, so that it never sits beside metrics it does not belong to, and
+  :func:`drop_previous_results` removes it once the run's own is written. A previous run's ``final/`` stays where
+  it is until this run's is complete and swapped in (:func:`rlhf.checkpoint.replace_folder`): a kill, a full disk
+  or a failed save at any moment leaves the old model or the new one at ``final/``.
 - :func:`set_aside_newer`: a resume from an older checkpoint of the folder moves the abandoned branch (the newer
   checkpoints and the metrics lines after the resumed step) into ``checkpoints/abandoned-<time>/``, where neither
   ``resume=auto`` nor ``train.keep_last`` sees them.
@@ -77,8 +78,8 @@ def prepare(run_dir: Path, resume: str | None) -> Path | None:
     """The checkpoint this run resumes from (``None`` for a new run); clear a previous run's results."""
     run_dir = Path(run_dir)
     found = checkpoint.resolve(resume, run_dir)
-    if found is None and (run_dir / "final").exists() and resume == "auto":
-        raise UserError(f"resume=auto: {run_dir} holds a finished run (final/) but no checkpoint to resume from. "
+    if found is None and (run_dir / "summary.json").exists() and resume == "auto":  # written as a run finishes
+        raise UserError(f"resume=auto: {run_dir} holds a finished run (summary.json) but no checkpoint to resume from. "
                         "Fix: a new hydra.run.dir for a new run (or train.save_every_minutes / train.save_every_steps "
                         "in the next run).")
     return found
@@ -109,40 +110,36 @@ def remove_if_never_started(run_dir: Path) -> None:
             return
 
 
-PREVIOUS = "previous"  # a previous run's final/ and summary.json, set aside until this run's are complete
+PREVIOUS = "previous"  # a previous run's summary.json, set aside until this run's is written
 
 
 def clear_previous_results(run_dir: Path) -> None:
-    """Set a previous run's ``final/`` and ``summary.json`` aside in ``previous/`` (called by the loop once the
-    model is loaded, which may be that very ``final/``, and before the first metrics of this run are written), so
-    that they never sit beside metrics they do not belong to, while a folder that had a loadable model keeps one
-    until this run's own is complete (:func:`drop_previous_results`). A ``final/`` newer than the one already in
-    ``previous/`` replaces it there; a half-written ``final.tmp/`` is removed."""
+    """Set a previous run's ``summary.json`` aside in ``previous/`` (called by the loop before the first metrics of
+    this run are written), so that it never sits beside metrics it does not belong to, until this run's own is
+    written (:func:`drop_previous_results`). A previous run's ``final/`` stays in place until this run's replaces
+    it whole; a save killed between its two renames (``final.old/``, where the system cannot swap two folders in one
+    step) has its model put back, a half-written ``final.tmp/`` is removed, and a ``final/`` an earlier version of
+    this project set aside in ``previous/`` is put back."""
     run_dir = Path(run_dir)
     shutil.rmtree(run_dir / "final.tmp", ignore_errors=True)
     final = run_dir / "final"
-    if not final.exists() and (run_dir / "final.old").is_dir():  # a save killed between its two renames
-        os.replace(run_dir / "final.old", final)
+    for earlier in (run_dir / "final.old", run_dir / PREVIOUS / "final"):
+        if not final.exists() and earlier.is_dir():
+            os.replace(earlier, final)
     shutil.rmtree(run_dir / "final.old", ignore_errors=True)
-    moved = []
-    for name in ("summary.json", "final"):
-        path = run_dir / name
-        if not path.exists():
-            continue
-        aside = run_dir / PREVIOUS / name
-        aside.parent.mkdir(exist_ok=True)
-        if aside.is_dir():
-            shutil.rmtree(aside)  # older than the one set aside now, which stays in place until the rename
-        os.replace(path, aside)
-        moved.append(name)
-    if moved:
-        fd = os.open(run_dir, os.O_RDONLY)  # the renames are on disk before this run writes anything
+    shutil.rmtree(run_dir / PREVIOUS / "final", ignore_errors=True)  # older than final/
+    if final.is_dir():
+        log.info("final/ holds the previous run's model until this run's replaces it, whole, at its end")
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        (run_dir / PREVIOUS).mkdir(exist_ok=True)
+        os.replace(summary, run_dir / PREVIOUS / "summary.json")
+        fd = os.open(run_dir, os.O_RDONLY)  # the rename is on disk before this run writes anything
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-        log.info("set the previous run's %s aside in %s until this run's are complete",
-                 " and ".join(moved), run_dir / PREVIOUS)
+        log.info("set the previous run's summary.json aside in %s until this run's is written", run_dir / PREVIOUS)
 
 
 def drop_previous_results(run_dir: Path) -> None:
@@ -151,6 +148,35 @@ def drop_previous_results(run_dir: Path) -> None:
 
 
 ABANDONED = "abandoned-"  # checkpoints/abandoned-<time>/: a branch given up by a resume from an older checkpoint
+
+
+def _abandoned_folder(run_dir: Path) -> Path:
+    """A new ``checkpoints/abandoned-<time>/`` folder."""
+    root = run_dir / checkpoint.FOLDER
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    aside, n = root / f"{ABANDONED}{stamp}", 1
+    while aside.exists():
+        n += 1
+        aside = root / f"{ABANDONED}{stamp}-{n}"
+    aside.mkdir(parents=True)
+    return aside
+
+
+def set_aside_earlier_attempt(run_dir: Path, metrics_file: str = "metrics.jsonl") -> None:
+    """A new run (no checkpoint to resume from) into a folder where an earlier attempt logged metrics, e.g. one
+    killed before its first checkpoint and started again with the same command: that attempt's logs (the folder's
+    ``*.jsonl``) go into ``checkpoints/abandoned-<time>/``, as a branch given up by a resume does, and one line says
+    what was found and where it went."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / metrics_file
+    if not metrics.is_file() or not metrics.read_text().strip():
+        return
+    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip().startswith("{")]
+    aside = _abandoned_folder(run_dir)
+    for log_file in sorted(run_dir.glob("*.jsonl")):
+        os.replace(log_file, aside / log_file.name)
+    log.warning("this folder holds an earlier attempt that reached step %d without a checkpoint to resume from: its "
+                "logs are set aside in %s, and this run starts at step 1", max(steps, default=0), aside)
 
 
 def set_aside_newer(run_dir: Path, step: int, metrics_file: str = "metrics.jsonl") -> Path | None:
@@ -162,13 +188,7 @@ def set_aside_newer(run_dir: Path, step: int, metrics_file: str = "metrics.jsonl
     newer = [c for c in checkpoint.complete(run_dir) if checkpoint.step_of(c) > step]
     if not newer:
         return None
-    root = run_dir / checkpoint.FOLDER
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    aside, n = root / f"{ABANDONED}{stamp}", 1
-    while aside.exists():
-        n += 1
-        aside = root / f"{ABANDONED}{stamp}-{n}"
-    aside.mkdir()
+    aside = _abandoned_folder(run_dir)
     lines = []
     metrics = run_dir / metrics_file
     if metrics.is_file():
@@ -181,7 +201,7 @@ def set_aside_newer(run_dir: Path, step: int, metrics_file: str = "metrics.jsonl
         (aside / metrics_file).write_text("".join(lines))
     for folder in newer:
         os.replace(folder, aside / folder.name)
-    checkpoint._fsync_dir(root)
+    checkpoint._fsync_dir(aside.parent)
     log.info("resuming at step %d: the newer checkpoint(s) %s and %d %s line(s) after step %d were moved to %s",
              step, ", ".join(c.name for c in newer), len(lines), metrics_file, step, aside)
     return aside

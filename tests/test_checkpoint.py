@@ -164,9 +164,10 @@ def test_a_new_run_clears_the_previous_runs_results(tmp_path):
     (tmp_path / "summary.json").write_text("{}")
     assert run_folder.prepare(tmp_path, None) is None
     run_folder.clear_previous_results(tmp_path)
-    assert not (tmp_path / "final").exists() and not (tmp_path / "summary.json").exists()
-    (tmp_path / "final").mkdir()
-    with pytest.raises(UserError, match="holds a finished run"):
+    assert (tmp_path / "final").exists() and not (tmp_path / "summary.json").exists()  # the model stays in place
+    assert run_folder.prepare(tmp_path, "auto") is None  # an unfinished run (no summary.json): it starts
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(UserError, match=r"holds a finished run \(summary.json\)"):
         run_folder.prepare(tmp_path, "auto")
 
 
@@ -523,3 +524,23 @@ def test_a_resume_on_other_training_rows_is_refused(tmp_path):
         train(config("resume=auto"))
     train(config("resume=auto", "train.max_steps=4", "resume_changes=[train.max_steps,tokenized_data]"))
     assert _logged_steps(tmp_path / "run")[-2:] == [4, 4]
+
+
+def test_an_attempt_killed_before_its_first_checkpoint_is_set_aside_with_one_line(fast_config, tmp_path, caplog):
+    """The same command again into the folder of an attempt that logged metrics but saved no checkpoint (here: one
+    that ran to its end with save_final off, then lost its summary.json as a kill would): its logs go to
+    checkpoints/abandoned-<time>/ and one line says what was found (red before: replaced without a word)."""
+    import logging
+
+    cfg = fast_config("train.save_final=false", "train.save_every_minutes=0")
+    train(cfg)
+    first = (tmp_path / "run" / "metrics.jsonl").read_text()
+    (tmp_path / "run" / "summary.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="rlhf"):
+        train(cfg)
+    [aside] = (tmp_path / "run" / "checkpoints").glob("abandoned-*")
+    assert (aside / "metrics.jsonl").read_text() == first
+    lines = [r.getMessage() for r in caplog.records if "earlier attempt" in r.getMessage()]
+    assert lines == [f"this folder holds an earlier attempt that reached step 3 without a checkpoint to resume from: "
+                     f"its logs are set aside in {aside}, and this run starts at step 1"]
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0

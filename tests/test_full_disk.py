@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -104,10 +105,11 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one(disk, monkeypatch):
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()][-1] == 2
 
 
-def test_a_full_disk_at_the_final_save_keeps_the_previous_runs_model(disk, monkeypatch):
-    """A new run into a folder with a finished run's final/: that final/ is set aside in previous/ (never deleted
-    before the new one is complete), so a save that fails on a full disk leaves the folder a loadable model; the
-    next run that completes removes it."""
+def test_a_full_disk_at_the_final_save_keeps_the_previous_runs_model_in_place(disk, monkeypatch):
+    """A new run into a folder with a finished run's final/: that final/ stays where it is until the new one is
+    complete (red before: moved to previous/ at the start), so a save that fails on a full disk leaves the earlier
+    model at final/ and the message says so; the earlier summary.json is set aside in previous/; the next run that
+    completes replaces final/ and removes previous/."""
     run = disk.folder / "run"
     train(compose_config(*FAST, output_dir=run))
     first = load_file(run / "final" / "model.safetensors")
@@ -118,9 +120,10 @@ def test_a_full_disk_at_the_final_save_keeps_the_previous_runs_model(disk, monke
         train(compose_config(*FAST, "train.max_steps=2", output_dir=run))
     assert str(error.value).startswith(f"could not save the model to {run / 'final'} (Error while serializing: ")
     assert reason[0] in str(error.value)  # safetensors' own error, not an OSError
+    assert f"the model saved there before is still at {run / 'final'}" in str(error.value)
     names = sorted(p.name for p in run.iterdir())
-    assert "final" not in names and "final.tmp" not in names and "summary.json" not in names, names
-    kept = load_file(run / run_folder.PREVIOUS / "final" / "model.safetensors")
+    assert "final" in names and "final.tmp" not in names and "summary.json" not in names, names
+    kept = load_file(run / "final" / "model.safetensors")
     assert kept.keys() == first.keys() and all(torch.equal(kept[k], first[k]) for k in first)
     assert (run / run_folder.PREVIOUS / "summary.json").read_text() == first_summary
 
@@ -141,18 +144,22 @@ def test_the_write_failures_of_each_library_are_told_apart_from_bugs():
     assert not is_write_failure(ValueError("No space left on device"))
 
 
-def test_a_new_run_sets_the_previous_results_aside_until_its_own_are_complete(tmp_path):
+def test_a_new_run_sets_the_previous_summary_aside_and_keeps_the_model_in_place(tmp_path):
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "config.json").write_text("{}")
     (tmp_path / "summary.json").write_text('{"final": {}}')
     (tmp_path / "final.tmp").mkdir()  # a save killed half way
     run_folder.clear_previous_results(tmp_path)
-    assert sorted(os.listdir(tmp_path)) == [run_folder.PREVIOUS]
-    assert sorted(os.listdir(tmp_path / run_folder.PREVIOUS)) == ["final", "summary.json"]
-    (tmp_path / "final.old").mkdir()  # killed between the two renames of a save: the only newer model
+    assert sorted(os.listdir(tmp_path)) == ["final", run_folder.PREVIOUS]
+    assert os.listdir(tmp_path / run_folder.PREVIOUS) == ["summary.json"]
+    shutil.rmtree(tmp_path / "final")
+    (tmp_path / "final.old").mkdir()  # killed between the two renames of a save: its model is put back
     (tmp_path / "final.old" / "config.json").write_text('{"newer": true}')
     run_folder.clear_previous_results(tmp_path)
-    assert (tmp_path / run_folder.PREVIOUS / "final" / "config.json").read_text() == '{"newer": true}'
-    assert sorted(os.listdir(tmp_path)) == [run_folder.PREVIOUS]
+    assert (tmp_path / "final" / "config.json").read_text() == '{"newer": true}'
+    assert sorted(os.listdir(tmp_path)) == ["final", run_folder.PREVIOUS]
+    os.replace(tmp_path / "final", tmp_path / run_folder.PREVIOUS / "final")  # set aside by an earlier version
+    run_folder.clear_previous_results(tmp_path)
+    assert (tmp_path / "final" / "config.json").read_text() == '{"newer": true}'
     run_folder.drop_previous_results(tmp_path)
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == ["final"]

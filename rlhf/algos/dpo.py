@@ -20,7 +20,7 @@ from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.algos.sft import nll_loss, require_packing
 from rlhf.data import shared_prompt
-from rlhf.data.collate import collate_packed, collate_sequences, encode, require_completion
+from rlhf.data.collate import TRUNCATED, collate_packed, collate_sequences, encode, require_completion
 from rlhf.errors import UserError
 from rlhf.metrics import processes, sum_over_every_process
 from rlhf.models.output_layer import check_when
@@ -120,11 +120,12 @@ class DPO(ReferenceRegularized):
         self.loss_state: LossState = {}  # what the loss keeps across steps (BCO's running mean); in checkpoints
 
     def tokenize(self, row: dict[str, str], tokenizer) -> dict[str, list[int]]:
-        out = {}
+        out = {TRUNCATED: 0}
         for side in ("chosen", "rejected"):
             encoded = encode(tokenizer, row["prompt"], row[side], self.max_prompt_length, self.max_length)
             require_completion(encoded, row, side, self.max_length)
             out[f"{side}_input_ids"], out[f"{side}_completion_mask"] = encoded["input_ids"], encoded["completion_mask"]
+            out[TRUNCATED] |= encoded[TRUNCATED]
         return out
 
     def setup(self, policy, tokenizer) -> None:

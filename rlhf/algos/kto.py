@@ -21,7 +21,7 @@ from torch import Tensor
 
 from rlhf.algos.base import completion_stats
 from rlhf.algos.regularized import ReferenceRegularized
-from rlhf.data.collate import collate_sequences, encode, require_completion
+from rlhf.data.collate import TRUNCATED, collate_sequences, encode, require_completion
 from rlhf.errors import UserError
 from rlhf.metrics import processes, sum_over_every_process
 from rlhf.models.output_layer import check_when
@@ -109,7 +109,8 @@ class KTO(ReferenceRegularized):
         require_completion(encoded, row, "completion", self.max_length)
         start = encoded["completion_mask"].index(1)
         ids = encoded["input_ids"]
-        return {"prompt_ids": ids[:start], "completion_ids": ids[start:], "label": bool(row["label"])}
+        return {"prompt_ids": ids[:start], "completion_ids": ids[start:], "label": bool(row["label"]),
+                TRUNCATED: encoded[TRUNCATED]}
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """The rows' sequences (``input_ids``, ``attention_mask``, ``completion_mask``, ``[B, T]``), ``label``

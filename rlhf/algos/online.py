@@ -28,6 +28,7 @@ from torch import Tensor
 
 from rlhf import rewards as reward_lib
 from rlhf.algos.base import PROMPT_TOKENS, Algorithm
+from rlhf.data.collate import PROMPT_CUT, TRUNCATED
 from rlhf.data.loaders import Batches
 from rlhf.errors import UserError
 from rlhf.models.generation import gathered_for_generation
@@ -112,9 +113,11 @@ class OnlineAlgorithm(Algorithm):
         columns as they are."""
         special = not (tokenizer.bos_token and row["prompt"].startswith(tokenizer.bos_token))
         ids = tokenizer(row["prompt"], add_special_tokens=special)["input_ids"]
-        if self.max_prompt_length is not None:
+        cut = self.max_prompt_length is not None and len(ids) > self.max_prompt_length
+        if cut:
             ids = ids[-self.max_prompt_length:]
-        return {"prompt_ids": ids, "prompt": row["prompt"], **{c: row[c] for c in self.reward_columns if c in row}}
+        return {"prompt_ids": ids, "prompt": row["prompt"], TRUNCATED: PROMPT_CUT if cut else 0,
+                **{c: row[c] for c in self.reward_columns if c in row}}
 
     def setup(self, policy, tokenizer) -> None:
         self.pad_id, self.eos_id, self.tokenizer = tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
-from rlhf.data.collate import collate_sequences, encode, require_completion
+from rlhf.data.collate import TRUNCATED, collate_sequences, encode, require_completion
 from rlhf.errors import UserError
 from rlhf.validate import Range, limits
 
@@ -79,12 +79,13 @@ class Reward(Algorithm):
         self.pad_id = 0
 
     def tokenize(self, row: dict[str, Any], tokenizer) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {TRUNCATED: 0}
         for side in ("chosen", "rejected"):
             encoded = encode(tokenizer, row["prompt"], row[side], self.max_prompt_length, self.max_length,
                              add_special_tokens=True)
             require_completion(encoded, row, side, self.max_length)
             out[f"{side}_input_ids"] = encoded["input_ids"]
+            out[TRUNCATED] |= encoded[TRUNCATED]
         if row.get(MARGIN) is not None:
             out[MARGIN] = float(row[MARGIN])
         return out

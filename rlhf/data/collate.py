@@ -9,6 +9,10 @@ import torch
 from rlhf.data.checks import ROW_COLUMN
 from rlhf.errors import UserError
 
+TRUNCATED = "truncated"  # a tokenized row's key: what truncation cut (bit flags below; 0: nothing)
+PROMPT_CUT = 1  # the prompt was longer than max_prompt_length and kept its end
+END_CUT = 2  # prompt + completion were longer than max_length and lost their end
+
 
 def encode(
     tokenizer,
@@ -23,19 +27,30 @@ def encode(
     Prompt and completion are tokenized separately and EOS is appended to the completion, as TRL's DPO
     trainer does, so log-probabilities match TRL's on the same model and data. ``add_special_tokens`` adds the
     tokenizer's own specials (e.g. BOS) to the prompt, as TRL's SFT trainer does. A prompt longer than
-    ``max_prompt_length`` keeps its last tokens; a sequence longer than ``max_length`` loses its end.
+    ``max_prompt_length`` keeps its last tokens; a sequence longer than ``max_length`` loses its end: what was cut
+    is :data:`TRUNCATED`'s flags (:data:`PROMPT_CUT`, :data:`END_CUT`), counted before training
+    (:func:`truncated_rows`).
     """
     if add_special_tokens and tokenizer.bos_token and prompt.startswith(tokenizer.bos_token):
         add_special_tokens = False  # a rendered chat template already starts with BOS: do not double it
     prompt_ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    if max_prompt_length is not None:
-        prompt_ids = prompt_ids[-max_prompt_length:] if max_prompt_length > 0 else []
+    cut = 0
+    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+        prompt_ids, cut = (prompt_ids[-max_prompt_length:] if max_prompt_length > 0 else []), PROMPT_CUT
     input_ids = prompt_ids + completion_ids
     completion_mask = [0] * len(prompt_ids) + [1] * len(completion_ids)
-    if max_length is not None:
-        input_ids, completion_mask = input_ids[:max_length], completion_mask[:max_length]
-    return {"input_ids": input_ids, "completion_mask": completion_mask}
+    if max_length is not None and len(input_ids) > max_length:
+        input_ids, completion_mask, cut = input_ids[:max_length], completion_mask[:max_length], cut | END_CUT
+    return {"input_ids": input_ids, "completion_mask": completion_mask, TRUNCATED: cut}
+
+
+def truncated_rows(rows) -> dict[str, int]:
+    """``{"rows", "prompt_cut", "end_cut", "either"}``: how many tokenized ``rows`` (a ``datasets.Dataset``) truncation
+    cut, by what (:data:`TRUNCATED`; rows without the column count as uncut)."""
+    flags = rows[TRUNCATED] if TRUNCATED in rows.column_names else []
+    return {"rows": len(rows), "prompt_cut": sum(1 for f in flags if f & PROMPT_CUT),
+            "end_cut": sum(1 for f in flags if f & END_CUT), "either": sum(1 for f in flags if f)}
 
 
 def require_completion(encoded: dict[str, list[int]], row: dict, column: str, max_length: int | None) -> None:

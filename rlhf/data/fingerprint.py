@@ -9,14 +9,17 @@ import json
 
 def data_fingerprint(dataset) -> str:
     """A hash of a split's content: column names, types and every value, in row order; the same however
-    the table is chunked (in memory, or saved and loaded back by the other processes of a machine)."""
+    the table is chunked (in memory, or saved and loaded back by the other processes of a machine). The record of
+    what truncation cut (:data:`rlhf.data.collate.TRUNCATED`) is left out: it trains nothing."""
     import pyarrow as pa
+
+    from rlhf.data.collate import TRUNCATED
 
     table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data
     if getattr(dataset, "_indices", None) is not None:  # a selection not yet written out: hash the rows it selects
         table = dataset.flatten_indices().data.table
     digest = hashlib.sha256()
-    for name in sorted(table.column_names):
+    for name in sorted(set(table.column_names) - {TRUNCATED}):
         column = table.column(name)
         digest.update(f"{name}:{column.type};".encode())
         _hash_values(digest, column, pa)

@@ -62,3 +62,38 @@ def test_a_long_prompt_is_cut_but_a_row_with_no_completion_token_is_an_error():
     with pytest.raises(UserError, match=r"^a row: not one token"):  # a row that does not say where it came from
         SFT(max_prompt_length=None, max_length=8, completion_only_loss=False).tokenize({"prompt": "x" * 9,
                                                                                       "completion": "a"}, tok)
+
+
+def test_what_truncation_cut_is_recorded_and_counted():
+    """Each side's flag only where it cut (a prompt exactly max_prompt_length long is not cut), and the count over
+    a split by side: the start-up line's and data/truncated_rows' numbers."""
+    from datasets import Dataset
+
+    from rlhf.data.collate import END_CUT, PROMPT_CUT, TRUNCATED, truncated_rows
+
+    tok = byte_tokenizer()
+    flags = [encode(tok, p, c, max_prompt_length=3, max_length=6)[TRUNCATED]
+             for p, c in (("ab=", "ba"), ("abcd=", "x"), ("ab=", "xyzw"), ("abcdef=", "uvwxyz"))]
+    assert flags == [0, PROMPT_CUT, END_CUT, PROMPT_CUT | END_CUT]
+    assert encode(tok, "abc", "d")[TRUNCATED] == 0  # no limits
+    counts = truncated_rows(Dataset.from_dict({TRUNCATED: flags, "input_ids": [[1]] * 4}))
+    assert counts == {"rows": 4, "prompt_cut": 2, "end_cut": 2, "either": 3}
+
+
+def test_a_run_says_how_many_rows_truncation_cut(fast_config, caplog):
+    """A share above 5% is a warning with the fix, in the start-up lines; data/truncated_rows at step 0 (red
+    before: cut without a word). A pair counts once whichever side was cut."""
+    import json
+    import logging
+    from pathlib import Path
+
+    from rlhf import train
+
+    cfg = fast_config("algo=dpo", "algo.max_length=10", "algo.max_prompt_length=5", "train.max_steps=1")
+    with caplog.at_level(logging.INFO, logger="rlhf"):
+        train(cfg)
+    warning = [r.getMessage() for r in caplog.records if r.getMessage().startswith("truncation: ")]
+    assert len(warning) == 1 and " of 64 training rows (" in warning[0] and "Fix: a larger algo.max_length" in \
+        warning[0], warning
+    first = json.loads(Path(cfg.output_dir, "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and first["data/truncated_rows"] == int(warning[0].split()[1]) > 0
