@@ -100,6 +100,20 @@ def cpus_available() -> int:
         return os.cpu_count() or 1
 
 
+def without_tied_copies(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the names under which ``model`` holds a parameter it also holds under an earlier name (a
+    tied output layer): a gathered state dict has a copy under each name, which ``save_pretrained`` would write;
+    unsharded, the model holds one tensor and writes it once."""
+    first: dict[int, str] = {}
+    tied = set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            tied.add(name)
+        else:
+            first[id(parameter)] = name
+    return {name: value for name, value in state.items() if name not in tied}
+
+
 def busy_cpus(window_s: float = 0.15) -> float | None:
     """How many of this process's CPUs are busy now, with any process's work: each one's non-idle share of the
     time over ``window_s`` seconds (``/proc/stat``; this process sleeps meanwhile), summed. None where that file is
@@ -443,5 +457,7 @@ class DataParallel:
         folder, state_dict)``. Called on every process: sharded strategies gather first."""
         state_dict = self.full_state_dict(model)
         if self.accelerator.is_main_process:
+            if state_dict is not None:
+                state_dict = without_tied_copies(self.unwrap(model), state_dict)
             save_fn(self.unwrap(model), tokenizer, folder, state_dict)
         self.accelerator.wait_for_everyone()

@@ -180,12 +180,19 @@ def test_the_dpo_reference_goes_through_prepare_frozen_and_runs_in_the_policys_p
 
 def test_compile_runs_the_compiled_policy_and_reference_and_trains_as_eager_does(tmp_path, monkeypatch):
     """hardware.compile=true: both models are compiled in place (the compiler's graphs are made, a checkpoint's
-    keys are the eager model's) and the run's losses match the eager run's to float32 rounding."""
+    keys are the eager model's) and the run's losses match the eager run's to float32 rounding. The graphs go to
+    torch's aot_eager backend here (dynamo's capture and AOT autograd, as with inductor, without inductor's code
+    generation, which is torch's own and takes about 100 s on 2 cores)."""
     from torch._dynamo.utils import counters
 
     compiled = []
     compile_module = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append(self) or compile_module(self, **kw))
+
+    def compile_with_aot_eager(self, **options):
+        compiled.append(self)
+        return compile_module(self, **{**options, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_with_aot_eager)
     counters.clear()
     runs = {}
     for setting in ("false", "true"):
@@ -354,3 +361,14 @@ def test_under_bf16_a_frozen_copy_keeps_bf16_linear_weights_but_layers_shared_wi
     shared = strategy.prepare_frozen(SharedLayers(num_shared_layers=1)(policy), name="shared")
     assert shared.model.layers[0] is policy.model.layers[0]
     assert {p.dtype for p in shared.parameters()} == {p.dtype for p in policy.parameters()} == {torch.float32}
+
+
+def test_a_gathered_state_dict_keeps_one_name_of_a_tied_parameter():
+    """A sharded strategy's gathered weights hold a tied output layer under both names, as separate tensors; the
+    final model keeps the first name only, as an unsharded save writes it."""
+    model = fast_initial_model()
+    state = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+    assert "lm_head.weight" in state  # tied: the embedding's parameter under a second name
+    kept = base.without_tied_copies(model, state)
+    assert sorted(kept) == sorted(name for name, _ in model.named_parameters())
+    assert "lm_head.weight" not in kept and "model.embed_tokens.weight" in kept

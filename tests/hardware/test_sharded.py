@@ -442,6 +442,13 @@ def test_final_model_is_whole_and_computes_what_ddp_computes(name, runs):
     model, reference = _model(root / name), _model(root / _reference(name))
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in reference.parameters()) == 18_656
     assert sorted(p.name for p in (root / name / "final").glob("*.safetensors")) == ["model.safetensors"]
+    from safetensors import safe_open
+
+    def stored(run: str) -> list[str]:  # the tensors final/ stores: a tied output layer once (red before: FSDP2)
+        with safe_open(root / run / "final" / "model.safetensors", "pt") as f:
+            return sorted(f.keys())
+
+    assert stored(name) == stored(_reference(name)) and "lm_head.weight" not in stored(name)
     ids = torch.tensor([[1, 5, 9, 13, 17, 21, 2]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
