@@ -1,5 +1,6 @@
 """Entry point: compose the config with Hydra, then run `rlhf.train(cfg)`. See README.md and `--help`."""
 
+import contextlib
 import gc
 import os
 import signal
@@ -72,10 +73,11 @@ def end_progress_bars() -> None:
     from tqdm import tqdm
 
     bars = list(getattr(tqdm, "_instances", ()))
-    for bar in bars:
-        bar.close()
-    if bars or not sys.stderr.isatty():
-        print(file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):  # a full disk under a redirected stderr: the message matters more
+        for bar in bars:
+            bar.close()
+        if bars or not sys.stderr.isatty():
+            print(file=sys.stderr, flush=True)
 
 
 def resume_command(run_dir) -> str:

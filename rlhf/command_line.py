@@ -100,6 +100,8 @@ def _chosen_algo(argv: Sequence[str], folder: Path) -> str | None:
         if key == "algo":
             chosen = value
         elif key == "experiment" and chosen is None:
+            if not (folder / "experiment" / f"{value}.yaml").is_file():  # a sweep over presets, or another path's
+                return None
             for entry in _defaults(folder / "experiment" / f"{value}.yaml"):
                 for name, option in (entry.items() if isinstance(entry, dict) else ()):
                     if str(name).split()[-1].strip("/") == "algo":
@@ -115,7 +117,8 @@ def _chosen_algo(argv: Sequence[str], folder: Path) -> str | None:
 
 def _algo_fields(option: str, folder: Path) -> tuple[set[str], set[str]]:
     """``(keys, groups)`` of ``conf/algo/<option>.yaml`` with the options it extends (``defaults: [dpo]``): its
-    fields, and the groups below ``algo`` it selects (``loss``, ``reference``, ``loss_type``...)."""
+    fields (with those its selected group options put at ``algo`` itself, ``# @package algo``: ``reward_weights``),
+    and the groups below ``algo`` it selects (``loss``, ``reference``, ``loss_type``...)."""
     import yaml
 
     keys: set[str] = set()
@@ -130,7 +133,12 @@ def _algo_fields(option: str, folder: Path) -> tuple[set[str], set[str]]:
             keys |= base_keys
             groups |= base_groups
         elif isinstance(entry, dict):
-            groups |= {str(name).split()[-1].strip("/") for name in entry}
+            for name, choice in entry.items():
+                group = str(name).split()[-1].strip("/")
+                groups.add(group)
+                selected = folder / "algo" / group / f"{choice}.yaml"
+                if selected.is_file() and "# @package algo\n" in selected.read_text():
+                    keys |= {str(k) for k in (yaml.safe_load(selected.read_text()) or {}) if k != "defaults"}
     keys |= {str(k) for k in loaded if k != "defaults"}
     return keys, groups
 
@@ -147,10 +155,13 @@ def _algo_key_problem(arg: str, argv: Sequence[str], folder: Path, added: bool) 
         return None
     keys, groups = _algo_fields(option, folder)
     field = re.split(r"[./]", key)[1]
-    if field in (groups if key.startswith("algo/") else keys | groups) and not (field in groups and
-                                                                               key.startswith("algo.") and added):
-        if key.startswith("algo.") and field in groups and "." not in key[5:] and not added:
+    if key.startswith("algo/") and (field in groups or added):  # a group it selects, or one a search path adds
+        return None
+    if key.startswith("algo.") and field in groups:
+        if "." not in key[5:] and not added and field not in keys:  # the group's node itself, typed with a dot
             return f"{arg}: algo/{field} is a config group. Fix: algo/{field}={value} (a slash, not a dot)"
+        return None  # a key below a group's node (algo.loss.gamma, +algo.reward_funcs.mine._target_)
+    if key.startswith("algo.") and field in keys and not (field == "loss_type" and added):
         return None
     if field == "loss_type":
         fix = trl_names.loss_type_fix(value, [o for o in group_options("algo", folder) if "/" not in o],

@@ -105,7 +105,7 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
     profiler = StepProfiler(settings.profile_steps, state.step + settings.log_every_steps + 1, run.run_dir,
                             accelerator.device, accelerator.is_main_process, memory=settings.profile_memory)
     save_every_s = 60.0 * settings.save_every_minutes
-    with bar, logging_redirect_tqdm():  # log lines print above the bar; an error after it, on a line of its own
+    with logging_redirect_tqdm():  # log lines print above the progress bar (an error ends its line: train.py)
         saved, first, last_save = None, state.step, _clock()
         while state.step < run.max_steps:
             signals.reached(f"step_{state.step + 1}")
@@ -140,7 +140,9 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
                 last_save = _clock()
             window_start += time.perf_counter() - paused
             if outcome.stop:
+                bar.close()
                 raise Stopped(_signum(stop), saved or _save_checkpoint(run, state), run.run_dir, step)
+        bar.close()
     if state.step > first and any_process({"stop": stop.signum is not None}, accelerator)["stop"]:  # final evaluation
         raise Stopped(_signum(stop), saved or _save_checkpoint(run, state), run.run_dir, state.step)
 
@@ -284,6 +286,8 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
         if run.accelerator.is_main_process:  # peft.merge=true: final/merged/, the adapter merged into the base
             run.adapter.save_merged(run.run_dir / "final", run.tokenizer, checkpoint.save_pretrained_atomically)
         run.accelerator.wait_for_everyone()
+    elif run.accelerator.is_main_process:
+        run_folder.drop_earlier_model(run.run_dir)  # an earlier run's final/ is not this run's model
     if run.accelerator.is_main_process:
         (run.run_dir / "summary.json").write_text(json.dumps(
             {"final": final, "train": {**asdict(run.settings), "max_steps": run.max_steps}, "seed": seed,

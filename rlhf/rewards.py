@@ -53,9 +53,11 @@ def score(functions: Mapping[str, RewardFunction], weights: Sequence[float] | No
     for name, function in functions.items():
         try:
             got = list(function(prompts=list(prompts), completions=list(completions), **columns))
-        except UserError:
-            raise
         except Exception as error:  # the user's code: one message naming the function, not a traceback
+            target = getattr(function, "func", function)
+            ours = str(getattr(target, "__module__", "") or type(target).__module__).startswith("rlhf.")
+            if ours or isinstance(error, (UserError, torch.OutOfMemoryError)):  # ours (RewardModel), or no bug
+                raise
             raise UserError(_raised(name, function, error, sorted(columns))) from error
         if len(got) != len(completions):
             raise UserError(f"reward function {name!r} returned {len(got)} values for {len(completions)} completions. "

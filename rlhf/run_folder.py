@@ -142,6 +142,18 @@ def clear_previous_results(run_dir: Path) -> None:
         log.info("set the previous run's summary.json aside in %s until this run's is written", run_dir / PREVIOUS)
 
 
+def drop_earlier_model(run_dir: Path) -> None:
+    """This run writes no ``final/`` (``train.save_final=false``, ``train.max_steps=0``): one an earlier run left in
+    the folder would sit beside this run's ``summary.json`` as if it were this run's model. It goes with the earlier
+    summary (:func:`drop_previous_results`)."""
+    final = Path(run_dir) / "final"
+    if final.is_dir():
+        (final.parent / PREVIOUS).mkdir(exist_ok=True)
+        os.replace(final, final.parent / PREVIOUS / "final")
+        log.info("removed the earlier run's final/: this run writes no model (train.save_final=false or "
+                 "train.max_steps=0), and it is not this run's")
+
+
 def drop_previous_results(run_dir: Path) -> None:
     """Remove the results :func:`clear_previous_results` set aside: this run's own are complete."""
     shutil.rmtree(Path(run_dir) / PREVIOUS, ignore_errors=True)
@@ -162,21 +174,40 @@ def _abandoned_folder(run_dir: Path) -> Path:
     return aside
 
 
+def _logged_steps(path: Path) -> list[int] | None:
+    """The steps of a run's log file (JSON lines with a ``step``; a line cut off by a kill is skipped), or None for
+    a file that is not one (the user's own data)."""
+    steps = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(entry, dict) or "step" not in entry:
+            return None
+        steps.append(int(entry["step"]))
+    return steps
+
+
 def set_aside_earlier_attempt(run_dir: Path, metrics_file: str = "metrics.jsonl") -> None:
-    """A new run (no checkpoint to resume from) into a folder where an earlier attempt logged metrics, e.g. one
-    killed before its first checkpoint and started again with the same command: that attempt's logs (the folder's
-    ``*.jsonl``) go into ``checkpoints/abandoned-<time>/``, as a branch given up by a resume does, and one line says
-    what was found and where it went."""
+    """A new run (no checkpoint to resume from) into a folder where an earlier run logged metrics, e.g. one killed
+    before its first checkpoint and started again with the same command: that run's logs (``metrics_file`` and the
+    loggers' other ``*.jsonl`` tables, whose lines carry a step) go into ``checkpoints/abandoned-<time>/``, as a
+    branch given up by a resume does, and one line says what was found and where it went."""
     run_dir = Path(run_dir)
     metrics = run_dir / metrics_file
-    if not metrics.is_file() or not metrics.read_text().strip():
+    steps = _logged_steps(metrics) if metrics.is_file() else None
+    if not steps:
         return
-    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip().startswith("{")]
+    logs = [metrics, *(p for p in sorted(run_dir.glob("*.jsonl")) if p != metrics and _logged_steps(p) is not None)]
     aside = _abandoned_folder(run_dir)
-    for log_file in sorted(run_dir.glob("*.jsonl")):
-        os.replace(log_file, aside / log_file.name)
-    log.warning("this folder holds an earlier attempt that reached step %d without a checkpoint to resume from: its "
-                "logs are set aside in %s, and this run starts at step 1", max(steps, default=0), aside)
+    for path in logs:
+        os.replace(path, aside / path.name)
+    checkpoint._fsync_dir(run_dir)
+    what = "an earlier run that finished" if (run_dir / "summary.json").exists() else \
+        "an earlier attempt that stopped without a checkpoint to resume from"
+    log.warning("this folder holds %s at step %d: its logs are set aside in %s, and this run starts at step 1", what,
+                max(steps), aside)
 
 
 def set_aside_newer(run_dir: Path, step: int, metrics_file: str = "metrics.jsonl") -> Path | None:

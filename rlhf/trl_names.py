@@ -1,7 +1,7 @@
 """TRL's names for the settings a user brings from its ``*Config`` classes, and this project's key for each.
 
 :data:`TRL_NAMES` is the one table: the command-line check (:mod:`rlhf.command_line`) reads it when an override
-names no key of ours (``learning_rate=1e-5``, ``algo.loss_type=ipo``, ``+train.num_train_epochs=3``), and the
+names no key of ours (``learning_rate=1e-5``, ``algo.loss_type=ipo``, ``train.num_train_epochs=3``), and the
 README's "Coming from TRL" table is checked against it by a test. TRL's ``loss_type`` is two things here, told apart
 by :func:`loss_type_fix`: a preference algorithm's per-pair loss is an algorithm of its own (``algo=ipo``) or the
 ``algo/loss`` group; an online algorithm's aggregation of token losses is the ``algo/loss_type`` group.

@@ -541,6 +541,17 @@ def test_an_attempt_killed_before_its_first_checkpoint_is_set_aside_with_one_lin
     [aside] = (tmp_path / "run" / "checkpoints").glob("abandoned-*")
     assert (aside / "metrics.jsonl").read_text() == first
     lines = [r.getMessage() for r in caplog.records if "earlier attempt" in r.getMessage()]
-    assert lines == [f"this folder holds an earlier attempt that reached step 3 without a checkpoint to resume from: "
+    assert lines == [f"this folder holds an earlier attempt that stopped without a checkpoint to resume from at step 3: "
                      f"its logs are set aside in {aside}, and this run starts at step 1"]
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
+
+
+def test_only_the_runs_own_logs_are_set_aside_and_a_line_cut_by_a_kill_is_read(tmp_path):
+    """A kill can cut the last line; the user's own .jsonl data beside the logs stays where it is."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/loss": 1.0}\n{"step": 4, "train/lo')
+    (tmp_path / "samples.jsonl").write_text('{"step": 1, "completion": "x"}\n')
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    run_folder.set_aside_earlier_attempt(tmp_path)
+    [aside] = (tmp_path / "checkpoints").glob("abandoned-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "samples.jsonl"]
+    assert sorted(p.name for p in tmp_path.glob("*.jsonl")) == ["pairs.jsonl"]

@@ -72,6 +72,8 @@ def test_trl_names_and_confusable_groups_get_the_projects_message(argv, message)
 @pytest.mark.parametrize("argv", [["algo.beta=0.2"], ["algo=grpo", "algo/loss_type=dapo"], ["algo=ipo,dpo", "algo.beta=1"],
                                   ["algo=simpo", "algo.loss.gamma=1"], ["algo/reference=precomputed"],
                                   ["algo=grpo", "+algo.reward_funcs.mine={_target_: my.f}"], ["train.max_steps=3"],
-                                  ["+algo.not_a_key_anywhere=1"]])
+                                  ["+algo.not_a_key_anywhere=1"], ["algo=grpo", "algo.reward_weights=null"],
+                                  ["algo=grpo", "+algo.reward_funcs.mine._target_=my.f"], ["+algo/my_group=x"],
+                                  ["-m", "experiment=grpo_reverse,rloo_reverse", "algo.num_generations=4"]])
 def test_what_is_right_or_left_to_the_composed_check_passes(argv):
     assert problem(argv) is None

@@ -158,16 +158,26 @@ class DPO(ReferenceRegularized):
             return shared_prompt.collate([r["chosen_input_ids"] for r in rows], [r["chosen_completion_mask"] for r in rows],
                                          [r["rejected_input_ids"] for r in rows],
                                          [r["rejected_completion_mask"] for r in rows], self.pad_id)
+        if not self.padding_free:
+            return self._padded_sequences(rows)
         ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
-        masks = [r["chosen_completion_mask"] for r in rows] + [r["rejected_completion_mask"] for r in rows]
-        return collate_packed(ids, masks) if self.padding_free else collate_sequences(ids, masks, self.pad_id)
+        return collate_packed(ids, [r["chosen_completion_mask"] for r in rows] +
+                              [r["rejected_completion_mask"] for r in rows])
 
     def samples(self, batch: dict[str, Any]) -> int:
         return shared_prompt.scored_sequences(batch) // 2  # two answers a pair, however they are laid out
 
     def precompute(self, rows, strategy):
-        """The reference strategy's columns (e.g. ``algo/reference=precomputed``'s log-probabilities)."""
-        return self.reference.precompute(rows, strategy, self.sequences)
+        """The reference strategy's columns (e.g. ``algo/reference=precomputed``'s log-probabilities), computed on
+        padded pairs when training packs them (the reference model is built there, unchecked for packing; the
+        values are the same to rounding)."""
+        return self.reference.precompute(rows, strategy, self._padded_sequences if self.padding_free else
+                                         self.sequences)
+
+    def _padded_sequences(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
+        masks = [r["chosen_completion_mask"] for r in rows] + [r["rejected_completion_mask"] for r in rows]
+        return collate_sequences(ids, masks, self.pad_id)
 
     def state_dict(self) -> dict[str, Any]:
         return {"loss": {name: value.detach().cpu().clone() for name, value in self.loss_state.items()}}

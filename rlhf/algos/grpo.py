@@ -53,6 +53,10 @@ class GRPO(PolicyGradient):
             dynamic cache, grown token by token) or ``"static"`` (allocated once at its longest; transformers then
             compiles the decoding step on a GPU). The same completions on a CPU (tested); its speed is measured by
             ``scripts/gpu_check.py``'s levers.
+        gather_for_generation: under ``fsdp``/``zero3``, the policy's parameters gathered once for a rollout's
+            generation (the whole model in the compute dtype on each process while it generates; TRL's
+            ``ds3_gather_for_generation``); ``False``: each layer gathered at every token (``synced_gpus``), for a
+            model that fits only sharded. No effect under DDP or on one process.
         temperature, top_p, top_k, max_completion_length: sampling of training completions (held-out ones are
             greedy); every log-probability of the loss (policy, sampling policy, reference) and the entropy are
             of ``softmax(logits / temperature)``, the policy that sampled (``top_p``/``top_k`` truncate the

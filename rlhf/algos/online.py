@@ -77,9 +77,11 @@ class OnlineAlgorithm(Algorithm):
                  max_prompt_length: int | None = 512, seed: int = 0, reward_funcs: Mapping[str, Callable] | None = None,
                  reward_weights: Sequence[float] | None = None, reward_columns: Sequence[str] = (),
                  log_completions: bool = True, log_completions_every_steps: int = 50,
-                 num_completions_to_print: int = 4, cache_implementation: str | None = None) -> None:
+                 num_completions_to_print: int = 4, cache_implementation: str | None = None,
+                 gather_for_generation: bool = True) -> None:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.cache_implementation = cache_implementation  # generate()'s KV cache: None (transformers' dynamic one)
+        self.gather_for_generation = gather_for_generation  # FSDP2/ZeRO-3: the whole model gathered for a rollout
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
         self.num_generations, self.num_iterations = num_generations, num_iterations
         self.steps_per_generation, self.seed = steps_per_generation, seed
@@ -189,7 +191,7 @@ class OnlineAlgorithm(Algorithm):
         devices = [ids.device] if ids.device.type == "cuda" else []
         started = time.perf_counter()
         try:  # FSDP2's and ZeRO-3's parameters gathered once for the whole rollout, not at every token
-            with torch.random.fork_rng(devices=devices), gathered_for_generation(model) as still_sharded:
+            with torch.random.fork_rng(devices=devices), gathered_for_generation(model, self.gather_for_generation) as still_sharded:
                 if seed is not None:
                     torch.manual_seed(seed)
                 # synced_gpus where the forward passes are still collectives: a process whose completions ended

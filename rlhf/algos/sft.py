@@ -6,6 +6,7 @@ TRL's default for prompt-completion data) or over every token (``False``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import Tensor
@@ -107,6 +108,10 @@ def require_packing(model) -> None:
     attention = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
     if attention.startswith(("flash_attention", "flex_attention")):
         return
+    logging.getLogger(__name__).warning(
+        "algo.padding_free=true under %s attention: a packed micro-batch of N tokens (rows x their lengths) takes an "
+        "N x N mask, whose memory grows with the square of N; model.attn_implementation=flash_attention_2 (or "
+        "flex_attention) keeps the rows apart without one", attention or "this model's")
 
     device = next(model.parameters()).device
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]], device=device)

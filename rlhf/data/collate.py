@@ -9,7 +9,7 @@ import torch
 from rlhf.data.checks import ROW_COLUMN
 from rlhf.errors import UserError
 
-TRUNCATED = "truncated"  # a tokenized row's key: what truncation cut (bit flags below; 0: nothing)
+TRUNCATED = "_truncated"  # a tokenized row's key: what truncation cut (bit flags below; 0: nothing)
 PROMPT_CUT = 1  # the prompt was longer than max_prompt_length and kept its end
 END_CUT = 2  # prompt + completion were longer than max_length and lost their end
 

@@ -24,14 +24,18 @@ def sharded(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def gathered_for_generation(model: torch.nn.Module) -> Iterator[bool]:
+def gathered_for_generation(model: torch.nn.Module, enabled: bool = True) -> Iterator[bool]:
     """The parameters of ``model`` (as the strategy wrapped it: a DeepSpeed engine, an FSDP2 module, or a plain one)
     gathered once, and kept whole until the block ends, instead of each unit's gathered at every forward pass and
     freed after it: generating ``T`` tokens then costs one all-gather of the model, not ``T``; the forward passes
     inside are no collectives. Yields whether the parameters stay sharded after all (then generation must be
     synced across processes: ``synced_gpus``), which is the case only where the strategy's internals are not the
     ones this was written for (a warning says so). Memory: the whole model in the compute dtype on each process for
-    the length of the block. Generate with the unwrapped model inside it."""
+    the length of the block. Generate with the unwrapped model inside it. ``enabled=False``: nothing is gathered
+    (a model that fits only sharded), and the block yields whether generation must be synced."""
+    if not enabled:
+        yield sharded(getattr(model, "module", model))
+        return
     offload = _zero3_offload(model)
     if offload is not None:
         with _zero3_gathered(model.module, offload) as still_sharded:
@@ -94,12 +98,18 @@ def _zero3_gathered(module: torch.nn.Module, offload) -> Iterator[bool]:
         yield True
         return
     stack = list(parameter_offload.FWD_MODULE_STACK)  # setting the hooks up again pushes the module once more
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
-        offload._remove_module_hooks()
-        offload.forward_hooks.clear()  # removed handles: setting up appends new ones
-        offload.backward_hooks.clear()
+    ids = {m: m.ds_id for m in module.modules() if hasattr(m, "ds_id")}  # setting up numbers the modules anew
+    parameters = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(parameters):
         try:
+            offload._remove_module_hooks()
+            offload.forward_hooks.clear()  # removed handles: setting up appends new ones
+            offload.backward_hooks.clear()
             yield False
         finally:
             offload.setup_zero_stage3_hooks()
             parameter_offload.FWD_MODULE_STACK[:] = stack
+            for submodule, ds_id in ids.items():  # the numbers the coordinator's recorded trace knows them by
+                submodule.ds_id = ds_id
+            for parameter in parameters:  # no module runs now: none holds a parameter (they are released next)
+                getattr(parameter, "ds_active_sub_modules", set()).clear()

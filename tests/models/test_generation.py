@@ -36,7 +36,8 @@ def test_zero3_parameters_are_gathered_once_for_a_generation_not_at_every_token(
     (each forward pass gathers each layer: 12 tokens gather more than 4); within it they do not (the model is gathered
     once, whatever the length), with the same tokens and no synced generation; after the block the engine's hooks
     are as they were (none added, no module pushed on DeepSpeed's stack again), the parameters partitioned again, and
-    training steps gather (the hooks work) and lower the loss."""
+    training steps gather (the hooks work) and lower the loss; a second rollout after training steps (the parameter
+    coordinator's trace recorded) works alike, and training goes on after it."""
     pytest.importorskip("deepspeed")
     import torch.multiprocessing as mp
 
@@ -58,3 +59,6 @@ def test_zero3_parameters_are_gathered_once_for_a_generation_not_at_every_token(
         assert out["hooks after"] == out["hooks before"], (out["hooks before"], out["hooks after"])
         assert out["parameters partitioned after"]
         assert out["step after"] > 0 and out["losses"][1] < out["losses"][0], out
+        # generate -> train -> generate -> train: the second rollout gathers as the first, training goes on
+        assert out["once after training"] == once_long[0], out
+        assert out["losses"][3] < out["losses"][2] < out["losses"][1], out["losses"]

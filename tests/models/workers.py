@@ -136,13 +136,28 @@ def zero3_generation_gathers(rank: int, port: int, results) -> None:
                                                    for p in engine.module.parameters())
         engine.module.train()
         losses = []
-        for _ in range(2):
-            calls[0] = 0
+
+        def step() -> None:
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-        out["step after"], out["losses"] = calls[0], losses
+
+        for _ in range(2):
+            calls[0] = 0
+            step()
+        out["step after"] = calls[0]
+        engine.module.eval()  # a rollout after training steps (the coordinator has recorded its trace), then more
+        calls[0] = 0
+        with torch.no_grad(), gathered_for_generation(engine) as still_sharded:
+            engine.module.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                   min_new_tokens=12, do_sample=False, synced_gpus=still_sharded, pad_token_id=256,
+                                   eos_token_id=258)
+        out["once after training"] = calls[0]
+        engine.module.train()
+        for _ in range(2):
+            step()
+        out["losses"] = losses
         results[rank] = out
     finally:
         torch.distributed.destroy_process_group()
