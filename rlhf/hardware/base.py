@@ -188,7 +188,9 @@ class DataParallel:
         compile: ``torch.compile`` the policy and its frozen models (the reference), each in place
             (``nn.Module.compile``: the checkpoints' keys are unchanged), shapes dynamic after the first recompile.
             The first steps (and the first evaluation) wait for the compiler: tens of seconds on a CPU. One process
-            or DDP; the sharding options refuse it (not built there yet).
+            or DDP; the sharding options refuse it (not built there yet). ``true`` is torch's default backend
+            (inductor); a backend's name chooses another (``aot_eager``: the graphs captured and differentiated
+            ahead of time, run without generated code).
     """
 
     compiles = True  # whether this strategy can compile the models it places (hardware.compile)
@@ -203,7 +205,7 @@ class DataParallel:
         rdzv_endpoint: str | None = None,
         node_rank: int = 0,
         timeout_s: int = 600,
-        compile: bool = False,
+        compile: bool | str = False,
     ) -> None:
         if compile and not self.compiles:
             raise UserError(f"hardware.compile=true is not built for {type(self).__name__} (a sharding option). "
@@ -238,6 +240,10 @@ class DataParallel:
     # --- processes ---------------------------------------------------------------------------------------
     def uses_cuda(self) -> bool:
         return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+
+    def _compile_options(self) -> dict[str, Any]:
+        """``torch.compile``'s options for ``compile``: its default backend for ``true``, else the one named."""
+        return {} if self.compile is True else {"backend": str(self.compile)}
 
     def processes_per_node(self) -> int:
         """How many processes :mod:`rlhf.launch` starts on this machine."""
@@ -321,7 +327,7 @@ class DataParallel:
         module.eval().requires_grad_(False)
         placed = self._place_frozen(module)
         if self.compile:
-            self.unwrap(placed).compile()
+            self.unwrap(placed).compile(**self._compile_options())
         params = list(self.unwrap(placed).parameters())
         self.frozen_held[name] = FrozenHolding(
             local_elements=sum(local_numel(p) for p in params), total_elements=sum(global_numel(p) for p in params),
@@ -370,7 +376,7 @@ class DataParallel:
         training loader; return ``(model, optimizer, train_loader)``. The scheduler is built on that optimizer."""
         model, optimizer, train_loader = self.accelerator.prepare(model, make_optimizer(model), train_loader)
         if self.compile:  # in place, inside DDP's wrapper: DDP calls the compiled module
-            self.unwrap(model).compile()
+            self.unwrap(model).compile(**self._compile_options())
         return model, optimizer, train_loader
 
     @contextlib.contextmanager

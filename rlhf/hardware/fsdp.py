@@ -68,7 +68,7 @@ class FSDP2(Sharded):
         rdzv_endpoint: str | None = None,
         node_rank: int = 0,
         timeout_s: int = 600,
-        compile: bool = False,
+        compile: bool | str = False,
         reshard_after_forward: bool = True,
         layer_classes: list[str] | None = None,
     ) -> None:

@@ -128,7 +128,7 @@ class ZeRO(Sharded):
         rdzv_endpoint: str | None = None,
         node_rank: int = 0,
         timeout_s: int = 600,
-        compile: bool = False,
+        compile: bool | str = False,
     ) -> None:
         super().__init__(device=device, num_processes=num_processes, num_nodes=num_nodes,
                          mixed_precision=mixed_precision, threads_per_process=threads_per_process,
