@@ -68,7 +68,8 @@ def main() -> None:
             try:
                 for threads in ("null", str(cpus)):
                     before = os.getloadavg()[0]
-                    seconds, used = one_run(args.steps, threads, args.overrides, Path(tmp) / f"{load}-{threads}")
+                    folder = Path(tmp) / f"{'idle' if not spinners else 'loaded'}-{threads}"
+                    seconds, used = one_run(args.steps, threads, args.overrides, folder)
                     print(f"| {load} | {threads} | {used} | {seconds:.1f} | {before:.2f} |", flush=True)
             finally:
                 for spinner in spinners:
