@@ -150,7 +150,7 @@ def busy_cpus(window_s: float = 0.15) -> float | None:
 def threads_beside(busy: float, cpus: int, local_processes: int) -> int:
     """Torch threads a process for ``local_processes`` processes on ``cpus`` CPUs of which other work keeps ``busy``
     busy: the idle ones shared out (at least one each). Threads that spin against other work for a core are far
-    slower than fewer threads (measured: 9x on 2 busy cores, README's "Threads")."""
+    slower than fewer threads (measured: 8.5x on 2 busy cores, docs/threads/2026-11-27-busy-machine.md)."""
     idle = cpus - round(busy)
     return max(1, min(cpus, idle) // max(1, local_processes))
 
