@@ -132,7 +132,7 @@ class DPO(ReferenceRegularized):
         super().setup(policy, tokenizer)
         if self.padding_free:
             for model in (policy, *(m for m in self.frozen.values() if isinstance(m, torch.nn.Module))):
-                require_packing(model)
+                require_packing(model, warn=model is policy)
         if self.shared_prompt is False or self.nll_on_prompt or self.padding_free:
             self.shares_prompt = False
             return

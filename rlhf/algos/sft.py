@@ -96,7 +96,7 @@ class SFT(Algorithm):
         return self.loss(model, batch)[1]
 
 
-def require_packing(model) -> None:
+def require_packing(model, warn: bool = True) -> None:
     """Refuse ``padding_free`` for a model whose attention does not keep packed rows apart by their position ids:
     two rows of three tokens, packed and alone, must give the same logits (checked where the model is, before a
     strategy places it: on a CPU for a model that trains on a GPU). Flash and flex attention keep them apart by
@@ -108,10 +108,11 @@ def require_packing(model) -> None:
     attention = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
     if attention.startswith(("flash_attention", "flex_attention")):
         return
-    logging.getLogger(__name__).warning(
-        "algo.padding_free=true under %s attention: a packed micro-batch of N tokens (rows x their lengths) takes an "
-        "N x N mask, whose memory grows with the square of N; model.attn_implementation=flash_attention_2 (or "
-        "flex_attention) keeps the rows apart without one", attention or "this model's")
+    if warn:
+        logging.getLogger(__name__).warning(
+            "algo.padding_free=true under %s attention: a packed micro-batch of N tokens (rows x their lengths) takes "
+            "an N x N mask, whose memory grows with the square of N; model.attn_implementation=flash_attention_2 (or "
+            "flex_attention) keeps the rows apart without one", attention or "this model's")
 
     device = next(model.parameters()).device
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]], device=device)
