@@ -148,13 +148,20 @@ def _algo_key_problem(arg: str, argv: Sequence[str], folder: Path, added: bool) 
     have: TRL's ``loss_type`` told apart (:func:`rlhf.trl_names.loss_type_fix`), a group typed with a dot, the
     other TRL names, or the algorithm's own fields."""
     key, value = arg.lstrip("+").split("=", 1)
-    if not key.startswith(("algo.", "algo/")) or re.search(r"[${}()\[\]*,]", value):
+    if not key.startswith(("algo.", "algo/")):
         return None
     option = _chosen_algo(argv, folder)
     if option is None:
         return None
     keys, groups = _algo_fields(option, folder)
     field = re.split(r"[./]", key)[1]
+    if key == f"algo.{field}" and field in groups and value.lstrip().startswith("{") and not added:
+        return (f"{arg}: algo.{field} is filled by its config group's options (algo/{field}=<option>, "
+                f"conf/algo/{field}/), so a whole new value cannot replace it from the command line. Fix: add one "
+                f"entry, '+algo.{field}.<name>=<value>', or put the entries in a YAML option of your own config folder: "
+                f"hydra.searchpath=[file://conf] algo/{field}=mine (README, Rewards)")
+    if re.search(r"[${}()\[\]*,]", value):
+        return None
     if key.startswith("algo/") and (field in groups or added):  # a group it selects, or one a search path adds
         return None
     if key.startswith("algo.") and field in groups:

@@ -63,6 +63,11 @@ def test_every_key_the_table_names_exists(name):
                                     "completion_logits_only, completion_only_loss"),
     (["algo.bta=0.1"], "Did you mean algo.beta=0.1?"),
     (["algo.reference=copy"], "Fix: algo/reference=copy (a slash, not a dot)"),
+    # a group's node given a whole new value: Hydra's "not in struct" before
+    (["algo=grpo", "algo.reward_funcs={mine: {_target_: my.f, _partial_: true}}"],
+     "algo.reward_funcs is filled by its config group's options (algo/reward_funcs=<option>, conf/algo/reward_funcs/)"
+     ", so a whole new value cannot replace it from the command line. Fix: add one entry, "
+     "'+algo.reward_funcs.<name>=<value>', or put the entries in a YAML option of your own config folder"),
 ])
 def test_trl_names_and_confusable_groups_get_the_projects_message(argv, message):
     found = problem(argv)
