@@ -17,7 +17,6 @@ import gc
 import logging
 import os
 import socket
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,8 @@ from accelerate.state import AcceleratorState
 
 from rlhf.errors import UserError
 from rlhf.files import save_safetensors, save_torch
+from rlhf.hardware import cpus
+from rlhf.hardware.cpus import cpus_available
 from rlhf.hardware.frozen import is_trainable_only, load_trainable, save_trainable
 from rlhf.hardware.holding import (
     FrozenHolding,
@@ -89,17 +90,6 @@ def _known_precision(values: Mapping[str, Any], where: str) -> None:
     check_precision(values.get("mixed_precision", "no"), f"{where}.mixed_precision")
 
 
-def cpus_available() -> int:
-    """CPUs this job may use: Slurm's allocation inside a Slurm job (not the node's), else this process's
-    CPU affinity."""
-    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
-        return int(os.environ["SLURM_CPUS_PER_TASK"])
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def without_tied_copies(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` without the names under which ``model`` holds a parameter it also holds under an earlier name (a
     tied output layer): a gathered state dict has a copy under each name, which ``save_pretrained`` would write;
@@ -112,47 +102,6 @@ def without_tied_copies(model: torch.nn.Module, state: dict[str, torch.Tensor]) 
         else:
             first[id(parameter)] = name
     return {name: value for name, value in state.items() if name not in tied}
-
-
-def busy_cpus(window_s: float = 0.15) -> float | None:
-    """How many of this process's CPUs are busy now, with any process's work: each one's non-idle share of the
-    time over ``window_s`` seconds (``/proc/stat``; this process sleeps meanwhile), summed. None where that file is
-    not there (not Linux)."""
-    try:
-        mine = os.sched_getaffinity(0)
-    except AttributeError:
-        return None
-
-    def read() -> dict[int, tuple[int, int]]:
-        times = {}
-        with open("/proc/stat") as stat:
-            for line in stat:
-                name, *fields = line.split()
-                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in mine:
-                    values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
-                    times[int(name[3:])] = (values[3] + values[4], sum(values))
-        return times
-
-    try:
-        before = read()
-        time.sleep(window_s)
-        after = read()
-    except (OSError, ValueError, IndexError):
-        return None
-    busy = 0.0
-    for cpu, (idle, total) in after.items():
-        idle_before, total_before = before.get(cpu, (idle, total))
-        if total > total_before:
-            busy += 1.0 - (idle - idle_before) / (total - total_before)
-    return busy
-
-
-def threads_beside(busy: float, cpus: int, local_processes: int) -> int:
-    """Torch threads a process for ``local_processes`` processes on ``cpus`` CPUs of which other work keeps ``busy``
-    busy: the idle ones shared out (at least one each). Threads that spin against other work for a core are far
-    slower than fewer threads (measured: 8.5x on 2 busy cores, docs/threads/2026-11-27-busy-machine.md)."""
-    idle = cpus - round(busy)
-    return max(1, min(cpus, idle) // max(1, local_processes))
 
 
 def free_port() -> int:
@@ -254,20 +203,20 @@ class DataParallel:
     def threads(self, local_processes: int) -> int:
         """Torch threads per process: ``threads_per_process``, else ``OMP_NUM_THREADS``, else the job's CPUs shared
         out between its processes on this machine, leaving out those that other work keeps busy as the run starts
-        (:func:`busy_cpus`; not inside a Slurm job, whose CPUs are its own). What was left out is said in the
+        (:func:`rlhf.hardware.cpus.busy_cpus`; not inside a Slurm job, whose CPUs are its own). What was left out is said in the
         start-up line."""
         self._threads_why = ""
         if self.threads_per_process is not None:
             return self.threads_per_process
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
             return max(1, int(os.environ["OMP_NUM_THREADS"]))
-        cpus = cpus_available()
-        even = max(1, cpus // max(1, local_processes))
-        busy = None if os.environ.get("SLURM_JOB_ID") else busy_cpus()
-        if busy is None or threads_beside(busy, cpus, local_processes) >= even:
+        total = cpus.cpus_available()
+        even = max(1, total // max(1, local_processes))
+        busy = None if os.environ.get("SLURM_JOB_ID") else cpus.busy_cpus()
+        if busy is None or cpus.threads_beside(busy, total, local_processes) >= even:
             return even
-        chosen = threads_beside(busy, cpus, local_processes)
-        self._threads_why = (f" ({busy:.1f} of the {cpus} CPUs were busy with other work as the run started: {chosen} "
+        chosen = cpus.threads_beside(busy, total, local_processes)
+        self._threads_why = (f" ({busy:.1f} of the {total} CPUs were busy with other work as the run started: {chosen} "
                              f"thread(s) a process, not {even}; hardware.threads_per_process sets it)")
         return chosen
 

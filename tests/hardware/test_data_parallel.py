@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from rlhf import train
 from rlhf.errors import UserError
-from rlhf.hardware import DataParallel, base, cpus_available, free_port
+from rlhf.hardware import DataParallel, base, cpus, cpus_available, free_port
 from rlhf.hardware.base import resolve_precision
 from tests.conftest import FAST, ROOT, compose_config, fast_initial_model
 
@@ -43,7 +43,7 @@ def test_threads_never_exceed_the_cpus_of_the_job(monkeypatch):
     assert DataParallel(device="cpu").threads(local_processes=1) == 1
     monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(base, "busy_cpus", lambda: 0.0)  # an idle machine
+    monkeypatch.setattr(cpus, "busy_cpus", lambda: 0.0)  # an idle machine
     assert DataParallel(device="cpu").threads(local_processes=1) == len(os.sched_getaffinity(0))
 
 
@@ -53,17 +53,17 @@ def test_cpus_busy_with_other_work_are_left_out_and_the_start_up_line_says_so(mo
     left as they were; the start-up line says what was left out (red before: 2 threads whatever the load)."""
     for name in ("OMP_NUM_THREADS", "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(base, "cpus_available", lambda: 2)
-    monkeypatch.setattr(base, "busy_cpus", lambda: 1.8)
+    monkeypatch.setattr(cpus, "cpus_available", lambda: 2)
+    monkeypatch.setattr(cpus, "busy_cpus", lambda: 1.8)
     strategy = DataParallel(device="cpu")
     assert strategy.threads(local_processes=1) == 1
     assert strategy._threads_why == (" (1.8 of the 2 CPUs were busy with other work as the run started: 1 thread(s) a "
                                      "process, not 2; hardware.threads_per_process sets it)")
     assert DataParallel(device="cpu", threads_per_process=2).threads(local_processes=1) == 2
-    monkeypatch.setattr(base, "busy_cpus", lambda: 0.3)  # background noise: rounds to 0
+    monkeypatch.setattr(cpus, "busy_cpus", lambda: 0.3)  # background noise: rounds to 0
     assert DataParallel(device="cpu").threads(local_processes=1) == 2
-    monkeypatch.setattr(base, "cpus_available", lambda: 16)
-    monkeypatch.setattr(base, "busy_cpus", lambda: 4.2)
+    monkeypatch.setattr(cpus, "cpus_available", lambda: 16)
+    monkeypatch.setattr(cpus, "busy_cpus", lambda: 4.2)
     assert DataParallel(device="cpu").threads(local_processes=2) == 6
     monkeypatch.setenv("SLURM_JOB_ID", "7")  # the allocation's CPUs are the job's own
     assert DataParallel(device="cpu").threads(local_processes=2) == 8
@@ -74,7 +74,7 @@ def test_cpus_busy_with_other_work_are_left_out_and_the_start_up_line_says_so(mo
 
 def test_busy_cpus_reads_the_machine():
     """A number between 0 and the CPUs this process may use (Linux's /proc/stat)."""
-    busy = base.busy_cpus()
+    busy = cpus.busy_cpus()
     assert busy is not None and 0.0 <= busy <= len(os.sched_getaffinity(0)) + 1e-6
 
 
