@@ -87,8 +87,9 @@ def _raised(name: str, function: Callable, error: Exception, columns: list[str])
     call = ", ".join(["prompts=[...]", "completions=[...]", *(f"{c}=[...]" for c in columns)])
     return (f"reward function algo.reward_funcs.{name}, {where}, raised {type(error).__name__}{line}: {error}. It is "
             f"called as fn({call}), lists of one entry per completion, and returns one float (or None) per "
-            f"completion; a function takes the arguments it reads by name and ends its signature with **kwargs. No checkpoint was "
-            f"lost: those saved before (if any) are complete, and resume=auto continues from the last one")
+            f"completion; a function takes the arguments it reads by name and ends its signature with **kwargs. "
+            f"No checkpoint was lost: those saved before (if any) are complete, and resume=auto continues from the "
+            f"last one")
 
 
 def _reward_model_folder(values: dict[str, Any], where: str) -> None:
