@@ -34,6 +34,7 @@ from rlhf import checkpoint, resume_check, run_folder, signals
 from rlhf.config import build, check_config
 from rlhf.errors import UserError
 from rlhf.hardware.base import free_port
+from rlhf.hardware.cpus import THREADS_WHY
 from rlhf.signals import Stopped, catch_stop_signals
 
 log = logging.getLogger(__name__)
@@ -75,12 +76,13 @@ def run(cfg: DictConfig) -> dict[str, float]:
         processes = strategy.processes_per_node()
         if started_here or (processes == 1 and strategy.num_nodes == 1):
             return loop.train(cfg, strategy, resume)
-        return _start(cfg, resume, processes, strategy.threads(processes), strategy.num_nodes, strategy.node_rank,
-                      strategy.rdzv_endpoint)
+        threads = strategy.threads(processes)
+        return _start(cfg, resume, processes, threads, strategy.num_nodes, strategy.node_rank, strategy.rdzv_endpoint,
+                      strategy_why=getattr(strategy, "_threads_why", ""))
 
 
 def _start(cfg: DictConfig, resume: Path | None, processes: int, threads: int, nodes: int, node_rank: int,
-           endpoint: str | None) -> dict[str, float]:
+           endpoint: str | None, strategy_why: str = "") -> dict[str, float]:
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -98,8 +100,10 @@ def _start(cfg: DictConfig, resume: Path | None, processes: int, threads: int, n
     quiet = logging.getLogger("torch.distributed.elastic")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # its INFO and WARNING lines (e.g. closing the ranks on Ctrl-C) mean nothing to a user
-    omp = os.environ.get("OMP_NUM_THREADS")
+    omp, why = os.environ.get("OMP_NUM_THREADS"), os.environ.get(THREADS_WHY)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the children's thread count: processes x threads <= CPUs
+    if strategy_why:
+        os.environ[THREADS_WHY] = strategy_why  # why, for the start-up line the children print
     try:
         with catch_stop_signals() as request:
             if request.signum is not None:  # before any rank exists: stop here, nothing new to save
@@ -110,10 +114,11 @@ def _start(cfg: DictConfig, resume: Path | None, processes: int, threads: int, n
         raise _plain(error) from None  # ChildFailedError does not survive submitit's pickling of a result
     finally:
         quiet.setLevel(level)
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = omp
+        for name, value in (("OMP_NUM_THREADS", omp), (THREADS_WHY, why)):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     result = results.get(0, {}) if results else {}
     if _STOPPED in result:  # rank 0 stopped on a signal after its checkpoint
         signum, folder, step = result[_STOPPED]

@@ -209,6 +209,7 @@ class DataParallel:
         if self.threads_per_process is not None:
             return self.threads_per_process
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            self._threads_why = os.environ.get(cpus.THREADS_WHY, "")  # the launching process's reason, if any
             return max(1, int(os.environ["OMP_NUM_THREADS"]))
         total = cpus.cpus_available()
         even = max(1, total // max(1, local_processes))

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import time
 
+# Set by the launching process for the ranks it starts: why their thread count (OMP_NUM_THREADS) is what it is.
+THREADS_WHY = "RLHF_THREADS_WHY"
+
 
 def cpus_available() -> int:
     """CPUs this job may use: Slurm's allocation inside a Slurm job (not the node's), else this process's

@@ -70,6 +70,9 @@ def test_cpus_busy_with_other_work_are_left_out_and_the_start_up_line_says_so(mo
     monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert DataParallel(device="cpu").threads(local_processes=2) == 3
+    monkeypatch.setenv(cpus.THREADS_WHY, " (the launcher's reason)")  # a rank started by rlhf.launch: its reason
+    ranked = DataParallel(device="cpu")
+    assert ranked.threads(local_processes=2) == 3 and ranked._threads_why == " (the launcher's reason)"
 
 
 def test_busy_cpus_reads_the_machine():
