@@ -183,9 +183,9 @@ def _logged_steps(path: Path) -> list[int] | None:
             entry = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(entry, dict) or "step" not in entry:
+        if not isinstance(entry, dict) or not isinstance(entry.get("step"), int):
             return None
-        steps.append(int(entry["step"]))
+        steps.append(entry["step"])
     return steps
 
 
