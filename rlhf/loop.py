@@ -54,12 +54,8 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
                                     algo=run.algo, strategy=strategy, accelerator=accelerator)
             log.info("resumed from %s: step %d, epoch %d", resume, state.step, state.epoch)
         logger = Loggers([build(node) for node in (cfg.get("logger") or {}).values()])  # metrics.jsonl and the list
-        if accelerator.is_main_process:
-            if resume is not None:  # a resume from an older checkpoint of this folder: its newer ones go aside
-                run_folder.set_aside_newer(run_dir, state.step, logger.filename)
-            else:  # an earlier attempt's logs, e.g. killed before its first checkpoint: set aside, said in one line
-                run_folder.set_aside_earlier_attempt(run_dir, logger.filename)
-            run_folder.clear_previous_results(run_dir)
+        if accelerator.is_main_process:  # what an earlier run or branch left in the folder goes aside, said in a line
+            run_folder.make_room(run_dir, state.step if resume is not None else None, logger.filename)
             logger.start(str(run_dir), OmegaConf.to_container(cfg, resolve=True),
                          resume_step=state.step if resume is not None else None)
 
@@ -73,10 +69,10 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
                 for name, rows in run.algo.tables(step).items():
                     logger.log_table(name, rows, step)
 
-        if resume is None and run.skipped_rows:  # data.on_bad_row=skip left rows out
-            record({"data/skipped_rows": run.skipped_rows}, 0)
-        if resume is None and run.truncated["either"]:  # rows truncation cut (the start-up line says which side)
-            record({"data/truncated_rows": run.truncated["either"]}, 0)
+        # rows data.on_bad_row=skip left out, and rows truncation cut (the start-up lines say which side)
+        counts = {"data/skipped_rows": run.skipped_rows, "data/truncated_rows": run.truncated["either"]}
+        if resume is None and any(counts.values()):
+            record({name: count for name, count in counts.items() if count}, 0)
         if resume is None and (run.settings.eval_at_start or run.max_steps == 0):
             _evaluate(run, record, 0)
         _train(run, state, record, record_tables, stop, resume)

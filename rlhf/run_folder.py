@@ -162,6 +162,17 @@ def drop_previous_results(run_dir: Path) -> None:
 ABANDONED = "abandoned-"  # checkpoints/abandoned-<time>/: a branch given up by a resume from an older checkpoint
 
 
+def make_room(run_dir: Path, resumed_step: int | None, metrics_file: str = "metrics.jsonl") -> None:
+    """Before a run writes its first metrics (main process): a resume from an older checkpoint sets the newer branch
+    aside (:func:`set_aside_newer`), a new run an earlier attempt's logs (:func:`set_aside_earlier_attempt`); then
+    the previous results go aside until this run's are written (:func:`clear_previous_results`)."""
+    if resumed_step is not None:
+        set_aside_newer(run_dir, resumed_step, metrics_file)
+    else:
+        set_aside_earlier_attempt(run_dir, metrics_file)
+    clear_previous_results(run_dir)
+
+
 def _abandoned_folder(run_dir: Path) -> Path:
     """A new ``checkpoints/abandoned-<time>/`` folder."""
     root = run_dir / checkpoint.FOLDER

@@ -62,3 +62,30 @@ def test_zero3_parameters_are_gathered_once_for_a_generation_not_at_every_token(
         # generate -> train -> generate -> train: the second rollout gathers as the first, training goes on
         assert out["once after training"] == once_long[0], out
         assert out["losses"][3] < out["losses"][2] < out["losses"][1], out["losses"]
+
+
+def test_gather_for_generation_false_gathers_nothing_and_says_whether_to_sync(monkeypatch):
+    """algo.gather_for_generation=false reaches the block (red if the option were dropped on the way), which then
+    touches nothing and yields whether the parameters are sharded: synced generation for a partitioned model."""
+    import torch
+
+    from rlhf.algos import online
+    from rlhf.algos.grpo import GRPO
+    from rlhf.models.generation import gathered_for_generation
+    from tests.algos.test_grpo import _source
+
+    plain = torch.nn.Linear(2, 2)
+    with gathered_for_generation(plain, enabled=False) as still_sharded:
+        assert still_sharded is False
+    plain.weight.ds_id = 0  # what a ZeRO-3 parameter carries
+    with gathered_for_generation(plain, enabled=False) as still_sharded:
+        assert still_sharded is True
+    seen = []
+    real = online.gathered_for_generation
+    monkeypatch.setattr(online, "gathered_for_generation", lambda model, enabled=True: seen.append(enabled) or
+                        real(model, enabled))
+    for option in (False, True):
+        algo = GRPO(num_generations=2, max_completion_length=3, gather_for_generation=option)
+        source, _ = _source(algo)
+        source.next()
+        assert seen[-1] is option
