@@ -18,8 +18,9 @@ test: setup  ## the whole test suite, as CI runs it: parallel tests, then those 
 test-fast: setup  ## the suite without the slow "it learns" tests
 	.venv/bin/python -m pytest -n 2 --dist loadfile -m "not slow and not serial" tests
 
-lint: setup  ## ruff
+lint: setup  ## ruff, and the package's layers (lint-imports)
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports
 
 clean:  ## remove run outputs (keeps .venv)
 	rm -rf outputs/2* outputs/multirun .ci-cache

@@ -22,14 +22,14 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from rlhf import train  # noqa: E402
-from rlhf.command_line import check_overrides  # noqa: E402
-from rlhf.config import checked_by_callback  # noqa: E402
-from rlhf.errors import UserError  # noqa: E402
-from rlhf.launch import hydra_overrides_for_this_rank, run  # noqa: E402
-from rlhf.run_folder import remove_if_never_started, resume_overrides  # noqa: E402
-from rlhf.signals import Stopped, hand_over, install  # noqa: E402
-from rlhf.slurm import log_to_the_run_folder_from_the_first_node_only  # noqa: E402
-from rlhf.sweep import FailedPoint, failed_points, in_a_sweep, objective_value, record_failure  # noqa: E402
+from rlhf.config.checks import checked_by_callback  # noqa: E402
+from rlhf.config.command_line import check_overrides  # noqa: E402
+from rlhf.core.errors import UserError  # noqa: E402
+from rlhf.launch.processes import hydra_overrides_for_this_rank, run  # noqa: E402
+from rlhf.launch.slurm import log_to_the_run_folder_from_the_first_node_only  # noqa: E402
+from rlhf.run.folder import remove_if_never_started, resume_overrides  # noqa: E402
+from rlhf.run.signals import Stopped, hand_over, install  # noqa: E402
+from rlhf.sweeps.points import FailedPoint, failed_points, in_a_sweep, objective_value, record_failure  # noqa: E402
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -82,7 +82,7 @@ def end_progress_bars() -> None:
 
 def resume_command(run_dir) -> str:
     """The command that continues this run: its folder and ``resume=auto`` (the run's recorded overrides are
-    re-applied, :func:`rlhf.run_folder.resume_overrides`), or its overrides too where Hydra recorded none."""
+    re-applied, :func:`rlhf.run.folder.resume_overrides`), or its overrides too where Hydra recorded none."""
     from hydra.core.hydra_config import HydraConfig
 
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("resume=", "hydra.run.dir="))]
@@ -103,5 +103,5 @@ if __name__ == "__main__":
     sys.argv += hydra_overrides_for_this_rank()  # under torchrun, only rank 0 writes .hydra/ and train.log
     sys.argv[1:] = resume_overrides(sys.argv[1:])  # hydra.run.dir=<run> resume=auto: the run's own overrides
     main()
-    if failed_points():  # a sweep's points that failed were counted, and summed up in one line (rlhf.sweep)
+    if failed_points():  # a sweep's points that failed were counted, and summed up in one line (rlhf.sweeps.points)
         sys.exit(1)

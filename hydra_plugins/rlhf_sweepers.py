@@ -1,5 +1,5 @@
 """Hydra's plugin for ``hydra/sweeper=select_then_confirm``: search on validation rows, then confirm each choice with
-fresh runs on the held-out rows (the logic and its documentation: ``rlhf/search.py``).
+fresh runs on the held-out rows (the logic and its documentation: ``rlhf/sweeps/search.py``).
 
 Hydra instantiates sweepers from the ``hydra_plugins`` package only, and imports every module here when it starts:
 this one imports nothing heavy at the top.
@@ -33,7 +33,7 @@ class SelectThenConfirm(Sweeper):
 
     def __init__(self, compare: str | None = None, search: Any = None, select_on: Any = None, confirm_on: Any = None,
                  max_batch_size: int | None = None) -> None:
-        from rlhf.search import as_overrides
+        from rlhf.sweeps.search import as_overrides
 
         super().__init__()
         self.compare, self.search = compare, search
@@ -52,10 +52,10 @@ class SelectThenConfirm(Sweeper):
                                                                 task_function=task_function, config=config)
 
     def _launch(self, stage: str, points: list, arguments: list[str], extra: list[str]) -> list[JobReturn]:
-        """Run ``points`` (each a :class:`rlhf.search.Point`) into ``<sweep dir>/<stage>/``; fill in their folders
+        """Run ``points`` (each a :class:`rlhf.sweeps.search.Point`) into ``<sweep dir>/<stage>/``; fill in their folders
         and values. ``extra``: overrides of every job of the stage."""
-        from rlhf.config import short_name
-        from rlhf.search import outcome
+        from rlhf.config.checks import short_name
+        from rlhf.sweeps.search import outcome
 
         constant = {o for o in [*self.select_on, *self.confirm_on] if "," not in o}  # the same in a whole stage
 
@@ -78,8 +78,8 @@ class SelectThenConfirm(Sweeper):
         return returns
 
     def sweep(self, arguments: list[str]) -> Any:
-        from rlhf.errors import UserError
-        from rlhf.search import Study, check_arguments, write
+        from rlhf.core.errors import UserError
+        from rlhf.sweeps.search import Study, check_arguments, write
 
         assert self.config is not None and self.launcher is not None
         try:

@@ -14,10 +14,15 @@ def _drop_kernels_notice(record: _logging.LogRecord) -> bool:
 # itself, which Hydra's logging configuration leaves in place.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_drop_kernels_notice)
 
-from rlhf import config as _config  # noqa: E402,F401  (registers the config resolvers)
-from rlhf import logging as _logging_sinks  # noqa: E402,F401  (registers rlhf.sweep_group, the W&B group of a sweep)
-from rlhf import slurm as _slurm  # noqa: E402,F401  (registers the launcher resolvers: rlhf.slurm_cpus, ...)
-from rlhf.launch import train  # noqa: E402
+from rlhf import old_paths as _old_paths  # noqa: E402
+
+_old_paths.install()  # rlhf.loop, rlhf.logging, ...: the module paths from before the layer packages still import
+
+from rlhf.config import checks as _config  # noqa: E402,F401  (registers the config resolvers)
+from rlhf.core import VERSION as __version__  # noqa: E402,F401
+from rlhf.launch import slurm as _slurm  # noqa: E402,F401  (registers the launcher resolvers: rlhf.slurm_cpus, ...)
+from rlhf.launch.processes import train  # noqa: E402
+from rlhf.telemetry import loggers as _logging_sinks  # noqa: E402,F401  (registers rlhf.sweep_group, the W&B group of a sweep)
 
 __all__ = ["StepTrainer", "train"]
 
@@ -26,8 +31,7 @@ def __getattr__(name: str):
     """``rlhf.StepTrainer`` is imported on first use: it pulls in the loop, the data and model modules, which
     ``train.py --help`` and a sweep's parent process never need."""
     if name == "StepTrainer":
-        from rlhf.step_trainer import StepTrainer
+        from rlhf.launch.step_trainer import StepTrainer
 
         return StepTrainer
     raise AttributeError(f"module 'rlhf' has no attribute {name!r}")
-__version__ = "0.1.0"

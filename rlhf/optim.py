@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from rlhf.validate import Range
+from rlhf.core.limits import Range
 
 
 def param_groups(model: torch.nn.Module) -> list[dict]:
@@ -89,8 +89,8 @@ def cosine_with_warmup(optimizer: torch.optim.Optimizer, num_warmup_steps: int =
 
 # --- allowed values ------------------------------------------------------------------------------------------
 # conf/optimizer/*.yaml and conf/scheduler/*.yaml build third-party classes, whose arguments cannot carry
-# rlhf.validate.limits. These limits apply, by argument name, to whichever class the `optimizer` / `scheduler`
-# group builds (rlhf.config.GROUP_LIMITS); an argument a class does not take is simply not there to check.
+# rlhf.core.limits.limits. These limits apply, by argument name, to whichever class the `optimizer` / `scheduler`
+# group builds (rlhf.config.checks.GROUP_LIMITS); an argument a class does not take is simply not there to check.
 OPTIMIZER_LIMITS: dict[str, Range] = {
     "lr": Range(gt=0, meaning="peak learning rate", fix="1e-4"),
     "weight_decay": Range(ge=0, meaning="weight decay of the matrices; 0 turns it off", fix=0.01),

@@ -18,13 +18,13 @@ completion), ``--threads`` torch threads, one process, on ``--device`` (``cpu``,
 - ``samples/s``: pairs (DPO) or rows (SFT) per second; the ratio rlhf / TRL is the headline;
 - ``tokens/s``: samples/s times the mean tokens of a sample in the data (prompt and completion, both sides of a
   pair), the same factor for both;
-- ``MFU``: model FLOP/s (``rlhf.perf.flops_per_token``: 6 x parameters per trained token, plus 2 x parameters of a
+- ``MFU``: model FLOP/s (``rlhf.telemetry.mfu.flops_per_token``: 6 x parameters per trained token, plus 2 x parameters of a
   live reference) over the peak that a matrix-product probe measures in this run (float32, or bfloat16 for the bf16
-  cases; ``rlhf.perf.probe``), for the tokens each side runs through the model: the data's for TRL, ours as its
+  cases; ``rlhf.telemetry.mfu.probe``), for the tokens each side runs through the model: the data's for TRL, ours as its
   ``perf/tokens_per_s`` counts them (a pair's prompt once where it shares it, ``algo.shared_prompt``: fewer than the
   data's, so its MFU is not inflated by the work it skips);
 - ``peak MB``: the process's peak resident memory above its size before the model was loaded (both measured the
-  same way, ``rlhf.memory.PeakMemory``).
+  same way, ``rlhf.telemetry.memory_preflight.PeakMemory``).
 
 And per size, what a checkpoint costs our DPO run: one more run writes one at steps N and 2N
 (``perf/checkpoint_time_s``), reported as a share of training at one checkpoint every ``CHECKPOINT_INTERVAL`` steps.
@@ -103,7 +103,7 @@ DEFAULT_CASES = list(CASES)
 LR, BETA, LOSS_TOLERANCE = 1e-4, 0.1, 1e-4
 # GRPO on both sides: completions per prompt (a step's batch counts completions, so --batch is a multiple of it);
 # sampling at temperature 1 over the whole vocabulary, no KL (both sides' default beta 0), TRL's loss_type "grpo"
-# (ours by default); the reward is rlhf.rewards.char_similarity on the reverse task's prompts.
+# (ours by default); the reward is rlhf.algos.reward_funcs.char_similarity on the reverse task's prompts.
 GROUP = 8
 TIMEOUT_S: float | None = None  # seconds one run (ours or TRL's) may take before it is stopped; None: no limit
 PROFILED_STEPS = 3  # --profile: steps recorded by torch.profiler on each side, from the timed window's first
@@ -235,8 +235,8 @@ def grpo_losses(model, reference, tokenizer, device: str, tmp: str, prompts: int
     from rlhf.algos.grpo import GRPO
     from rlhf.algos.online import training_batch
     from rlhf.algos.policy_gradient import completion_logps
+    from rlhf.algos.reward_funcs import char_similarity
     from rlhf.models.reference import FrozenCopy
-    from rlhf.rewards import char_similarity
 
     generator = torch.Generator().manual_seed(2)
     n, prompt_len, completion_len = prompts * group, 12, 10
@@ -381,7 +381,7 @@ def trl_worker(spec: dict) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from rlhf.memory import PeakMemory
+    from rlhf.telemetry.memory_preflight import PeakMemory
 
     device = torch.device(spec.get("device", "cpu"))
     peak = PeakMemory(device)  # before the model: the figure our loop reports
@@ -389,9 +389,9 @@ def trl_worker(spec: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
-    from rlhf.profiling import StepProfiler
+    from rlhf.telemetry.profiling import StepProfiler
 
-    # --profile: the same steps as ours (after the first window of `steps`), the same files (rlhf.profiling)
+    # --profile: the same steps as ours (after the first window of `steps`), the same files (rlhf.telemetry.profiling)
     profiler = StepProfiler(PROFILED_STEPS if spec.get("profile_to") else 0, spec["steps"] + 1,
                             Path(spec["profile_to"] or "."), device, writes=True,
                             memory=bool(spec.get("profile_memory")))
@@ -423,7 +423,7 @@ def trl_worker(spec: dict) -> None:
     elif algo == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
-        from rlhf.rewards import char_similarity
+        from rlhf.algos.reward_funcs import char_similarity
 
         args = GRPOConfig(num_generations=GROUP, max_completion_length=SHAPES[spec.get("shape", "short")][1],
                           temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", scale_rewards="group",
@@ -448,7 +448,7 @@ def _env(threads: int) -> dict[str, str]:
 def machine(device: str = "cpu") -> str:
     import torch
 
-    from rlhf.perf import machine_name
+    from rlhf.telemetry.mfu import machine_name
 
     return f"{machine_name(torch.device(device))}, {platform.system()}"
 
@@ -553,7 +553,7 @@ def main() -> int:
     import torch
 
     from rlhf.hardware.base import cpus_available
-    from rlhf.perf import bf16_supported, probe
+    from rlhf.telemetry.mfu import bf16_supported, probe
 
     sizes, shapes, cases = (args.sizes.split(","), args.shapes.split(","), args.cases.split(","))
     for name, chosen, known in (("size", sizes, SIZES), ("shape", shapes, SHAPES), ("case", cases, CASES)):
@@ -620,7 +620,7 @@ def main() -> int:
                             (profiles.with_name(profiles.name + "-rlhf")).mkdir(parents=True, exist_ok=True)
                             shutil.copy(case_dir / f"ours-{case}" / name, profiles.with_name(profiles.name + "-rlhf") / name)
                     live = algo == "dpo" and "precomputed" not in case  # a reference runs forward each step
-                    flops = 6.0 * params + (2.0 * params if live else 0.0)  # rlhf.perf.flops_per_token's formula
+                    flops = 6.0 * params + (2.0 * params if live else 0.0)  # rlhf.telemetry.mfu.flops_per_token's formula
                     ours_bf16 = case in BF16 or (case in SHIPPED_TRL_BF16 and has_bf16)  # auto: bf16 where it is native
                     for side, bf16 in ((ours, ours_bf16), (theirs, case in BF16 or case in SHIPPED_TRL_BF16)):
                         side["tokens_per_s"] = side["samples_per_s"] * per_sample

@@ -11,8 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlhf.errors import UserError
-from rlhf.results import Run
+from rlhf.core.errors import UserError
+from rlhf.sweeps.results import Run
 
 
 def main() -> int:

@@ -8,7 +8,7 @@ held-out metric at step 0, at the end and at its best (with the step), the final
 wall time and the status (finished, running, crashed: crashed runs show what they logged and the last error of
 their train.log). Written to --out (default: the sweep folder) as report.md, report.csv and report.png; the table is
 printed too. Where the runs searched a number (a learning rate...), objective.png plots their `objective.metric`
-against it, one line per value of the rest (the optimizer...). --seeds folds runs that differ only in `seed` into mean ± std. The logic is rlhf/report.py.
+against it, one line per value of the rest (the optimizer...). --seeds folds runs that differ only in `seed` into mean ± std. The logic is rlhf/sweeps/report.py.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import os
 import sys
 from pathlib import Path
 
-from rlhf import report
-from rlhf.errors import UserError
-from rlhf.results import find, is_run_folder
+from rlhf.core.errors import UserError
+from rlhf.sweeps import report
+from rlhf.sweeps.results import find, is_run_folder
 
 
 def main() -> int:

@@ -33,8 +33,8 @@ import torch
 
 from rlhf.algos.dpo import DPO
 from rlhf.data.tasks import ReverseTask
+from rlhf.embedded.tiny_model import TinySpec
 from rlhf.models.reference import FrozenCopy
-from rlhf.models.tiny import TinySpec
 
 
 def ours(policy, rows) -> dict[str, float]:

@@ -291,13 +291,13 @@ KERNEL_SHAPES = {"cuda": [("100m, 64 rows", 64 * 65, 768, 32000), ("1b, 64 rows"
 def output_layer_kernels(device: str, repeats: int = 5) -> list[dict]:
     """SFT's loss from the last hidden states (every position scored, bf16 autocast on a GPU), forward and
     backward, three ways: the logits whole then our one-pass log-softmax (``algo.fused_output_layer=false``), our
-    tiles (``rlhf.algos.token_logps.linear_log_softmax``: ``true``), and Liger-Kernel's fused linear cross entropy
+    tiles (``rlhf.ops.token_logps.linear_log_softmax``: ``true``), and Liger-Kernel's fused linear cross entropy
     (what TRL's ``use_liger_kernel`` uses; where ``liger-kernel`` is installed): milliseconds (best of ``repeats``),
     peak memory above the inputs (a GPU's), and the loss's distance from the whole logits' in float32 without
     autocast."""
     import torch
 
-    from rlhf.algos.token_logps import linear_log_softmax, selective_log_softmax
+    from rlhf.ops.token_logps import linear_log_softmax, selective_log_softmax
 
     def whole(hidden, weight, labels):
         return -selective_log_softmax(torch.nn.functional.linear(hidden, weight), labels).mean()
@@ -480,7 +480,7 @@ def main() -> int:
         names = ["torch", "transformers", "accelerate", "peft", "datasets", "pyarrow", "huggingface_hub", "hydra",
                  "omegaconf", "trl"]
         print("versions: " + ", ".join(f"{n} {importlib.import_module(n).__version__}" for n in names), flush=True)
-        import rlhf.loop  # noqa: F401  (the package imports against these versions)
+        import rlhf.run.loop  # noqa: F401  (the package imports against these versions)
     except ImportError as error:
         print(f"{error}: a package is missing or too old here. Fix: run scripts/device_wheels.sh where pip works and "
               "carry .whl (scripts/gpu_check.sh installs it)", file=sys.stderr)
@@ -490,7 +490,7 @@ def main() -> int:
     import transformers
 
     from rlhf.hardware.base import cpus_available
-    from rlhf.perf import machine_name, probe
+    from rlhf.telemetry.mfu import machine_name, probe
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()

@@ -1,5 +1,5 @@
 """Milliseconds of the token log-probabilities, forward and backward: autograd's operators against
-``rlhf.algos.token_logps``'s one blockwise pass, and whether they agree bit for bit.
+``rlhf.ops.token_logps``'s one blockwise pass, and whether they agree bit for bit.
 
     python scripts/logps_kernels.py             # the logits of bench.py's DPO batches (8 pairs, short rows)
     python scripts/logps_kernels.py --step      # and a whole 100m policy step (forward, backward) with each
@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from rlhf.algos import token_logps
-from rlhf.algos.token_logps import linear_log_softmax, selective_log_softmax
+from rlhf.ops import token_logps
+from rlhf.ops.token_logps import linear_log_softmax, selective_log_softmax
 
 SHAPES = [(16, 49, 4096), (16, 49, 16384), (16, 49, 32000), (16, 257, 4096)]
 FUSED_SHAPES = [(16, 49, 768, 32000), (16, 49, 512, 16384), (16, 257, 256, 4096)]  # batch, positions, hidden, vocab
@@ -35,7 +35,7 @@ FUSED_TILES_MIB = (4, 16, 64)
 
 
 def autograd_way(logits, labels):
-    """What ``rlhf.algos.base.completion_stats`` computed before: a float32 copy, gather, logsumexp, argmax."""
+    """What ``rlhf.ops.completion_logps.completion_stats`` computed before: a float32 copy, gather, logsumexp, argmax."""
     x = logits[:, :-1].float()
     return torch.gather(x, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, -1), x.argmax(-1)
 

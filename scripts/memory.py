@@ -7,7 +7,7 @@
 
 `measure` runs `train.py` once per reference strategy x optimizer (a fresh process each, 3 steps) and prints the
 preflight's prediction (`summary.json`'s `memory_predicted_mb`) beside the measured peak (`perf/peak_mem_mb`).
-`predict` and `fits` use the same preflight code (rlhf/memory.py) on models built on the meta device from their
+`predict` and `fits` use the same preflight code (rlhf/telemetry/memory_preflight.py) on models built on the meta device from their
 published architectures, with the real configs of this repository for optimizer, reference, PEFT and hardware:
 they are predictions, labelled so.
 """
@@ -111,15 +111,15 @@ def meta_model(architecture: str, dtype):
 
 
 def predict_one(architecture: str, overrides: list[str], checkpointing: bool, cache: dict):
-    """The preflight's prediction (rlhf.memory.plan) for one process of the setup ``overrides`` describes (the
+    """The preflight's prediction (rlhf.telemetry.memory_preflight.plan) for one process of the setup ``overrides`` describes (the
     repository's own config groups: hardware, optimizer, peft, algo/reference, model.dtype)."""
     import torch
     from hydra import compose, initialize_config_dir
 
-    from rlhf.config import build
+    from rlhf.core.instantiate import build
     from rlhf.hardware.holding import StoredPrecision
-    from rlhf.memory import activation_bytes, optimizer_bytes_per_parameter, plan
     from rlhf.models.loading import DTYPES
+    from rlhf.telemetry.memory_preflight import activation_bytes, optimizer_bytes_per_parameter, plan
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, "output_dir=unused"])
@@ -170,7 +170,7 @@ def predict() -> None:
     for architecture in ("Qwen2.5-0.5B", "Llama-2-7B"):
         print(f"\n**{architecture}: predicted GB per GPU** (2 GPUs, bf16 weights and autocast, one pair of "
               f"{GPU_TOKENS} tokens per micro-batch, gradient checkpointing on; a prediction of "
-              "`rlhf/memory.py`, not a measurement)\n")
+              "`rlhf/telemetry/memory_preflight.py`, not a measurement)\n")
         print("| hardware | peft | reference | " + " | ".join(ALL_OPTIMIZERS) + " |")
         print("|---|---|---|" + "---:|" * len(ALL_OPTIMIZERS))
         for hardware in HARDWARE:

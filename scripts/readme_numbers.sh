@@ -45,7 +45,7 @@ for part in $parts; do
       for run in sft dpo rpo; do
         $PY - "$OUT/$run" <<'PY'
 import sys
-from rlhf.results import Run
+from rlhf.sweeps.results import Run
 run = Run(sys.argv[1])
 evals = [r for r in run.metrics if "eval/exact_match" in r]
 first, last = evals[0], evals[-1]
@@ -60,7 +60,7 @@ PY
           train.save_final=false hydra.run.dir=$OUT/objective-$name >/dev/null 2>&1
         $PY - "$OUT/objective-$name" <<'PY'
 import sys
-from rlhf.results import Run
+from rlhf.sweeps.results import Run
 run = Run(sys.argv[1])
 evals = [r for r in run.metrics if "eval/exact_match" in r]
 print(f"{run.path.name}: eval/exact_match {evals[0]['eval/exact_match']:.3f} -> {evals[-1]['eval/exact_match']:.3f}"
@@ -89,7 +89,7 @@ PY
           hydra.run.dir=$OUT/$part-$seed >/dev/null 2>&1
         $PY - "$OUT/$part-$seed" $((SECONDS - start)) <<'PY'
 import sys
-from rlhf.results import Run
+from rlhf.sweeps.results import Run
 run = Run(sys.argv[1])
 evals = [(r["step"], r["eval/reward"]) for r in run.metrics if "eval/reward" in r]
 kept = [r["train/kept_fraction"] for r in run.metrics if "train/kept_fraction" in r]
@@ -108,7 +108,7 @@ PY
           hydra.run.dir=$OUT/generation-$hw >/dev/null 2>&1
         $PY - "$OUT/generation-$hw" <<'PY'
 import sys
-from rlhf.results import Run
+from rlhf.sweeps.results import Run
 run = Run(sys.argv[1])
 windows = [r for r in run.metrics if "perf/generation_time_s" in r][1:]  # the first window holds the start-up
 gen = sum(r["perf/generation_time_s"] for r in windows) / len(windows)
@@ -130,7 +130,7 @@ PY
       $PY - $OUT/ddp_speed-cpu-* $OUT/ddp_speed-cpu_ddp-* <<'PY'
 import statistics
 import sys
-from rlhf.results import Run
+from rlhf.sweeps.results import Run
 means = {"cpu": [], "cpu_ddp": []}
 for folder in sys.argv[1:]:
     run = Run(folder)

@@ -51,9 +51,9 @@ def measure(option: str, arch: dict) -> dict:
     """One rank: place a reference with ``option``'s strategy; what it holds and what it costs."""
     from hydra import compose, initialize_config_dir
 
-    from rlhf.config import build
+    from rlhf.core.instantiate import build
+    from rlhf.embedded.tiny_model import TinySpec
     from rlhf.models.reference import FrozenCopy
-    from rlhf.models.tiny import TinySpec
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[f"hardware={option}", "hardware.device=cpu", "hardware.num_processes=2",

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rlhf.results import Run
+from rlhf.sweeps.results import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN_JOB = ["algo=dpo", "optimizer=lion"]

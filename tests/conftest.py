@@ -46,7 +46,7 @@ def installed(module: str) -> bool:
 
 def fast_initial_model() -> torch.nn.Module:
     """The model every FAST run starts from (its tiny model, random init): to measure how far a run moved."""
-    from rlhf.models.tiny import TinySpec
+    from rlhf.embedded.tiny_model import TinySpec
 
     return TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, warm_start_steps=0).build().model
 

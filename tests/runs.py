@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from rlhf import checkpoint, train
+from rlhf import train
+from rlhf.run import checkpoint
 from tests.conftest import FAST, ROOT, assert_equal_trees, compose_config
 
 # Long enough that a kill lands between a checkpoint and the end; small enough for seconds.

@@ -23,8 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf import checkpoint, run_folder, train
-from rlhf.errors import UserError
+from rlhf import train
+from rlhf.core.errors import UserError
+from rlhf.run import checkpoint
+from rlhf.run import folder as run_folder
 from tests.conftest import FAST, compose_config
 
 
@@ -78,7 +80,7 @@ def disk(tmp_path):
 
 
 def _fails_when_full(monkeypatch, disk: Disk, name: str, call: int = 1) -> list[str]:
-    """Make the `call`-th call of ``rlhf.checkpoint.<name>`` run on a full disk; return the reason it will give."""
+    """Make the `call`-th call of ``rlhf.run.checkpoint.<name>`` run on a full disk; return the reason it will give."""
     original, calls, reason = getattr(checkpoint, name), [], []
 
     def on_full_disk(*args, **kwargs):
@@ -135,7 +137,7 @@ def test_a_full_disk_at_the_final_save_keeps_the_previous_runs_model_in_place(di
 def test_the_write_failures_of_each_library_are_told_apart_from_bugs():
     from safetensors import SafetensorError
 
-    from rlhf.files import is_write_failure
+    from rlhf.core.file_io import is_write_failure
 
     assert is_write_failure(OSError(errno.ENOSPC, "No space left on device"))
     assert is_write_failure(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"))

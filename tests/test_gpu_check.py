@@ -87,7 +87,7 @@ def test_the_plan_names_what_the_benchmark_has():
 @pytest.mark.parametrize("lever", gpu_check.LEVERS, ids=lambda lever: f"{lever[0]}-{lever[2]}-{lever[3]}")
 def test_each_lever_composes_and_passes_the_config_check(lever):
     """The GPU runs each lever's overrides once: a typo there would cost a lent minute, so each composes here."""
-    from rlhf.config import check_config
+    from rlhf.config.checks import check_config
     from tests.conftest import compose_config
 
     size, batch, case, _, overrides = lever

@@ -1,7 +1,7 @@
 """The hot loop waits for the device once per optimizer step: the metrics, token counts and gradient norm stay on
 the device through the log window. Counted on the CPU as the calls that would wait for a GPU (``item``,
 ``float()``/``int()``/``bool()`` of a tensor, ``tolist``, ``cpu``, ``numpy``) made by the package's own code inside
-:func:`rlhf.loop.train_step`, outside the batch source (which builds batches on the host)."""
+:func:`rlhf.run.loop.train_step`, outside the batch source (which builds batches on the host)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import rlhf
-from rlhf import loop, train
+from rlhf import train
+from rlhf.run import loop
 
 PACKAGE = str(Path(rlhf.__file__).parent)
 READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")

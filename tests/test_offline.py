@@ -14,17 +14,17 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from rlhf import hub
-from rlhf.errors import UserError
+from rlhf.core import hub
+from rlhf.core.errors import UserError
 from tests.conftest import ROOT
 
 # Run in a fresh process: huggingface_hub reads HF_HOME and HF_ENDPOINT when it is imported.
 _SCENARIOS = r"""
 import json, os, sys, time
 from pathlib import Path
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
 from rlhf.models.loading import load_policy
-from rlhf.models.tiny import TinySpec
+from rlhf.embedded.tiny_model import TinySpec
 
 def attempt(name):
     start = time.perf_counter()

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rlhf import optim
-from rlhf.models.tiny import TinySpec
+from rlhf.embedded.tiny_model import TinySpec
 from rlhf.optim import param_groups
 
 

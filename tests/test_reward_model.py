@@ -1,4 +1,4 @@
-"""A reward model saved by algo=reward as a reward function (rlhf.rewards.RewardModel): its scores are the saved
+"""A reward model saved by algo=reward as a reward function (rlhf.algos.reward_funcs.RewardModel): its scores are the saved
 model's own outputs on prompt + completion tokenized as algo=reward tokenizes, in a GRPO run; a missing or wrong
 folder is refused with the fix."""
 
@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhf import train
-from rlhf.config import check_config
-from rlhf.errors import UserError
-from rlhf.rewards import RewardModel
+from rlhf.algos.reward_funcs import RewardModel
+from rlhf.config.checks import check_config
+from rlhf.core.errors import UserError
 from tests.conftest import FAST, compose_config
 
 

@@ -54,7 +54,7 @@ def test_no_secret_from_the_environment_reaches_the_run_folder_or_the_output(sec
 def test_the_printed_config_holds_no_secret():
     out = _train("--cfg", "all", "logger=wandb", "model=gpt2", env=SECRETS)  # the job's config and Hydra's
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "_target_: rlhf.logging.WandbLogger" in out.stdout and "hydra:" in out.stdout
+    assert "_target_: rlhf.telemetry.loggers.WandbLogger" in out.stdout and "hydra:" in out.stdout
     for value in SECRETS.values():
         assert value not in out.stdout and value not in out.stderr
 
@@ -131,8 +131,8 @@ def _mode(path: Path) -> int:
 def test_use_umask_gives_library_written_files_the_usual_modes(tmp_path, umask_022):
     import tempfile
 
-    from rlhf.files import current_umask, use_umask
-    from rlhf.models.tiny import TinySpec
+    from rlhf.core.file_io import current_umask, use_umask
+    from rlhf.embedded.tiny_model import TinySpec
 
     assert current_umask() == 0o022
     staging = Path(tempfile.mkdtemp(dir=tmp_path))  # 0700, as mkdtemp makes it
@@ -147,7 +147,7 @@ def test_use_umask_gives_library_written_files_the_usual_modes(tmp_path, umask_0
 
 
 def test_use_umask_follows_a_stricter_umask(tmp_path):
-    from rlhf.files import use_umask
+    from rlhf.core.file_io import use_umask
 
     (tmp_path / "folder").mkdir()
     (tmp_path / "folder" / "weights").write_text("x")
@@ -167,7 +167,7 @@ def test_a_runs_final_model_is_readable_as_the_umask_says(secret_run):
 
 
 def test_the_tiny_models_warm_start_cache_is_readable_as_the_umask_says(tmp_path, umask_022):
-    from rlhf.models.tiny import TinySpec
+    from rlhf.embedded.tiny_model import TinySpec
 
     TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=1,
              warm_start_batch_size=2, cache_dir=str(tmp_path)).build()

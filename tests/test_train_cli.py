@@ -124,7 +124,7 @@ def test_a_default_run_imports_no_library_it_does_not_use(tmp_path):
     enabled, frozen = gc_line.split()[1:]
     assert enabled == "True" and int(frozen) > 100_000, gc_line  # about 600,000 objects made by the imports
     imported = set(modules)
-    assert {"torch", "accelerate", "transformers.models.llama.modeling_llama", "rlhf.loop"} <= imported
+    assert {"torch", "accelerate", "transformers.models.llama.modeling_llama", "rlhf.run.loop"} <= imported
     unused = {"peft", "bitsandbytes", "deepspeed", "transformers.trainer_utils", "transformers.optimization"}
     assert not unused & imported
 
@@ -151,8 +151,8 @@ def test_a_reward_function_and_its_yaml_from_the_users_own_folder_run_and_its_er
 
 
 def test_a_module_that_is_nowhere_says_where_modules_of_ones_own_are_found(tmp_path):
-    from rlhf.config import check_config
-    from rlhf.errors import UserError
+    from rlhf.config.checks import check_config
+    from rlhf.core.errors import UserError
     from tests.conftest import compose_config
 
     cfg = compose_config("algo=grpo", output_dir=tmp_path)

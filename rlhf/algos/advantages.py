@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
 
 STD_EPS = 1e-4
 """Added to a standard deviation before dividing by it (TRL's GRPO uses 1e-4): all-equal rewards give 0, not NaN."""
@@ -48,7 +48,7 @@ def _centered(x: Tensor, dim: int) -> Tensor:
 
 
 def compares_within_a_group(baseline: str, when: str | None = None) -> Callable[[dict, str], None]:
-    """A config check (:func:`rlhf.validate.limits`) refusing ``num_generations=1`` for an algorithm whose
+    """A config check (:func:`rlhf.core.limits.limits`) refusing ``num_generations=1`` for an algorithm whose
     advantage compares each completion with the others of its prompt (``baseline`` says how), optionally only
     when its option ``when`` is on: one completion a prompt is its own baseline, every advantage is 0 and nothing is
     learned."""

@@ -15,17 +15,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf.algos.base import completion_stats, keep_completion_logits
 from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.algos.sft import nll_loss, require_packing
+from rlhf.core.errors import UserError
+from rlhf.core.limits import Range, limits
 from rlhf.data import shared_prompt
 from rlhf.data.collate import TRUNCATED, collate_packed, collate_sequences, encode, require_completion
-from rlhf.errors import UserError
-from rlhf.metrics import processes, sum_over_every_process
-from rlhf.models.output_layer import check_when
 from rlhf.models.reference import FrozenCopy, Reference
-from rlhf.validate import Range, limits
+from rlhf.ops.collectives import processes, sum_over_every_process
+from rlhf.ops.completion_logps import completion_stats, keep_completion_logits
+from rlhf.ops.output_layer import check_when
 
 
 def packing_lays_out_alone(values: dict[str, Any], where: str) -> None:
@@ -62,12 +62,12 @@ class DPO(ReferenceRegularized):
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
         completion_logits_only: compute the output layer only where it scores completion tokens (from the batch's
-            earliest one on), for the policy and the reference alike (:func:`~rlhf.algos.base.keep_completion_logits`).
+            earliest one on), for the policy and the reference alike (:func:`~rlhf.ops.completion_logps.keep_completion_logits`).
             On by default (measured faster: ``scripts/levers.py``); off by itself with ``nll_on_prompt``, which
             scores the prompt too.
         fused_output_layer: where the output layer computes the token log-probabilities itself, a tile of logits at a time,
             so that the ``[B, T, V]`` logits and their gradient never exist whole (policy and reference;
-            :mod:`rlhf.models.output_layer`): ``auto`` (on a GPU, where those are a step's largest tensors),
+            :mod:`rlhf.ops.output_layer`): ``auto`` (on a GPU, where those are a step's largest tensors),
             ``true`` (also on a CPU, where it measured 0.91-1.11x: the backward pass computes the logits again),
             or ``false``. Models that transform their logits after the output layer compute logits whatever this says.
         shared_prompt: lay each pair out as one sequence, chosen and rejected after one shared prompt
@@ -83,7 +83,7 @@ class DPO(ReferenceRegularized):
             nor ``nll_on_prompt``.
 
     The allowed values (``@limits`` above, and :class:`ReferenceRegularized`'s) are checked by
-    :func:`rlhf.config.check_config` before anything is built.
+    :func:`rlhf.config.checks.check_config` before anything is built.
     """
 
     columns = ("prompt", "chosen", "rejected")
@@ -188,7 +188,7 @@ class DPO(ReferenceRegularized):
 
     def loss(self, model, batch: dict[str, Tensor], training: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
         """``training=False`` (held-out batches): the loss state is read but not updated. A training batch's pairs
-        carry :func:`~rlhf.metrics.sum_over_every_process` where several processes run (``PairLogps.global_sum``):
+        carry :func:`~rlhf.ops.collectives.sum_over_every_process` where several processes run (``PairLogps.global_sum``):
         a loss that reads the step's whole batch (BCO's running mean) sums over them."""
         policy = completion_stats(model, batch)
         ref_logps = self.reference_logps(batch, model, held_out=not training,

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf.errors import UserError
-from rlhf.validate import Range, limits
+from rlhf.core.errors import UserError
+from rlhf.core.limits import Range, limits
 
 LossState = dict[str, Tensor]
 """What a loss keeps across steps (tensors by name); saved in checkpoints by the algorithm."""
@@ -42,7 +42,7 @@ class PairLogps:
     chosen_tokens: Tensor
     rejected_tokens: Tensor
     # Sums a tensor over every process of a training step, each holding its own pairs (a collective: every process
-    # calls it, :func:`rlhf.metrics.sum_over_every_process`), for a loss that reads the step's whole batch (BCO's
+    # calls it, :func:`rlhf.ops.collectives.sum_over_every_process`), for a loss that reads the step's whole batch (BCO's
     # running mean). None: these pairs are all there is (one process; or a held-out batch, whose metrics do not
     # depend on the number of processes).
     global_sum: Callable[[Tensor], Tensor] | None = None

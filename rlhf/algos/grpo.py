@@ -21,7 +21,7 @@ from torch import Tensor
 
 from rlhf.algos.advantages import compares_within_a_group, scale_by_group_std
 from rlhf.algos.policy_gradient import PolicyGradient, all_gather_rows
-from rlhf.validate import limits
+from rlhf.core.limits import limits
 
 
 @limits(compares_within_a_group("each completion's advantage is its reward against its prompt's group mean"))
@@ -62,7 +62,7 @@ class GRPO(PolicyGradient):
             of ``softmax(logits / temperature)``, the policy that sampled (``top_p``/``top_k`` truncate the
             sampling only, as in TRL); ``max_prompt_length``: prompts keep their last tokens.
         seed: the run's seed, from which every prompt batch's sampling seed derives.
-        reward_funcs, reward_weights, reward_columns: the reward functions by name (:mod:`rlhf.rewards`), one
+        reward_funcs, reward_weights, reward_columns: the reward functions by name (:mod:`rlhf.algos.reward_funcs`), one
             weight each (``None``: all 1), and the dataset columns passed to them.
         reference: the :class:`~rlhf.models.reference.Reference` strategy that builds the reference (``beta > 0``).
         disable_dropout: no dropout in policy and reference, as TRL does.

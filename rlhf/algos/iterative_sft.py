@@ -1,7 +1,7 @@
 """Iterative SFT (expert iteration, rejection-sampling fine-tuning) through the one loop.
 
 Per rollout, ``num_generations`` completions are sampled for each prompt and scored by the reward functions
-(:mod:`rlhf.rewards`); :func:`keep_best` chooses which of them to learn from (the ``keep_top_k`` best of each
+(:mod:`rlhf.algos.reward_funcs`); :func:`keep_best` chooses which of them to learn from (the ``keep_top_k`` best of each
 prompt's group, and only those whose reward reaches ``keep_threshold``); the loss is SFT's
 (:func:`rlhf.algos.sft.nll_loss`): the mean negative log-likelihood of the kept completions' tokens (EOS included)
 given their prompts, the sequences laid out as ``algo=sft`` lays out its rows (prompt + completion, right-padded).
@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf.algos.base import completion_stats
 from rlhf.algos.online import (
     OnlineAlgorithm,
 )
 from rlhf.algos.sft import nll_loss
+from rlhf.core.limits import Range, limits
 from rlhf.data.collate import collate_sequences
-from rlhf.validate import Range, limits
+from rlhf.ops.completion_logps import completion_stats
 
 
 def keep_best(rewards: Tensor, num_generations: int, top_k: int | None = None,
@@ -83,7 +83,7 @@ class IterativeSFT(OnlineAlgorithm):
         temperature, top_p, top_k, max_completion_length: sampling of training completions (held-out ones are
             greedy); ``max_prompt_length``: prompts keep their last tokens.
         seed: the run's seed, from which every prompt batch's sampling seed derives.
-        reward_funcs, reward_weights, reward_columns: the reward functions by name (:mod:`rlhf.rewards`), one
+        reward_funcs, reward_weights, reward_columns: the reward functions by name (:mod:`rlhf.algos.reward_funcs`), one
             weight each (``None``: all 1), and the dataset columns passed to them; the filter reads the weighted
             reward.
         log_completions, log_completions_every_steps, num_completions_to_print: every N steps (and at the

@@ -19,14 +19,14 @@ import torch
 from hydra.utils import get_object
 from torch import Tensor
 
-from rlhf.algos.base import completion_stats
 from rlhf.algos.regularized import ReferenceRegularized
+from rlhf.core.errors import UserError
+from rlhf.core.limits import Range, limits
 from rlhf.data.collate import TRUNCATED, collate_sequences, encode, require_completion
-from rlhf.errors import UserError
-from rlhf.metrics import processes, sum_over_every_process
-from rlhf.models.output_layer import check_when
 from rlhf.models.reference import FrozenCopy
-from rlhf.validate import Range, limits
+from rlhf.ops.collectives import processes, sum_over_every_process
+from rlhf.ops.completion_logps import completion_stats
+from rlhf.ops.output_layer import check_when
 
 KL = "kl_"  # prefix of the mismatched (prompt, completion) sequences in a batch
 
@@ -85,7 +85,7 @@ class KTO(ReferenceRegularized):
         max_length: sequences longer than this many tokens lose their end (>= 1, or null); the mismatched
             sequences too.
         fused_output_layer: where the output layer computes the token log-probabilities itself, a tile of logits at a time,
-            the ``[B, T, V]`` logits never whole (:mod:`rlhf.models.output_layer`): ``auto`` (on a GPU), ``true``
+            the ``[B, T, V]`` logits never whole (:mod:`rlhf.ops.output_layer`): ``auto`` (on a GPU), ``true``
             (also on a CPU) or ``false``.
     """
 

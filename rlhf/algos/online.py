@@ -3,7 +3,7 @@ loop as micro-batches through the ``batch_source`` hook (:class:`rlhf.algos.base
 
 - :class:`OnlineAlgorithm`: tokenizes prompt rows (left-padded batches, as ``generate`` needs), samples with the
   config's settings (``temperature``, ``top_p``, ``top_k``, ``max_completion_length``, ``num_generations``), scores
-  completions with the reward functions (:mod:`rlhf.rewards`), evaluates by greedy decoding, and keeps the rollout
+  completions with the reward functions (:mod:`rlhf.algos.reward_funcs`), evaluates by greedy decoding, and keeps the rollout
   buffer as its checkpointed state. A subclass implements :meth:`OnlineAlgorithm.rollout` (what a rollout computes
   besides the samples: advantages, old and reference log-probabilities) and ``loss``.
 - :class:`Rollouts`: the batch source. Per rollout it draws ``train.per_device_batch_size`` prompts from the
@@ -26,14 +26,14 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import Tensor
 
-from rlhf import rewards as reward_lib
+from rlhf.algos import reward_funcs as reward_lib
 from rlhf.algos.base import PROMPT_TOKENS, Algorithm
+from rlhf.core.errors import UserError
+from rlhf.core.limits import Range, limits
+from rlhf.core.train_state import TrainState
 from rlhf.data.collate import PROMPT_CUT, TRUNCATED
 from rlhf.data.loaders import Batches
-from rlhf.errors import UserError
 from rlhf.models.generation import gathered_for_generation
-from rlhf.state import TrainState
-from rlhf.validate import Range, limits
 
 TEMPERATURE = Range(gt=0, meaning="the sampling temperature of training completions; 1.0 samples the policy as it is",
                     fix=1.0)
@@ -218,7 +218,7 @@ class OnlineAlgorithm(Algorithm):
 
     def score(self, prompts: dict[str, Any], completions: list[str], num_generations: int, keep: bool = True
               ) -> tuple[Tensor, Tensor]:
-        """``(reward [N], per_function [N, F])`` of the completions (:func:`rlhf.rewards.score`); ``keep``: they are
+        """``(reward [N], per_function [N, F])`` of the completions (:func:`rlhf.algos.reward_funcs.score`); ``keep``: they are
         the latest rollout's, which :meth:`tables` logs."""
         texts = [p for p in prompts["prompts"] for _ in range(num_generations)]
         columns = {c: [v for v in prompts[c] for _ in range(num_generations)] for c in self.reward_columns

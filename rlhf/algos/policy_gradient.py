@@ -46,12 +46,18 @@ from rlhf.algos.policy_losses import (
     token_log_ratio,
 )
 from rlhf.algos.reward_shaping import Moments, batch_moments, combine_moments
-from rlhf.algos.token_logps import selective_log_softmax
-from rlhf.errors import UserError
-from rlhf.metrics import flag_on_any_process, processes, sum_over_every_process
-from rlhf.models.output_layer import answer, answers, check_when, tap_output_layer, token_request
+from rlhf.core.errors import UserError
+from rlhf.core.limits import Range, limits
 from rlhf.models.reference import FrozenCopy, Reference, disable_dropout
-from rlhf.validate import Range, limits
+from rlhf.ops.collectives import (
+    flag_on_any_process,
+    gather_equal,
+    gather_rows,
+    processes,
+    sum_over_every_process,
+)
+from rlhf.ops.output_layer import answer, answers, check_when, tap_output_layer, token_request
+from rlhf.ops.token_logps import selective_log_softmax
 
 _K1_IN_THE_LOSS = ("{where}: kl_in_reward=false puts the KL estimate in the loss, where k1's gradient is zero in "
                    "expectation (E_pi[grad log pi] = 0; with a per-sequence mean, only a bias of the length): the KL "
@@ -255,21 +261,15 @@ class PolicyGradient(OnlineAlgorithm):
 
 
 # ---- collectives: statistics over the global batch -------------------------------------------------------------------
-# Sums and flags go through rlhf.metrics (sum_over_every_process, flag_on_any_process); the gathers are here.
+# Every collective is rlhf.ops.collectives'; these give it the policy's device.
 def _device(model) -> torch.device:
     return next(extract_model_from_parallel(model).parameters()).device
 
 
 def all_gather_rows(values: Tensor, model) -> tuple[Tensor, slice]:
     """Every process's ``values`` (equal shapes), concatenated in process order along the first dimension, and the
-    slice of this process's rows in it: ``(values, slice(0, N))`` with one process."""
-    if processes() == 1:
-        return values, slice(0, values.shape[0])
-    device = _device(model)
-    parts = [torch.empty_like(values, device=device) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(parts, values.to(device).contiguous())
-    rank, n = torch.distributed.get_rank(), values.shape[0]
-    return torch.cat(parts).to(values.device), slice(rank * n, (rank + 1) * n)
+    slice of this process's rows in it (:func:`rlhf.ops.collectives.gather_rows` on the policy's device)."""
+    return gather_rows(values, _device(model) if processes() > 1 else values.device)
 
 
 def global_masked_moments(values: Tensor, mask: Tensor, model) -> Moments:
@@ -279,9 +279,7 @@ def global_masked_moments(values: Tensor, mask: Tensor, model) -> Moments:
     if processes() == 1:
         return local
     moments = torch.tensor(local, dtype=torch.float64, device=_device(model))
-    parts = [torch.empty_like(moments) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(parts, moments)
-    stacked = torch.stack(parts).cpu()
+    stacked = torch.stack(gather_equal(moments)).cpu()
     return combine_moments(stacked[:, 0], stacked[:, 1], stacked[:, 2])
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf.algos.advantages import masked_mean
-from rlhf.validate import Range, limits
+from rlhf.core.limits import Range, limits
 
 # ---- importance ratios: log π_θ/π_old per token, [B, T] ----
 

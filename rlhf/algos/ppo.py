@@ -42,9 +42,9 @@ from rlhf.algos.reward_shaping import (
     score_norm,
     score_scaling,
 )
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
+from rlhf.core.limits import Range, limits
 from rlhf.models.value_head import attach_value_head, values_on
-from rlhf.validate import Range, limits
 
 RENAMED = {"num_iterations": "num_ppo_epochs", "steps_per_generation": "num_mini_batches", "beta": "kl_controller"}
 

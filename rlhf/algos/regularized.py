@@ -20,10 +20,10 @@ import torch
 from torch import Tensor
 
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
-from rlhf.metrics import flag_on_any_process
-from rlhf.models.output_layer import tap_output_layer
+from rlhf.core.limits import Range, limits
 from rlhf.models.reference import disable_dropout
-from rlhf.validate import Range, limits
+from rlhf.ops.collectives import flag_on_any_process
+from rlhf.ops.output_layer import tap_output_layer
 
 
 @limits(
@@ -46,7 +46,7 @@ class ReferenceRegularized(Algorithm):
     HELD_OUT_BATCHES_KEPT = 100_000  # held-out batches whose reference values are kept (a [B] tensor each)
     _copy_of_policy: torch.nn.Module | None = None  # see setup()
 
-    fused_output_layer: bool | str = False  # tap the policy's output layer (rlhf.models.output_layer): DPO and KTO set it
+    fused_output_layer: bool | str = False  # tap the policy's output layer (rlhf.ops.output_layer): DPO and KTO set it
 
     def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id

@@ -18,7 +18,7 @@ from torch import Tensor
 from rlhf.algos.advantages import compares_within_a_group, discounted_returns, group_centered, whiten_with
 from rlhf.algos.policy_gradient import PolicyGradient, global_masked_moments
 from rlhf.algos.reward_shaping import kl_penalized_rewards
-from rlhf.validate import Range, limits
+from rlhf.core.limits import Range, limits
 
 
 @limits(compares_within_a_group("the group baseline subtracts the mean score of its prompt's completions",

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
+from rlhf.core.errors import UserError
+from rlhf.core.limits import Range, limits
 from rlhf.data.collate import TRUNCATED, collate_sequences, encode, require_completion
-from rlhf.errors import UserError
-from rlhf.validate import Range, limits
 
 MARGIN = "margin"  # an optional numeric column of preference rows: how much better chosen is than rejected
 

@@ -14,8 +14,8 @@ import math
 import torch
 from torch import Tensor
 
-from rlhf.errors import UserError
-from rlhf.validate import Range, limits
+from rlhf.core.errors import UserError
+from rlhf.core.limits import Range, limits
 
 # ---- running moments: (count, mean, M2), M2 = Σ (x − mean)² ----
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from rlhf.algos.advantages import STD_EPS, compares_within_a_group, leave_one_out
 from rlhf.algos.policy_gradient import PolicyGradient, all_gather_rows
-from rlhf.validate import limits
+from rlhf.core.limits import limits
 
 
 @limits(compares_within_a_group("each completion's baseline is the mean reward of the other completions of its "

@@ -11,17 +11,11 @@ from typing import Any
 
 from torch import Tensor
 
-from rlhf.algos.base import (
-    PROMPT_TOKENS,
-    SEQUENCE_TOKENS,
-    Algorithm,
-    completion_stats,
-    keep_completion_logits,
-    prompt_leaves_room,
-)
+from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
+from rlhf.core.limits import limits
 from rlhf.data.collate import collate_packed, collate_sequences, encode, require_completion
-from rlhf.models.output_layer import check_when, tap_output_layer
-from rlhf.validate import limits
+from rlhf.ops.completion_logps import completion_stats, keep_completion_logits
+from rlhf.ops.output_layer import check_when, tap_output_layer
 
 
 def nll_loss(token_logps: Tensor, mask: Tensor) -> Tensor:
@@ -38,10 +32,10 @@ class SFT(Algorithm):
         max_prompt_length: prompts longer than this many tokens keep their end (>= 1, < max_length, or null).
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
         completion_logits_only: compute the output layer only where it scores completion tokens (from the batch's
-            earliest one on; :func:`~rlhf.algos.base.keep_completion_logits`). On by default; it saves nothing with
+            earliest one on; :func:`~rlhf.ops.completion_logps.keep_completion_logits`). On by default; it saves nothing with
             ``completion_only_loss=false`` (every token is scored).
         fused_output_layer: where the output layer computes the token log-probabilities itself, a tile of logits at a time,
-            the ``[B, T, V]`` logits never whole (:mod:`rlhf.models.output_layer`): ``auto`` (on a GPU), ``true``
+            the ``[B, T, V]`` logits never whole (:mod:`rlhf.ops.output_layer`): ``auto`` (on a GPU), ``true``
             (also on a CPU, where it measured 0.91-1.11x) or ``false``.
         padding_free: a micro-batch's rows packed into one sequence without padding, position ids restarting in
             each row (TRL's ``padding_free``; :func:`~rlhf.data.collate.collate_packed`): no token is padding, and
@@ -103,7 +97,7 @@ def require_packing(model, warn: bool = True) -> None:
     construction (variable-length sequences, a block mask) and have no CPU kernel to check with: not checked."""
     import torch
 
-    from rlhf.errors import UserError
+    from rlhf.core.errors import UserError
 
     attention = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
     if attention.startswith(("flash_attention", "flex_attention")):

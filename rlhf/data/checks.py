@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
 
 log = logging.getLogger(__name__)
 

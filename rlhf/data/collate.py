@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from rlhf.core.errors import UserError
 from rlhf.data.checks import ROW_COLUMN
-from rlhf.errors import UserError
 
 TRUNCATED = "_truncated"  # a tokenized row's key: what truncation cut (bit flags below; 0: nothing)
 PROMPT_CUT = 1  # the prompt was longer than max_prompt_length and kept its end

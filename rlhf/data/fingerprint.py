@@ -1,4 +1,4 @@
-"""A hash of a split's content (:func:`data_fingerprint`): what a resume compares (:mod:`rlhf.resume_check`), and
+"""A hash of a split's content (:func:`data_fingerprint`): what a resume compares (:mod:`rlhf.run.resume_check`), and
 part of the key of the tokenized data kept across runs (:mod:`rlhf.data.token_cache`)."""
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from typing import Any
 from datasets import Dataset
 from jinja2 import TemplateError
 
+from rlhf.core.errors import UserError
 from rlhf.data.checks import ROW_COLUMN, TYPED
-from rlhf.errors import UserError
 
 Messages = list[dict[str, str]]
 

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from rlhf.data import token_cache
 
 if TYPE_CHECKING:
-    from rlhf.state import TrainState
+    from rlhf.core.train_state import TrainState
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from rlhf.core.errors import UserError
 from rlhf.data import readers
-from rlhf.errors import UserError
 
 # Extensions of data files no reader handles: such a path is a local file (never a Hub id), reported as unsupported.
 OTHER_FILES = (".txt", ".tsv", ".xlsx", ".xls", ".gz", ".zip", ".tar", ".arrow", ".pkl", ".pickle", ".yaml", ".yml",
@@ -48,7 +48,7 @@ def path_problem(data_path: str) -> str | None:
 
 
 def check_path(values: dict, where: str) -> None:
-    """A check across arguments (:func:`rlhf.validate.limits`) of a data source: its ``path`` can be data."""
+    """A check across arguments (:func:`rlhf.core.limits.limits`) of a data source: its ``path`` can be data."""
     path = values.get("path")
     if isinstance(path, str) and path:
         problem = path_problem(path)

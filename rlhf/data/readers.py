@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf.core.errors import UserError
 from rlhf.data.checks import MISSING, TYPED, Origin, RowProblem, column_kind, describe_type, is_conversation
-from rlhf.errors import UserError
 
 SUPPORTED = (".csv", ".json", ".jsonl", ".parquet")  # file types data.path may name
 # What to use instead of an unsupported file.

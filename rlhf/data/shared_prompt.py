@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf.core.errors import UserError
 from rlhf.data.collate import PACKED_ROWS, pad
-from rlhf.errors import UserError
 
 BRANCH_IDS = "branch_ids"  # a batch key: [B, T] 0 shared prefix, 1 chosen's branch, 2 rejected's, -1 padding
 POSITION_IDS = "position_ids"  # a batch key: [B, T] each token's position in its pair's own sequence
@@ -123,7 +123,7 @@ def split_branches(branch: Tensor, *per_position: Tensor) -> list[Tensor]:
 
 
 def scored_sequences(batch: dict[str, Tensor]) -> int:
-    """How many sequences' statistics a forward pass of ``batch`` gives (:func:`rlhf.algos.base.completion_stats`):
+    """How many sequences' statistics a forward pass of ``batch`` gives (:func:`rlhf.ops.completion_logps.completion_stats`):
     two a row where the batch shares prompts (chosen and rejected), the rows it packs where it is padding-free
     (:func:`rlhf.data.collate.collate_packed`), else one a row."""
     if PACKED_ROWS in batch:

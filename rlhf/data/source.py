@@ -19,6 +19,9 @@ from typing import Any
 import pyarrow.parquet as pq
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
+from rlhf.core.errors import UserError
+from rlhf.core.hub import check_dataset_reachable
+from rlhf.core.limits import Range, limits, show
 from rlhf.data import paths, readers
 from rlhf.data.checks import (
     ROW_COLUMN,
@@ -32,9 +35,6 @@ from rlhf.data.checks import (
 )
 from rlhf.data.formats import pick_format, standardize
 from rlhf.data.tasks import ReverseTask
-from rlhf.errors import UserError
-from rlhf.hub import check_dataset_reachable
-from rlhf.validate import Range, limits, show
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class DataSource:
     def check_columns(values: Mapping[str, Any], columns: Sequence[str]) -> None:
         """Refuse, before anything loads, a local data file that lacks the columns an algorithm needs (`columns`):
         its first row (a CSV or Parquet header) is read, and the whole file only when that row lacks them. Called
-        by :func:`rlhf.config.check_config` with the ``data`` node's values; the load would say the same later."""
+        by :func:`rlhf.config.checks.check_config` with the ``data`` node's values; the load would say the same later."""
         path = values.get("path")
         if not isinstance(path, str) or not path or not columns:
             return

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlhf.core.errors import UserError
+from rlhf.core.file_io import use_umask
 from rlhf.data.fingerprint import data_fingerprint
-from rlhf.errors import UserError
-from rlhf.files import use_umask
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Hardware strategies: one object per ``conf/hardware`` option decides processes, devices and sharding."""
+"""Hardware strategies: one object per ``conf/hardware`` option decides processes, devices and sharding. May
+import ``rlhf.models``, ``rlhf.data``, ``rlhf.ops`` and ``rlhf.core``; independent of ``rlhf.algos``."""
 
 from rlhf.hardware.base import DataParallel, cpus_available, free_port
 from rlhf.hardware.fsdp import FSDP2

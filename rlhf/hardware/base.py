@@ -5,7 +5,7 @@ calls the same methods whatever the option: ``start`` (the Accelerator and the p
 (models that do not train; ``frozen_share`` predicts the share of one a process holds), ``prepare`` (the policy, its optimizer and the training loader),
 ``accumulate``/``backward``, ``clip_gradients`` (the norm before clipping), ``step`` (step and zero the gradients)
 or ``skip_step`` (a non-finite step), ``save_state``/``load_state`` (checkpoints) and ``save_model`` (one whole
-Hugging Face model, written by the main process). :mod:`rlhf.launch` reads ``processes_per_node`` and
+Hugging Face model, written by the main process). :mod:`rlhf.launch.processes` reads ``processes_per_node`` and
 ``num_nodes`` to start the processes; nothing else in the package knows about hardware.
 """
 
@@ -25,8 +25,9 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.state import AcceleratorState
 
-from rlhf.errors import UserError
-from rlhf.files import save_safetensors, save_torch
+from rlhf.core.errors import UserError
+from rlhf.core.file_io import save_safetensors, save_torch
+from rlhf.core.limits import limits
 from rlhf.hardware import cpus
 from rlhf.hardware.cpus import cpus_available
 from rlhf.hardware.frozen import is_trainable_only, load_trainable, save_trainable
@@ -37,8 +38,7 @@ from rlhf.hardware.holding import (
     linear_weights_to_bf16,
     local_numel,
 )
-from rlhf.metrics import any_process
-from rlhf.validate import limits
+from rlhf.ops.collectives import any_process
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class DataParallel:
         return {} if self.compile is True else {"backend": str(self.compile)}
 
     def processes_per_node(self) -> int:
-        """How many processes :mod:`rlhf.launch` starts on this machine."""
+        """How many processes :mod:`rlhf.launch.processes` starts on this machine."""
         if self.num_processes is not None:
             return self.num_processes
         return max(1, torch.cuda.device_count()) if self.uses_cuda() else 1
@@ -312,7 +312,7 @@ class DataParallel:
 
     def sharded_state(self) -> frozenset[str]:
         """What this strategy splits over its processes, of ``weights``, ``gradients`` and ``optimizer`` (the
-        policy's; read by the memory preflight, :mod:`rlhf.memory`). Data parallel: nothing, each process holds all."""
+        policy's; read by the memory preflight, :mod:`rlhf.telemetry.memory_preflight`). Data parallel: nothing, each process holds all."""
         return frozenset()
 
     def empty_cache(self) -> None:
@@ -370,7 +370,7 @@ class DataParallel:
         parameters (a LoRA adapter on its base, shared layers) saves only those that train, and a fingerprint of
         the rest in the file's metadata (:func:`rlhf.hardware.frozen.save_trainable`): the frozen base comes
         from the run's config again, and a resume checks it is the same. Raises OSError on the ranks whose write
-        failed (a full disk): :func:`rlhf.checkpoint.save` sums that over the ranks, so every strategy must
+        failed (a full disk): :func:`rlhf.run.checkpoint.save` sums that over the ranks, so every strategy must
         return on every rank, never leave one waiting in a collective."""
         if self.accelerator.is_main_process:
             unwrapped = self.unwrap(model)

@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
 
 KIND = "trainable-only"  # the file's metadata "rlhf" entry
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its frozen part's fingerprint

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 
 import torch
 
-from rlhf.errors import UserError
-from rlhf.files import load_torch
+from rlhf.core.errors import UserError
+from rlhf.core.file_io import load_torch
 from rlhf.hardware.sharded import Sharded
 from rlhf.models.quantize import has_8bit_weights
 
@@ -211,7 +211,7 @@ def _weights_only_planner(device: torch.device):
     """``torch.distributed.checkpoint``'s default load planner, except that the entries that are not tensors (the
     optimizer's hyperparameters and step counts, saved as pickled bytes) are read with
     ``torch.load(weights_only=True)`` (torch's own reads them with ``weights_only=False``), any tensor in them onto
-    ``device``, this process's (:func:`rlhf.files.load_torch`; the tensor entries are read onto the CPU, then copied
+    ``device``, this process's (:func:`rlhf.core.file_io.load_torch`; the tensor entries are read onto the CPU, then copied
     into the live state)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
 from rlhf.hardware.base import DataParallel
 from rlhf.hardware.holding import global_numel, local_numel
 

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
+from rlhf.core.limits import limits
 from rlhf.hardware.base import FP16_REASON, free_port
 from rlhf.hardware.holding import StoredPrecision, global_numel
 from rlhf.hardware.sharded import Sharded, name_deepspeed_accelerator
 from rlhf.models.quantize import is_quantized
-from rlhf.validate import limits
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ one in place after ``deepspeed.initialize``). Two changes from DeepSpeed's own t
   every rank must reach; a write that raised on one rank (a full disk) would send that rank on to the loop's next
   collective while the others wait in the barrier. This engine records the first failure, skips the rank's
   remaining writes and returns; :meth:`WeightsOnlyEngine.raise_failure`, called after ``save_checkpoint`` (after
-  that barrier), raises it as :class:`OSError`, which :func:`rlhf.checkpoint.save` sums over the ranks. The one
+  that barrier), raises it as :class:`OSError`, which :func:`rlhf.run.checkpoint.save` sums over the ranks. The one
   file DeepSpeed writes around its engine, rank 0's copy of its recovery scripts (``zero_to_fp32.py``), goes
   through the same record (:func:`install`).
 """
@@ -26,7 +26,7 @@ from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from rlhf.files import save_torch
+from rlhf.core.file_io import save_torch
 
 DEEPSPEED_CLASSES = [ZeroStageEnum, LossScaler, fragment_address]  # seen in the files of stages 1-3, fp32 and bf16
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
+from rlhf.core.limits import Range, limits
 from rlhf.models.quantize import DTYPE_NAMES, quantized_bytes
-from rlhf.validate import Range, limits
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _known_head(values: Mapping[str, Any], where: str) -> None:
 
 
 def adapter_folder_check(key: str) -> Callable[[Mapping[str, Any], str], None]:
-    """A check across arguments (:func:`rlhf.validate.limits`): the adapter folder named by ``key``, when set, holds
+    """A check across arguments (:func:`rlhf.core.limits.limits`): the adapter folder named by ``key``, when set, holds
     ``adapter_config.json``; refused before anything loads."""
     def check(values: Mapping[str, Any], where: str) -> None:
         folder = values.get(key)

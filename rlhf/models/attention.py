@@ -81,7 +81,7 @@ def kept_bytes(config: Any, keys: int, device_type: str, bf16: bool) -> int | No
     and output, in bytes per token and decoder layer, where ``auto`` runs the math kernel (:func:`uses_math_kernel`):
     under bf16 it computes in float32, so it keeps float32 copies of query, key and value (``3 h`` values, ``h`` the
     hidden size, against flash's bf16 ones) and each head's float32 scores (``heads x keys``). ``None`` elsewhere:
-    :func:`rlhf.memory.activation_bytes`' own count (``eager``'s scores)."""
+    :func:`rlhf.telemetry.memory_preflight.activation_bytes`' own count (``eager``'s scores)."""
     if getattr(config, "_attn_implementation", None) != NAME or not _math_is_faster(device_type, bf16, keys):
         return None
     hidden, heads = getattr(config, "hidden_size", 0), getattr(config, "num_attention_heads", 1)

@@ -16,11 +16,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from rlhf import hub
-from rlhf.errors import UserError
+from rlhf.core import hub
+from rlhf.core.errors import UserError
+from rlhf.core.limits import limits
 from rlhf.models import attention
 from rlhf.models.quantize import DTYPE_NAMES, load_quantized, quantized_copy
-from rlhf.validate import limits
 
 DTYPES = DTYPE_NAMES  # model.dtype names -> torch dtypes (one table, shared with the quantized loaders)
 
@@ -51,7 +51,7 @@ PLANNED_HEADS: dict[str, str] = {}
 
 
 def _known_head(values: dict[str, Any], where: str) -> None:
-    """A check across arguments (:func:`rlhf.validate.limits`): ``head`` is one that can be built."""
+    """A check across arguments (:func:`rlhf.core.limits.limits`): ``head`` is one that can be built."""
     head = values.get("head", "causal_lm")
     if head in PLANNED_HEADS:
         raise UserError(f"{where}.head={head}: {PLANNED_HEADS[head]}")
@@ -98,7 +98,7 @@ def check_model_path(name_or_path: str) -> None:
 
 
 def _local_model(values: dict[str, Any], where: str) -> None:
-    """A check across arguments (:func:`rlhf.validate.limits`): a local model folder exists, before anything loads."""
+    """A check across arguments (:func:`rlhf.core.limits.limits`): a local model folder exists, before anything loads."""
     if isinstance(values.get("name_or_path"), str):
         check_model_path(values["name_or_path"])
 
@@ -133,7 +133,7 @@ def load_policy(
             ``flash_attention_2``, ...); ``None`` lets transformers pick.
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
             them (non-reentrant ``torch.utils.checkpoint``): activation memory for about a third more compute.
-        tiny: a :class:`rlhf.models.tiny.TinySpec`, used when ``name_or_path`` is ``None``.
+        tiny: a :class:`rlhf.embedded.tiny_model.TinySpec`, used when ``name_or_path`` is ``None``.
         head: what the model outputs, a key of :data:`HEADS`: ``causal_lm`` (next-token logits),
             ``sequence_classification`` (one scalar per sequence, a reward model) or ``value`` (one scalar per
             token, PPO's critic: :func:`rlhf.models.value.token_values`). A causal LM checkpoint loaded with another

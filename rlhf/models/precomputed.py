@@ -46,13 +46,13 @@ from datasets import DatasetDict
 from torch import Tensor
 from tqdm.auto import tqdm
 
-import rlhf
-from rlhf.algos.base import completion_stats
+from rlhf.core import VERSION
+from rlhf.core.file_io import current_umask
+from rlhf.core.limits import Range, limits
 from rlhf.data.fingerprint import data_fingerprint
-from rlhf.files import current_umask
-from rlhf.metrics import sum_over_processes
 from rlhf.models.reference import FrozenCopy, Pretrained, Reference
-from rlhf.validate import Range, limits
+from rlhf.ops.collectives import sum_over_processes
+from rlhf.ops.completion_logps import completion_stats
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class Precomputed(Reference):
         import transformers
 
         blob = json.dumps({
-            "format": FORMAT, "versions": [rlhf.__version__, torch.__version__, transformers.__version__],
+            "format": FORMAT, "versions": [VERSION, torch.__version__, transformers.__version__],
             "reference": reference_hash, "rows": data_fingerprint(split), "size": len(split),
             "collate": f"{getattr(collate, '__module__', '')}.{getattr(collate, '__qualname__', repr(collate))}",
             "device": strategy.accelerator.device.type, "precision": getattr(strategy, "mixed_precision", "no"),

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf.algos.base import completion_stats
+from rlhf.core.errors import UserError
+from rlhf.core.limits import Range, limits
 from rlhf.data import shared_prompt
-from rlhf.errors import UserError
 from rlhf.models.quantize import (
     DTYPE_NAMES,
     is_quantized,
@@ -41,7 +41,7 @@ from rlhf.models.quantize import (
     quantized_copy,
     quiet_bitsandbytes,
 )
-from rlhf.validate import Range, limits
+from rlhf.ops.completion_logps import completion_stats
 
 
 class Reference:

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf.algos.base import completion_stats
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
+from rlhf.core.limits import limits
 from rlhf.models.adapters import adapter_folder_check
 from rlhf.models.reference import Reference
-from rlhf.validate import limits
+from rlhf.ops.completion_logps import completion_stats
 
 REFERENCE_ADAPTER = "reference"  # the second adapter's name in the PEFT model ("default" is the trained one)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
 
 
 def token_values(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

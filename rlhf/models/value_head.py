@@ -24,7 +24,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import Tensor, nn
 
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
 
 
 class ValueScore(nn.Linear):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf.algos import advantages as A
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
 
 # Two prompts, three completions each (G = 3).
 REWARDS = [1.0, 0.0, 2.0, 5.0, 5.0, 5.0]
@@ -178,8 +178,8 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
                                                        "completion a prompt, algo.group_baseline=false"),
 ])
 def test_one_completion_a_prompt_is_refused_where_the_advantage_compares_within_the_group(overrides, message):
-    from rlhf.config import check_config
-    from rlhf.errors import UserError
+    from rlhf.config.checks import check_config
+    from rlhf.core.errors import UserError
     from tests.conftest import compose_config
 
     with pytest.raises(UserError, match=message):
@@ -189,7 +189,7 @@ def test_one_completion_a_prompt_is_refused_where_the_advantage_compares_within_
 
 @pytest.mark.parametrize("overrides", [["algo=ppo"], ["algo=reinforce_pp"], ["algo=iterative_sft"]])
 def test_one_completion_a_prompt_is_allowed_where_it_means_something(overrides):
-    from rlhf.config import check_config
+    from rlhf.config.checks import check_config
     from tests.conftest import compose_config
 
     check_config(compose_config(*overrides, "algo.num_generations=1"))

@@ -1,13 +1,14 @@
 import torch
 
 from rlhf import train
-from rlhf.algos.base import Algorithm, completion_stats
+from rlhf.algos.base import Algorithm
 from rlhf.algos.dpo import DPO
 from rlhf.algos.sft import SFT
+from rlhf.core.train_state import TrainState
 from rlhf.data.collate import collate_sequences
 from rlhf.data.loaders import Batches
-from rlhf.models.tiny import TinySpec
-from rlhf.state import TrainState
+from rlhf.embedded.tiny_model import TinySpec
+from rlhf.ops.completion_logps import completion_stats
 from tests.conftest import FAST, compose_config
 
 

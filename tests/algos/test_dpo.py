@@ -5,8 +5,8 @@ import torch
 
 from rlhf.algos.dpo import DPO
 from rlhf.algos.dpo_losses import PairLogps, sigmoid_loss
+from rlhf.embedded.tiny_model import TinySpec
 from rlhf.models.reference import FrozenCopy
-from rlhf.models.tiny import TinySpec
 
 
 def _pairs(chosen, rejected):
@@ -98,7 +98,7 @@ def test_dpo_rewards_are_beta_times_logratios_and_nll_term_is_weight_times_chose
             p.add_(0.05 * torch.randn_like(p))
     batch = _batch(policy, algo)
     loss, metrics = algo.loss(policy.model, batch)
-    from rlhf.algos.base import completion_stats
+    from rlhf.ops.completion_logps import completion_stats
 
     pol, ref = completion_stats(policy.model, batch).logps, completion_stats(algo.ref_model, batch).logps
     chosen_rewards = 0.5 * (pol[:2] - ref[:2])
@@ -203,8 +203,8 @@ def test_padding_free_pairs_give_the_loss_metrics_and_gradients_of_padded_ones(c
 
 
 def test_padding_free_refuses_the_layouts_it_replaces():
-    from rlhf.config import check_config
-    from rlhf.errors import UserError
+    from rlhf.config.checks import check_config
+    from rlhf.core.errors import UserError
     from tests.conftest import compose_config
 
     for extra, message in (("algo.shared_prompt=true", "two layouts of one batch"),

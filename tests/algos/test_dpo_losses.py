@@ -11,12 +11,13 @@ import torch.multiprocessing as mp
 from hydra.utils import instantiate
 from safetensors.torch import load_file
 
-from rlhf import checkpoint, train
+from rlhf import train
 from rlhf.algos import dpo_losses as L
 from rlhf.algos.dpo import DPO
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
 from rlhf.hardware import free_port
-from rlhf.metrics import sum_over_every_process
+from rlhf.ops.collectives import sum_over_every_process
+from rlhf.run import checkpoint
 from tests.algos import workers
 from tests.conftest import CONF, FAST, compose_config
 
@@ -188,7 +189,7 @@ def test_dpo_sums_a_training_batch_over_the_processes_but_not_a_held_out_one(mon
     """``PairLogps.global_sum`` is the all-reduce on a training step of several processes, else None (one process's
     path unchanged; a held-out batch's metrics do not depend on the number of processes)."""
     from rlhf.algos import dpo
-    from rlhf.models.tiny import TinySpec
+    from rlhf.embedded.tiny_model import TinySpec
 
     seen = []
 
@@ -261,7 +262,7 @@ def test_dpo_saves_and_restores_the_loss_state():
 
 
 def test_evaluation_reads_the_loss_state_but_only_training_updates_it():
-    from rlhf.models.tiny import TinySpec
+    from rlhf.embedded.tiny_model import TinySpec
 
     policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
     algo = DPO(loss=running_bco)
@@ -300,7 +301,7 @@ def test_a_reference_free_variant_is_dpo_without_reference_and_builds_no_second_
     named = compose_config(f"algo={variant}").algo
     chosen = compose_config("algo=dpo", f"algo/loss={variant}", "algo/reference=none").algo
     assert named.loss == chosen.loss and named.reference == chosen.reference
-    from rlhf.models.tiny import TinySpec
+    from rlhf.embedded.tiny_model import TinySpec
 
     policy = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
     algo = instantiate(named)

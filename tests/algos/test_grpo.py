@@ -19,11 +19,11 @@ from torch.utils.data import DataLoader
 from rlhf import train
 from rlhf.algos.grpo import GRPO
 from rlhf.algos.online import Rollouts, generation_seed, split_groups
+from rlhf.algos.reward_funcs import char_similarity, exact_match, score
+from rlhf.core.errors import UserError
+from rlhf.core.train_state import TrainState
 from rlhf.data.loaders import Batches
-from rlhf.errors import UserError
-from rlhf.models.tiny import TinySpec
-from rlhf.rewards import char_similarity, exact_match, score
-from rlhf.state import TrainState
+from rlhf.embedded.tiny_model import TinySpec
 from tests.conftest import FAST, ROOT, compose_config, installed
 
 # GRPO on FAST's random-init model: the graded reward gives different rewards within a group from the start.
@@ -238,7 +238,7 @@ def test_a_rollout_that_does_not_split_into_whole_groups_is_a_clear_error():
 def test_a_rollout_that_does_not_split_is_refused_before_the_run():
     """Checked with the config, before anything is built (red before: raised at the first step, on the progress
     bar's line)."""
-    from rlhf.config import check_config
+    from rlhf.config.checks import check_config
     from tests.conftest import compose_config
 
     with pytest.raises(UserError, match=r"a rollout of train.per_device_batch_size=4 prompts x algo.num_generations=8 "

@@ -12,7 +12,7 @@ from rlhf import train
 from rlhf.algos.iterative_sft import IterativeSFT, keep_best
 from rlhf.algos.online import training_batch
 from rlhf.algos.sft import SFT
-from rlhf.models.tiny import TinySpec
+from rlhf.embedded.tiny_model import TinySpec
 from tests.conftest import FAST, compose_config, fast_initial_model
 
 NAN = math.nan

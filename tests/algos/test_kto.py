@@ -14,9 +14,9 @@ import torch
 
 from rlhf import train
 from rlhf.algos.kto import KL, KTO, kl_estimate, kto_loss
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
+from rlhf.embedded.tiny_model import TinySpec
 from rlhf.models.reference import FrozenCopy
-from rlhf.models.tiny import TinySpec
 from tests.conftest import ROOT
 
 
@@ -73,7 +73,7 @@ def test_the_loss_is_kto_of_the_log_ratios_with_the_mismatched_pairs_kl():
         for p in policy.model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
     loss, metrics = algo.loss(policy.model, batch)
-    from rlhf.algos.base import completion_stats
+    from rlhf.ops.completion_logps import completion_stats
 
     def logratios(sub):
         return completion_stats(policy.model, sub).logps - completion_stats(algo.ref_model, sub).logps
@@ -112,7 +112,7 @@ def test_kto_trains_on_unpaired_rows_of_a_file(fast_config, tmp_path):
 
 def test_a_reference_of_precomputed_rows_only_is_refused_before_anything_loads():
     """The mismatched pairs exist per micro-batch: a cache of the rows' own sequences cannot score them."""
-    from rlhf.config import check_config
+    from rlhf.config.checks import check_config
     from tests.conftest import compose_config
 
     with pytest.raises(UserError, match="Fix: algo/reference=copy"):

@@ -18,11 +18,11 @@ from rlhf.algos.grpo import GRPO
 from rlhf.algos.policy_gradient import all_gather_rows, global_masked_moments
 from rlhf.algos.policy_losses import grpo_loss, kl_k1, kl_k2, kl_k3
 from rlhf.algos.reinforce_pp import ReinforcePP
+from rlhf.algos.reward_funcs import char_similarity
 from rlhf.algos.reward_shaping import batch_moments, kl_penalized_rewards
 from rlhf.algos.rloo import RLOO
-from rlhf.config import check_config
-from rlhf.errors import UserError
-from rlhf.rewards import char_similarity
+from rlhf.config.checks import check_config
+from rlhf.core.errors import UserError
 from tests.algos.test_grpo import GRPO_FAST, _source
 from tests.conftest import FAST, compose_config
 
@@ -200,7 +200,7 @@ def test_the_policy_gradient_family_learns_on_the_embedded_task(algo, tmp_path):
 
 # --- the output layer answering with log-probabilities (algo.fused_output_layer) -------------------------------------
 def _tiny_model():
-    from rlhf.models.tiny import TinySpec
+    from rlhf.embedded.tiny_model import TinySpec
 
     return TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=0).build()
 
@@ -209,7 +209,7 @@ def test_a_tapped_output_layer_gives_the_completion_logps_and_entropy_the_logits
     """completion_logps on a tapped policy: the output layer sees only the completion's positions (and the one
     before), answers with log-probabilities and entropies, and they, and the gradients, are the logits' way's."""
     from rlhf.algos.policy_gradient import completion_logps
-    from rlhf.models.output_layer import tap_output_layer
+    from rlhf.ops.output_layer import tap_output_layer
 
     plain, tapped = _tiny_model().model, _tiny_model().model
     assert tap_output_layer(tapped, True)
@@ -244,7 +244,7 @@ def test_a_tapped_output_layer_gives_the_completion_logps_and_entropy_the_logits
 
 def test_the_online_algorithms_tap_policy_and_reference_as_told_and_ppo_refuses_it():
     from rlhf.algos.ppo import PPO
-    from rlhf.models.output_layer import FusedOutputLayer
+    from rlhf.ops.output_layer import FusedOutputLayer
 
     for cls in (GRPO, RLOO, ReinforcePP):
         for fused in (True, False):

@@ -10,11 +10,11 @@ from transformers import AutoModelForCausalLM
 
 from rlhf import train
 from rlhf.algos.ppo import PPO
+from rlhf.algos.reward_funcs import char_similarity
 from rlhf.algos.reward_shaping import AdaptiveKLController, FixedKLController
-from rlhf.config import check_config
-from rlhf.errors import UserError
+from rlhf.config.checks import check_config
+from rlhf.core.errors import UserError
 from rlhf.models.value_head import attach_value_head, values_on
-from rlhf.rewards import char_similarity
 from tests.algos.test_grpo import GRPO_FAST, _policy, _source
 from tests.algos.test_policy_gradient import varied_reward
 from tests.conftest import FAST, compose_config

@@ -7,8 +7,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhf import train
 from rlhf.algos.reward import Reward, bradley_terry_loss, centering_penalty
-from rlhf.config import build, check_config
-from rlhf.errors import UserError
+from rlhf.config.checks import check_config
+from rlhf.core.errors import UserError
+from rlhf.core.instantiate import build
 from rlhf.models.tokenizer import byte_tokenizer
 from tests.conftest import FAST, compose_config
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlhf.algos import reward_shaping as R
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
 
 BATCHES = [[1.0, 2.0, 4.0], [-3.0, 0.5], [10.0], [2.0, 2.0, 7.0, -1.0]]
 

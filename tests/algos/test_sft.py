@@ -82,8 +82,8 @@ class _Successor(torch.nn.Module):
 def test_packed_rows_are_scored_row_by_row():
     """Per-row statistics of a packed batch: each row's summed log-probability, completion tokens and greedy match
     are those of the same row padded (rows 1 and 3 consecutive tokens, row 2 not)."""
-    from rlhf.algos.base import completion_stats
     from rlhf.data.collate import collate_packed, collate_sequences
+    from rlhf.ops.completion_logps import completion_stats
 
     ids = [[1, 2, 3, 4, 5], [7, 9, 10], [20, 21, 22, 23]]
     masks = [[0, 0, 1, 1, 1], [0, 1, 1], [0, 1, 1, 1]]
@@ -110,7 +110,7 @@ class _Mixing(torch.nn.Module):
 
 def test_a_model_that_lets_packed_rows_see_each_other_is_refused():
     from rlhf.algos.sft import require_packing
-    from rlhf.errors import UserError
+    from rlhf.core.errors import UserError
 
     with pytest.raises(UserError, match="packed rows attend to each other.*algo.padding_free=false"):
         require_packing(_Mixing())

@@ -8,7 +8,7 @@ import datetime
 import torch
 
 from rlhf.algos import dpo_losses as L
-from rlhf.metrics import sum_over_every_process
+from rlhf.ops.collectives import sum_over_every_process
 
 BETA = 0.5
 

@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 
 from rlhf.algos.dpo import DPO
 from rlhf.algos.sft import SFT
+from rlhf.core.errors import UserError
 from rlhf.data.checks import ROW_COLUMN
 from rlhf.data.source import DataSource
-from rlhf.errors import UserError
 from rlhf.models.tokenizer import byte_tokenizer
 
 FORMATS = ("csv", "jsonl", "json", "parquet", "saved")

@@ -1,5 +1,6 @@
 import pytest
 
+from rlhf.core.errors import UserError
 from rlhf.data.checks import (
     MISSING,
     Origin,
@@ -11,7 +12,6 @@ from rlhf.data.checks import (
     settle,
     value_problem,
 )
-from rlhf.errors import UserError
 
 PREF = ("prompt", "chosen", "rejected")
 CSV = Origin("data.path=d.csv", header=True)

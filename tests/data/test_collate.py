@@ -47,8 +47,8 @@ def test_a_long_prompt_is_cut_but_a_row_with_no_completion_token_is_an_error():
 
     from rlhf.algos.dpo import DPO
     from rlhf.algos.sft import SFT
+    from rlhf.core.errors import UserError
     from rlhf.data.checks import ROW_COLUMN
-    from rlhf.errors import UserError
 
     tok = byte_tokenizer()
     row = {"prompt": "x" * 20, "completion": "ab", "chosen": "ab", "rejected": "ba", ROW_COLUMN: "data.path=d.csv, row 7"}

@@ -1,8 +1,8 @@
 import pytest
 from datasets import Dataset
 
+from rlhf.core.errors import UserError
 from rlhf.data.formats import standardize
-from rlhf.errors import UserError
 from rlhf.models.tokenizer import byte_tokenizer
 
 PREF = ("prompt", "chosen", "rejected")

@@ -6,8 +6,8 @@ import itertools
 
 import torch
 
+from rlhf.core.train_state import TrainState
 from rlhf.data.loaders import Batches, eval_loader, train_loader
-from rlhf.state import TrainState
 
 
 class _Rank:

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
+from rlhf.core.errors import UserError
 from rlhf.data.checks import Origin
 from rlhf.data.readers import decode_conversations, parse_csv, parse_json, read_file, read_text
-from rlhf.errors import UserError
 
 CSV = Origin("data.path=d.csv", header=True)
 JSONL = Origin("data.path=d.jsonl")

@@ -6,14 +6,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlhf.algos.base import completion_stats, keep_completion_logits
 from rlhf.algos.dpo import DPO
+from rlhf.core.errors import UserError
 from rlhf.data import shared_prompt
-from rlhf.errors import UserError
 from rlhf.models import attention
-from rlhf.models.output_layer import tap_output_layer
 from rlhf.models.reference import NoReference
 from rlhf.models.tokenizer import byte_tokenizer
+from rlhf.ops.completion_logps import completion_stats, keep_completion_logits
+from rlhf.ops.output_layer import tap_output_layer
 
 TOKENIZER = byte_tokenizer()
 # Unequal prompts and answers (padding in both layouts), one without a prompt.

@@ -3,10 +3,10 @@ import json
 import pandas as pd
 import pytest
 
+from rlhf.core.errors import UserError
 from rlhf.data.checks import ROW_COLUMN
 from rlhf.data.source import DataSource
 from rlhf.data.tasks import ReverseTask
-from rlhf.errors import UserError
 from rlhf.models.tokenizer import byte_tokenizer
 
 ROWS = [{"prompt": f"p{i}", "chosen": "good", "rejected": "bad"} for i in range(20)]

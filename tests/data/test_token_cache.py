@@ -12,11 +12,11 @@ from datasets import Dataset, DatasetDict
 
 from rlhf.algos.dpo import DPO
 from rlhf.algos.sft import SFT
-from rlhf.config import build
+from rlhf.core.errors import UserError
+from rlhf.core.instantiate import build
 from rlhf.data import token_cache
 from rlhf.data.fingerprint import data_fingerprint
 from rlhf.data.loaders import tokenize_once
-from rlhf.errors import UserError
 from rlhf.models.tokenizer import byte_tokenizer
 from tests.conftest import compose_config
 

@@ -8,10 +8,10 @@ import json
 import pandas as pd
 import pytest
 
+from rlhf.core.errors import UserError
 from rlhf.data.checks import ROW_COLUMN
 from rlhf.data.formats import pick_format
 from rlhf.data.source import DataSource
-from rlhf.errors import UserError
 from rlhf.models.tokenizer import byte_tokenizer
 
 UNPAIRED = ("prompt", "completion", "label")

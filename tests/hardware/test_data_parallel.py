@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from rlhf import train
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
 from rlhf.hardware import DataParallel, base, cpus, cpus_available, free_port
 from rlhf.hardware.base import resolve_precision
 from tests.conftest import FAST, ROOT, compose_config, fast_initial_model
@@ -70,7 +70,7 @@ def test_cpus_busy_with_other_work_are_left_out_and_the_start_up_line_says_so(mo
     monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert DataParallel(device="cpu").threads(local_processes=2) == 3
-    monkeypatch.setenv(cpus.THREADS_WHY, " (the launcher's reason)")  # a rank started by rlhf.launch: its reason
+    monkeypatch.setenv(cpus.THREADS_WHY, " (the launcher's reason)")  # a rank started by rlhf.launch.processes: its reason
     ranked = DataParallel(device="cpu")
     assert ranked.threads(local_processes=2) == 3 and ranked._threads_why == " (the launcher's reason)"
 
@@ -329,7 +329,7 @@ def test_two_slurm_nodes_simulated_on_loopback_find_each_other_from_slurms_envir
     port = free_port()
     while not 20000 <= port < 60000:
         port = free_port()
-    job_id = port - 20000  # rlhf.slurm.port_for_job(job_id) == port: a port known to be free
+    job_id = port - 20000  # rlhf.launch.slurm.port_for_job(job_id) == port: a port known to be free
     args = [*FAST, "hardware=multinode", "hardware.device=cpu", "hardware.num_processes=1", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SUBMITIT_EXECUTOR": "slurm",
            "SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": "localhost"}
@@ -349,8 +349,8 @@ def test_under_bf16_a_frozen_copy_keeps_bf16_linear_weights_but_layers_shared_wi
     """prepare_frozen under bf16 stores a reference's linear weights in bf16 (the same products under autocast);
     a shared_layers reference holds the policy's own layers, which train with the policy and are saved with it:
     none of its weights change dtype."""
+    from rlhf.embedded.tiny_model import TinySpec
     from rlhf.models.reference import FrozenCopy, SharedLayers
-    from rlhf.models.tiny import TinySpec
 
     torch.manual_seed(0)
     policy = TinySpec(hidden_size=16, num_layers=3, num_heads=2, intermediate_size=32, warm_start_steps=0).build().model

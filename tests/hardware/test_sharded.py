@@ -2,7 +2,7 @@
 equals DDP, one whole model is saved.
 
 The serial tests share one launch: 2 spawned processes (1 thread each) run every configuration below one after the
-other through the loop (``rlhf.loop.train``), so the start of a process pair (imports, process group, the first
+other through the loop (``rlhf.run.loop.train``), so the start of a process pair (imports, process group, the first
 data: 15-30 s on 2 cores) is paid once instead of per option (each run then takes about 1 s). Each run reports,
 from both ranks, the ``hardware:`` line its strategy wrote: what that process holds. ZeRO-3 runs last: DeepSpeed replaces ``torch.nn.functional.linear`` for the rest of the
 process (its "memory-efficient linear").
@@ -42,10 +42,10 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from rlhf import checkpoint
-from rlhf.config import build
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
+from rlhf.core.instantiate import build
 from rlhf.hardware import FSDP2, ZeRO, free_port
+from rlhf.run import checkpoint
 from tests.conftest import FAST, assert_equal_trees, compose_config, fast_initial_model, installed
 
 HAS_DEEPSPEED = installed("deepspeed")  # RLHF_TESTS_REQUIRE_EXTRAS=1 (CI): run, and fail if it is missing
@@ -90,7 +90,7 @@ RUNS: dict[str, list[str]] = {  # name -> overrides, in the order they run
     "ddp_long_resumed": ["hardware=cpu_ddp", f"train.max_grad_norm={CLIP}", *RESUME],
     f"ddp{FULL_DISK}": ["hardware=cpu_ddp", *full_disk()],
     f"fsdp{FULL_DISK}": ["hardware=fsdp", *full_disk()],
-    # the output layer answers with log-probabilities (rlhf.models.output_layer); tied embeddings, as the tiny model
+    # the output layer answers with log-probabilities (rlhf.ops.output_layer); tied embeddings, as the tiny model
     f"ddp{FUSED}": ["hardware=cpu_ddp", f"train.max_grad_norm={CLIP}", "algo.fused_output_layer=true"],
     f"fsdp{FUSED}": ["hardware=fsdp", f"train.max_grad_norm={CLIP}", "algo.fused_output_layer=true"],
 }
@@ -158,8 +158,9 @@ def _run_all(runs: dict[str, dict], env: dict[str, str]) -> dict[str, str]:
     ``seconds:<run>`` how long the run took, ``error:<run>`` the message that stopped it (a UserError), and
     ``loads:<run>`` its every ``torch.load``."""
     os.environ.update(env)
-    from rlhf import loop, run_folder
-    from rlhf.config import build
+    from rlhf.core.instantiate import build
+    from rlhf.run import folder as run_folder
+    from rlhf.run import loop
     from tests import full_disk
 
     logging.basicConfig(level=logging.WARNING)

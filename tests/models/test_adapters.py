@@ -12,15 +12,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
-from rlhf.algos.base import completion_stats
 from rlhf.algos.dpo import DPO
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
+from rlhf.embedded.tiny_model import TinySpec
 from rlhf.models.adapters import LoRA, NoAdapter, QLoRA
 from rlhf.models.loading import Policy
 from rlhf.models.quantize import quantized_copy
 from rlhf.models.reference import FrozenCopy, Int8
 from rlhf.models.reference_adapters import AdapterOff, SecondAdapter
-from rlhf.models.tiny import TinySpec
+from rlhf.ops.completion_logps import completion_stats
 from tests.conftest import FAST, compose_config
 
 ROWS = [{"prompt": "abc=", "chosen": "cba", "rejected": "cab"}, {"prompt": "hello=", "chosen": "olleh", "rejected": "hello"},
@@ -206,7 +206,7 @@ def test_merge_writes_a_plain_model_that_computes_what_the_adapter_did(tmp_path)
 
 @pytest.mark.parametrize("option", ["adapter", "ref_adapter"])
 def test_an_adapter_reference_without_an_adapter_is_refused_before_anything_loads(option):
-    from rlhf.config import check_config
+    from rlhf.config.checks import check_config
 
     with pytest.raises(UserError, match=f"algo/reference={option} uses the policy's LoRA adapter, but peft=none.*"
                                         "Fix: peft=lora"):
@@ -332,7 +332,7 @@ def test_zero_loads_a_quantized_base_non_strictly(monkeypatch):
 
 @pytest.mark.parametrize(("reference", "key"), [("adapter", "peft.init_from"), ("ref_adapter", "algo.reference.path")])
 def test_an_adapter_folder_without_an_adapter_is_refused_before_anything_loads(reference, key, tmp_path):
-    from rlhf.config import check_config
+    from rlhf.config.checks import check_config
 
     overrides = ["peft=lora", f"algo/reference={reference}", f"{key}={tmp_path}"]
     with pytest.raises(UserError, match=f"{key}={tmp_path}: no adapter_config.json there .*Fix: the final/ folder"):

@@ -5,10 +5,10 @@ from unittest import mock
 
 import torch
 
-from rlhf.memory import activation_bytes
+from rlhf.embedded.tiny_model import TinySpec
 from rlhf.models import attention
 from rlhf.models.loading import load_policy
-from rlhf.models.tiny import TinySpec
+from rlhf.telemetry.memory_preflight import activation_bytes
 
 
 def _tiny(**kwargs):
@@ -92,7 +92,7 @@ def test_the_memory_estimate_counts_what_the_math_kernel_keeps():
 
 
 def test_the_estimate_is_close_to_what_autograd_keeps_under_the_math_kernel():
-    from tests.test_memory import _saved_bytes
+    from tests.telemetry.test_memory_preflight import _saved_bytes
 
     model = _tiny().model.train()
     sequences, tokens = 16, 48

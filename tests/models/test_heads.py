@@ -7,12 +7,13 @@ from transformers import (
     LlamaForTokenClassification,
 )
 
-from rlhf.config import build, check_config
+from rlhf.config.checks import check_config
+from rlhf.core.errors import UserError
+from rlhf.core.instantiate import build
 from rlhf.data.tasks import ReverseTask
-from rlhf.errors import UserError
+from rlhf.embedded.tiny_model import TinySpec
 from rlhf.hardware.fsdp import layers_to_shard
 from rlhf.models.loading import load_policy
-from rlhf.models.tiny import TinySpec
 from rlhf.models.value import token_values
 from tests.conftest import FAST, compose_config
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
+from rlhf.embedded.tiny_model import TinySpec
 from rlhf.models.loading import load_policy
-from rlhf.models.tiny import TinySpec
 
 
 def test_loads_a_saved_folder_in_the_requested_dtype(tmp_path):
@@ -25,8 +25,8 @@ def test_missing_folder_and_bad_dtype_are_clear_errors(tmp_path):
 def test_gradient_checkpointing_recomputes_activations_and_gives_the_same_gradients():
     """model.gradient_checkpointing=true: the layers are checkpointed (non-reentrant) and a backward pass gives the
     gradients of the plain model bit for bit (so a resume may switch it: not compared by the resume check)."""
+    from rlhf.embedded.tiny_model import TinySpec
     from rlhf.models.loading import load_policy
-    from rlhf.models.tiny import TinySpec
 
     spec = dict(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32, warm_start_steps=0)
     grads = []

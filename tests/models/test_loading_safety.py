@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf import hub
-from rlhf.errors import UserError
+from rlhf.core import hub
+from rlhf.core.errors import UserError
+from rlhf.embedded.tiny_model import TinySpec
 from rlhf.models import loading
 from rlhf.models.loading import load_policy
-from rlhf.models.tiny import TinySpec
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf import train
-from rlhf.built_run import build_run
-from rlhf.config import build
+from rlhf.core.instantiate import build
+from rlhf.core.train_state import TrainState
 from rlhf.models import precomputed
 from rlhf.models.precomputed import Precomputed
-from rlhf.state import TrainState
+from rlhf.run.components import build_run
 from tests.conftest import FAST, compose_config
 
 SMALL = ["data.task.num_train=16", "data.task.num_eval=8"]

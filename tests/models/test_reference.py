@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from rlhf.algos.dpo import DPO
-from rlhf.errors import UserError
+from rlhf.core.errors import UserError
+from rlhf.embedded.tiny_model import TinySpec
 from rlhf.models.reference import FrozenCopy, NoReference, Pretrained, SharedLayers, disable_dropout
-from rlhf.models.tiny import TinySpec
 from rlhf.optim import param_groups
 from tests.conftest import compose_config
 
@@ -128,7 +128,7 @@ def test_each_reference_option_composes_and_builds(option, tmp_path):
 
 
 def test_a_reference_model_without_its_path_is_refused_before_anything_loads():
-    from rlhf.config import check_config
+    from rlhf.config.checks import check_config
 
     with pytest.raises(UserError, match=r"algo.reference.name_or_path: no value .*Fix: add algo.reference.name_or_path="):
         check_config(compose_config("algo=dpo", "algo/reference=model"))
@@ -137,7 +137,7 @@ def test_a_reference_model_without_its_path_is_refused_before_anything_loads():
 @pytest.mark.parametrize("option", ["copy", "model", "shared_layers", "none"])
 def test_dpo_runs_with_each_reference_option_on_the_embedded_default(option, tmp_path):
     from rlhf import train
-    from rlhf.config import build
+    from rlhf.core.instantiate import build
     from tests.conftest import FAST
 
     overrides = [*FAST, "model.tiny.num_layers=2", "algo=dpo", f"algo/reference={option}"]
@@ -151,7 +151,7 @@ def test_dpo_runs_with_each_reference_option_on_the_embedded_default(option, tmp
 
 
 def test_sharding_strategies_refuse_a_reference_that_shares_the_policys_layers():
-    from rlhf.config import build
+    from rlhf.core.instantiate import build
 
     reference = SharedLayers(num_shared_layers=1)(_tiny().model)
     for option in ("fsdp", "zero3"):

@@ -20,8 +20,8 @@ def generation_gathers(rank: int, port: int, results) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        from rlhf.embedded.tiny_model import TinySpec
         from rlhf.models.generation import gathered_for_generation
-        from rlhf.models.tiny import TinySpec
 
         mesh = init_device_mesh("cpu", (2,))
 
@@ -93,8 +93,8 @@ def zero3_generation_gathers(rank: int, port: int, results) -> None:
     try:
         from deepspeed.runtime.zero import parameter_offload
 
+        from rlhf.embedded.tiny_model import TinySpec
         from rlhf.models.generation import gathered_for_generation
-        from rlhf.models.tiny import TinySpec
 
         torch.manual_seed(0)
         built = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,

@@ -1,0 +1,194 @@
+"""Everything one run trains with, built once from its config: :func:`build_run` returns a :class:`BuiltRun`.
+
+config groups -> policy, algorithm, data, optimizer, schedule, logger; the hardware strategy (built by the caller,
+started before this) places them: frozen models through ``strategy.prepare_frozen``, the policy, its optimizer and
+the training loader through ``strategy.prepare``. Nothing here runs a training step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import set_seed
+from omegaconf import DictConfig
+
+from rlhf.algos.base import Algorithm
+from rlhf.core.errors import UserError
+from rlhf.core.instantiate import build
+from rlhf.data.collate import truncated_rows
+from rlhf.data.fingerprint import data_fingerprint
+from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
+from rlhf.hardware import global_numel
+from rlhf.models import attention
+from rlhf.models.adapters import NoAdapter
+from rlhf.ops.output_layer import logits_rows
+from rlhf.optim import param_groups, schedule
+from rlhf.run.resume_check import record
+from rlhf.run.train_settings import TrainSettings
+from rlhf.telemetry import mfu as perf
+from rlhf.telemetry.memory_preflight import (
+    MemoryPlan,
+    PeakMemory,
+    activation_bytes,
+    measured_plan,
+    optimizer_bytes_per_parameter,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltRun:
+    """One run's components, placed on its hardware. ``max_steps`` is the run's length in optimizer steps (from
+    ``train.max_steps`` or ``train.num_epochs``); ``accumulation`` the micro-batches per step on each process."""
+
+    settings: TrainSettings
+    run_dir: Path
+    strategy: Any  # rlhf.hardware.DataParallel or a subclass
+    accelerator: Any
+    model: Any  # wrapped by the strategy; strategy.unwrap(model) is the Hugging Face model
+    tokenizer: Any
+    algo: Algorithm
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any
+    eval_loader: Any
+    accumulation: int
+    max_steps: int
+    rows: dict[str, int]  # training and held-out rows after tokenization
+    truncated: dict[str, int]  # training rows truncation cut (rlhf.data.collate.truncated_rows)
+    skipped_rows: int  # bad rows left out by data.on_bad_row=skip
+    resume_record: dict[str, Any]  # what each checkpoint records for resumes (config.json, rlhf.run.resume_check)
+    memory: MemoryPlan  # the preflight: what one process is predicted to hold (rlhf.telemetry.memory_preflight)
+    adapter: Any  # the peft option (rlhf.models.adapters): writes final/merged/ after final/
+    peak: PeakMemory  # the measured peak, counted from just before anything of the run was built
+    flops_per_token: float  # model FLOPs of one trained token, for perf/mfu (rlhf.telemetry.mfu.flops_per_token)
+    peak_flops: float  # FLOP/s one process of this machine reaches in the run's precision (rlhf.telemetry.mfu.peak_flops)
+
+    def describe(self) -> None:
+        """Log what is about to happen: the folder, the hardware, the batch arithmetic, the model's size."""
+        settings, processes = self.settings, self.accelerator.num_processes
+        parameters = list(self.strategy.unwrap(self.model).parameters())
+        total = sum(global_numel(p) for p in parameters)  # ZeRO-3 keeps empty local tensors
+        trainable = sum(global_numel(p) for p in parameters if p.requires_grad)
+        log.info("run dir: %s", self.run_dir)
+        log.info("hardware: %s", self.strategy.describe())
+        log.info("global batch %d = %d per device x %d process(es) x %d accumulation step(s); %d optimizer steps%s",
+                 settings.per_device_batch_size * processes * self.accumulation, settings.per_device_batch_size,
+                 processes, self.accumulation, self.max_steps,
+                 f" ({settings.num_epochs} epoch(s))" if settings.num_epochs else "")
+        log.info("parameters: %s (%s trainable); %d training rows, %d held-out rows",
+                 f"{total:,}", f"{trainable:,}", self.rows["train"], self.rows["eval"])
+        cut = self.truncated
+        if cut["either"]:
+            share = cut["either"] / max(1, cut["rows"])
+            line = (f"truncation: {cut['either']} of {cut['rows']} training rows ({share:.1%}) cut: {cut['prompt_cut']} "
+                    f"prompt(s) longer than algo.max_prompt_length kept their end, {cut['end_cut']} sequence(s) "
+                    f"longer than algo.max_length lost their end (data/truncated_rows)")
+            if share > TRUNCATION_WARNING:
+                log.warning("%s. Fix: a larger algo.max_length / algo.max_prompt_length (the model's context "
+                            "allows %s), or shorter rows", line, getattr(self.strategy.unwrap(self.model).config,
+                                                                     "max_position_embeddings", "?"))
+            else:
+                log.info("%s", line)
+        log.info("%s", self.memory.describe())
+
+
+TRUNCATION_WARNING = 0.05  # a larger share of training rows cut by truncation is a warning, not an info line
+
+
+def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
+    """Build every component of ``cfg`` on the started ``strategy`` (its Accelerator exists)."""
+    accelerator = strategy.accelerator
+    peak = PeakMemory(accelerator.device)  # before anything of the run is built
+    settings = TrainSettings(**cfg.train)  # checked with the rest of the config, before any process started
+    accumulation = settings.accumulation_steps(accelerator.num_processes)
+    set_seed(cfg.seed)
+    adapter = build(cfg.peft) if "peft" in cfg else NoAdapter()
+    with accelerator.local_main_process_first():  # e.g. the tiny model's warm start is built once per machine
+        policy = build(cfg.model, **adapter.loader_arguments())  # qlora: the base in 4 bits
+    # Before the algorithm's setup: a reference made from the policy sees the adapter (or switches it off).
+    model, tokenizer = adapter.apply(policy.model, load_base=lambda: build(cfg.model).model), policy.tokenizer
+    algo: Algorithm = build(cfg.algo)
+    _check_context(getattr(algo, "max_length", None), model.config)
+    data = build(cfg.data)
+    with accelerator.local_main_process_first():
+        splits = data.load(algo.columns, tokenizer, optional=algo.optional_columns)
+    tokenized = tokenize_once(splits, algo, tokenizer, accelerator, run_dir / ".cache", keep=getattr(data, "cache_dir", None))
+    _check_split_sizes(tokenized, settings, accelerator.num_processes)
+
+    algo.setup(model, tokenizer)  # before prepare(): e.g. the reference copies the initial policy
+    algo.frozen = {name: strategy.prepare_frozen(module, name=name) for name, module in algo.frozen.items()}
+    fingerprint = data_fingerprint(tokenized["train"])  # of the tokens: precomputed columns are the model's
+    tokenized = algo.precompute(tokenized, strategy)  # e.g. reference log-probabilities, computed or read once
+    training = train_loader(tokenized["train"], settings.per_device_batch_size, algo.collate, cfg.seed)
+    evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)
+    # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
+    make_optimizer = build(cfg.optimizer, _convert_="all")  # plain lists (betas): checkpoints load weights-only
+    memory = preflight(model, algo, tokenized["train"], make_optimizer, strategy, settings)
+    model, optimizer, training = strategy.prepare(model, lambda m: make_optimizer(param_groups(m)), training)
+    max_steps = settings.steps(len(training), accumulation)
+    scheduler = schedule(build(cfg.scheduler), optimizer, max_steps)
+    policy = strategy.unwrap(model)
+    bf16 = strategy.mixed_precision == "bf16" or next(policy.parameters()).dtype == torch.bfloat16
+    with accelerator.local_main_process_first():  # measured once per machine, by one process, then cached
+        peak_flops = perf.peak_flops(accelerator.device, torch.bfloat16 if bf16 else torch.float32)
+    return BuiltRun(settings, run_dir, strategy, accelerator, model, tokenizer, algo, optimizer, scheduler,
+                    training, evaluation, accumulation, max_steps,
+                    rows={split: len(tokenized[split]) for split in ("train", "eval")}, skipped_rows=data.skipped_rows,
+                    truncated=truncated_rows(tokenized["train"]),
+                    resume_record=record(cfg, strategy, fingerprint), memory=memory,
+                    adapter=adapter, peak=peak, flops_per_token=perf.flops_per_token(policy, list(algo.frozen.values())),
+                    peak_flops=peak_flops)
+
+
+def activation_checkpointing(model) -> bool:
+    """Whether ``model`` recomputes activations in its backward pass (transformers 5's name, or the name before)."""
+    value = getattr(model, "is_activation_checkpointing", None)  # a PeftModel passes it on to its base
+    return bool(getattr(model, "is_gradient_checkpointing", False) if value is None else value)
+
+
+def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: TrainSettings) -> MemoryPlan:
+    """The memory preflight (:mod:`rlhf.telemetry.memory_preflight`) of this run, for one process: the activations are estimated for a
+    micro-batch of the longest rows (of the first 1000), as the algorithm collates them."""
+    sample = rows.select(range(min(len(rows), 1000)))
+    sizes = [sum(len(v) for v in row.values() if isinstance(v, list)) for row in sample]
+    longest = sorted(range(len(sizes)), key=sizes.__getitem__)[-settings.per_device_batch_size:]
+    sequences, tokens = algo.micro_batch_shape(algo.collate([sample[i] for i in longest]))
+    precision = strategy.mixed_precision
+    value_bytes = 2 if precision == "bf16" else next(model.parameters()).element_size()
+    bf16 = precision == "bf16" or next(model.parameters()).dtype == torch.bfloat16
+    device = strategy.accelerator.device
+    activations = activation_bytes(model.config, sequences, tokens, value_bytes,
+                                   checkpointing=activation_checkpointing(model),
+                                   logits_rows=logits_rows(model, device, sequences * tokens),
+                                   attention_bytes=attention.kept_bytes(model.config, tokens, device.type, bf16))
+    precision = strategy.stored_precision()
+    trainable = next((p for p in model.parameters() if p.requires_grad), None)
+    state_dtype = precision.optimizer_dtype or (trainable.dtype if trainable is not None else torch.float32)
+    return measured_plan(model, algo.frozen, optimizer_bytes_per_parameter(make_optimizer, state_dtype),
+                         strategy.sharded_state(), strategy.accelerator.num_processes, activations, precision)
+
+
+def _check_context(max_length: int | None, config) -> None:
+    """Refuse sequences longer than the model's context (``max_position_embeddings``): positions it was never
+    built for train silently on garbage (a learned table raises an index error, rotary ones extrapolate)."""
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(max_length, int) and isinstance(context, int) and max_length > context:
+        raise UserError(f"algo.max_length={max_length} is longer than the model's context: it has "
+                        f"max_position_embeddings={context} positions. Fix: algo.max_length={context} (and "
+                        f"algo.max_prompt_length below it, e.g. {context // 2}), or a model with a longer context.")
+
+
+def _check_split_sizes(tokenized, settings: TrainSettings, processes: int) -> None:
+    if len(tokenized["train"]) < settings.per_device_batch_size * processes:
+        raise UserError(f"the training split has {len(tokenized['train'])} rows, fewer than one batch "
+                        f"(train.per_device_batch_size={settings.per_device_batch_size} x "
+                        f"{processes} process(es)). Fix: lower the batch size.")
+    if len(tokenized["eval"]) < processes:
+        raise UserError(f"the held-out split has {len(tokenized['eval'])} rows, fewer than the "
+                        f"{processes} processes. Fix: hold out more rows (data.eval_size).")

@@ -1,0 +1,8 @@
+"""Many runs compared: what a sweep's job returns, searches, reading run folders, reports. May import
+``rlhf.run`` and below; never ``rlhf.config`` or ``rlhf.launch``.
+
+- :mod:`~rlhf.sweeps.points`: the objective a job returns to Hydra, points that fail without ending the sweep.
+- :mod:`~rlhf.sweeps.search`: a search over a grid per option, chosen on validation, rerun on fresh seeds.
+- :mod:`~rlhf.sweeps.results`: run folders read back (status, metrics, config) for reports and scripts.
+- :mod:`~rlhf.sweeps.report`, :mod:`~rlhf.sweeps.plots`: the comparison report (tables, curves).
+"""

@@ -1,0 +1,315 @@
+"""The comparison report of a sweep (``scripts/compare_runs.py``): one row per run, the curves as a PNG, the table
+as Markdown and CSV.
+
+A row holds the effective values that differ between the runs (read from each run's resolved ``.hydra/config.yaml``,
+so that a preset's or a config group's values show, not only the command line's), the held-out metrics at step 0,
+at the end and at their best (with the step), the final train loss, speed, peak memory, wall time and the run's
+status. Runs that crashed or still run get a row with what they have. :func:`aggregate_seeds` folds runs that
+differ only in ``seed`` into one row of mean and standard deviation.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import re
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rlhf.sweeps.plots import plot_curves, plot_objective, searched_parameters  # noqa: F401  (the report's figures)
+from rlhf.sweeps.points import FAILED
+from rlhf.sweeps.results import Run, Status
+
+FINISHED, RUNNING, CRASHED = "finished", "running", "crashed"
+IGNORED = ("output_dir", "resume", "resume_changes")  # differ by run folder or by attempt, not by setting
+ACCURACY_LIKE = ("accurac", "exact_match", "win_rate")  # the held-out metrics shown by default, beside eval/loss
+FRESH_S = 120.0  # metrics.jsonl written this recently, with no summary: a run still going (on another machine)
+FILES = ("report.md", "report.csv", "report.png")
+_LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[[^]]*\]\[(\w+)\] - (.*)$")
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{"optimizer.lr": 1e-4, ...}``; a node's ``_target_`` becomes the node's own value (its
+    class or function name: ``optimizer: AdamW``), lists become their text."""
+    if not isinstance(config, dict):
+        return {prefix: str(config) if isinstance(config, list) else config}
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if key == "_target_":
+            flat[prefix or key] = str(value).rpartition(".")[2]
+        elif not str(key).startswith("_"):
+            flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def differing(configs: Sequence[dict[str, Any]]) -> list[str]:
+    """The flattened keys whose values are not the same in every config (a key some lack counts as differing), in
+    the order they first appear; an empty config (a run folder without ``.hydra/``) takes no part."""
+    flats = [flatten(config) for config in configs if config]
+    keys = list(dict.fromkeys(key for flat in flats for key in flat))
+    return [key for key in keys if key not in IGNORED
+            and len({repr(flat.get(key, "<absent>")) for flat in flats}) > 1]
+
+
+def short_names(keys: Sequence[str]) -> dict[str, str]:
+    """Each dotted key shortened to its shortest ending (whole dotted parts) that no other key ends with:
+    ``optimizer.lr`` -> ``lr``, but ``seed`` and ``data.seed`` stay apart."""
+    names = {}
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            name = ".".join(parts[-n:])
+            if not any(other != key and (other == name or other.endswith("." + name)) for other in keys):
+                break
+        names[key] = name
+    return names
+
+
+def default_metrics(runs: Iterable[Run]) -> list[str]:
+    """``eval/loss`` and the held-out accuracy-like metrics (exact match, accuracies, win rate) the runs logged."""
+    logged = sorted({key for run in runs for record in run.metrics for key in record if key.startswith("eval/")})
+    return [m for m in logged if m == "eval/loss"] + [m for m in logged if any(word in m for word in ACCURACY_LIKE)]
+
+
+def lower_is_better(metric: str) -> bool:
+    return "loss" in metric
+
+
+def status(run: Run, lines: list[tuple[datetime, str, str]], now: float | None = None) -> str:
+    """finished (summary.json), running (a process holds the run's lock; or, with no error in train.log (its
+    ``lines``), metrics.jsonl changed in the last :data:`FRESH_S` seconds: a process on another machine), else
+    crashed."""
+    where = run.status
+    if (run.path / FAILED).is_file() and where != Status.RUNNING:  # a sweep point that failed: the run said why
+        return CRASHED
+    if where in (Status.FINISHED, Status.RUNNING):
+        return FINISHED if where == Status.FINISHED else RUNNING
+    metrics = run.path / "metrics.jsonl"
+    recent = metrics.is_file() and (now if now is not None else time.time()) - metrics.stat().st_mtime < FRESH_S
+    failed = any(level in ("ERROR", "CRITICAL") for _, level, _ in lines)
+    return RUNNING if recent and not failed else CRASHED
+
+
+def log_lines(run: Run) -> list[tuple[datetime, str, str]]:
+    """``(time, level, message)`` of each line of ``train.log`` that starts a record."""
+    file = run.path / "train.log"
+    lines = file.read_text(errors="replace").splitlines() if file.is_file() else []
+    return [(datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f"), m[2], m[3]) for m in map(_LOG_LINE.match, lines) if m]
+
+
+def wall_time_s(run: Run, lines: list[tuple[datetime, str, str]]) -> float | None:
+    """From the first to the last line of ``train.log`` (a resumed run: including the time it lay stopped); without
+    a log, from ``.hydra/config.yaml`` to the last write of ``metrics.jsonl``."""
+    if len(lines) > 1:
+        return (lines[-1][0] - lines[0][0]).total_seconds()
+    start, end = run.path / ".hydra" / "config.yaml", run.path / "metrics.jsonl"
+    return end.stat().st_mtime - start.stat().st_mtime if start.is_file() and end.is_file() else None
+
+
+def why(lines: list[tuple[datetime, str, str]], folder: Path | None = None) -> str:
+    """What ended a crashed run: the reason a failed sweep point recorded (``failed.json`` in ``folder``), else the
+    last error (or, failing that, warning) of ``train.log``, on one line."""
+    record = folder / FAILED if folder is not None else None
+    if record is not None and record.is_file():
+        try:
+            failure = json.loads(record.read_text())
+            return f"{failure['error']}: {failure['message']}".replace("\n", " ")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    for level in ("ERROR", "CRITICAL", "WARNING"):
+        found = [message for _, lvl, message in lines if lvl == level]
+        if found:
+            return found[-1].strip()
+    return ""
+
+
+@dataclasses.dataclass
+class Row:
+    """One run (or, aggregated, one group of seeds): its differing values and its figures."""
+
+    name: str
+    values: dict[str, Any]  # short key -> value
+    status: str
+    figures: dict[str, float | None]  # column -> number
+    runs: list[Run]
+    note: str = ""
+    spread: dict[str, float] = dataclasses.field(default_factory=dict)  # column -> standard deviation (aggregated)
+
+
+def metric_columns(metric: str) -> list[str]:
+    return [f"{metric} @0", f"{metric} end", f"{metric} best", f"{metric} best step"]
+
+
+PERF_COLUMNS = ["train/loss end", "tokens/s", "peak MB", "wall s"]
+
+
+def figures(run: Run, metrics: Sequence[str], lines) -> dict[str, float | None]:
+    """The row's numbers: each metric at step 0, at its last logging, at its best and that step; the last train
+    loss; tokens/s (mean over the log windows), the peak memory, the wall time."""
+    row: dict[str, float | None] = {}
+    for metric in metrics:
+        history = run.history(metric)
+        finite = [(step, value) for step, value in history if math.isfinite(value)]
+        pick = min if lower_is_better(metric) else max
+        best = pick(finite, key=lambda point: point[1]) if finite else None
+        at_start = [value for step, value in history if step == 0]
+        row.update(zip(metric_columns(metric), (
+            at_start[0] if at_start else None, history[-1][1] if history else None,
+            best[1] if best else None, best[0] if best else None)))
+    speeds = [value for _, value in run.history("perf/tokens_per_s") if math.isfinite(value)]
+    peaks = [value for _, value in run.history("perf/peak_mem_mb")] + [(run.final or {}).get("perf/peak_mem_mb")]
+    peaks = [float(value) for value in peaks if value is not None]
+    row.update(zip(PERF_COLUMNS, (run.last("train/loss"), statistics.fmean(speeds) if speeds else None,
+                                  max(peaks) if peaks else None, wall_time_s(run, lines))))
+    return row
+
+
+@dataclasses.dataclass
+class Report:
+    rows: list[Row]
+    keys: list[str]  # the differing config keys (full dotted names), in order
+    names: dict[str, str]  # full key -> its short column name
+    metrics: list[str]
+    aggregated: bool = False
+
+    @property
+    def value_columns(self) -> list[str]:
+        return [self.names[key] for key in self.keys]
+
+    @property
+    def figure_columns(self) -> list[str]:
+        return [column for metric in self.metrics for column in metric_columns(metric)] + PERF_COLUMNS
+
+
+def run_name(run: Run) -> str:
+    """A multirun job's number (``3`` of ``3_optimizer=lion,...``: the values are columns), else the folder's name
+    (:func:`build` keeps whole names where numbers would repeat)."""
+    number, _, rest = run.path.name.partition("_")
+    return number if number.isdigit() and rest else run.path.name
+
+
+def build(runs: Sequence[Run], metrics: Sequence[str] | None = None, now: float | None = None) -> Report:
+    """The report of ``runs``: one row each. ``metrics``: the held-out metrics to show (default
+    :func:`default_metrics`)."""
+    metrics = list(metrics) if metrics else default_metrics(runs)
+    keys = differing([run.config for run in runs]) if len(runs) > 1 else []
+    names = short_names(keys)
+    short = [run_name(run) for run in runs]
+    unique = len(set(short)) == len(short)
+    rows = []
+    for run, name in zip(runs, short):
+        flat, lines = flatten(run.config), log_lines(run)
+        state = status(run, lines, now)
+        rows.append(Row(name if unique else run.path.name, {names[key]: flat.get(key, "") for key in keys}, state,
+                        figures(run, metrics, lines), [run], why(lines, run.path) if state == CRASHED else ""))
+    return Report(rows, keys, names, metrics)
+
+
+def aggregate_seeds(report: Report) -> Report:
+    """Runs whose differing values are the same but for ``seed`` folded into one row each: every figure's mean over
+    the group's finished runs that have it (over all its runs where none finished), and its standard deviation
+    (:attr:`Row.spread`, over two or more); the status counts the runs by status."""
+    keys = [key for key in report.keys if key != "seed"]
+    groups: dict[tuple, list[Row]] = {}
+    for row in report.rows:
+        groups.setdefault(tuple(repr(row.values[report.names[key]]) for key in keys), []).append(row)
+    rows = []
+    for members in groups.values():
+        figures_, spread = {}, {}
+        counted = [row for row in members if row.status == FINISHED] or members
+        for column in report.figure_columns:
+            values = [row.figures[column] for row in counted if row.figures.get(column) is not None]
+            values = [value for value in values if math.isfinite(value)]
+            figures_[column] = statistics.fmean(values) if values else None
+            if len(values) > 1:
+                spread[column] = statistics.stdev(values)
+        counts = {state: sum(row.status == state for row in members) for state in (FINISHED, RUNNING, CRASHED)}
+        state = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
+        seeds = ",".join(str(row.values.get(report.names.get("seed", "seed"), "?")) for row in members)
+        rows.append(Row(f"{len(members)} seeds ({seeds})", {report.names[key]: members[0].values[report.names[key]]
+                                                            for key in keys},
+                        state, figures_, [run for row in members for run in row.runs],
+                        "; ".join(row.note for row in members if row.note), spread))
+    return Report(rows, keys, {key: report.names[key] for key in keys}, report.metrics, aggregated=True)
+
+
+def number(value: float | None, spread: float | None = None) -> str:
+    if value is None:
+        return ""
+    text = f"{value:.4g}"
+    return text if spread is None else f"{text} ± {spread:.2g}"
+
+
+def table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """The header and the rows as text (mean ± std where aggregated)."""
+    header = ["run", *report.value_columns, *report.figure_columns, "status", "note"]
+    rows = [[row.name, *(str(row.values[c]) for c in report.value_columns),
+             *(number(row.figures.get(c), row.spread.get(c)) for c in report.figure_columns), row.status, row.note]
+            for row in report.rows]
+    return header, rows
+
+
+def csv_rows(report: Report) -> list[list[Any]]:
+    """The table for CSV: plain numbers (repr, so exact), and for an aggregated report a ``<column> std`` column
+    after each figure."""
+    figure_header = [name for c in report.figure_columns for name in ((c, f"{c} std") if report.aggregated else (c,))]
+    header = ["run", *report.value_columns, *figure_header, "status", "note"]
+    rows = []
+    for row in report.rows:
+        cells = []
+        for c in report.figure_columns:
+            cells.append("" if row.figures.get(c) is None else repr(row.figures[c]))
+            if report.aggregated:
+                cells.append(repr(row.spread[c]) if c in row.spread else "")
+        rows.append([row.name, *(row.values[c] for c in report.value_columns), *cells, row.status, row.note])
+    return [header, *rows]
+
+
+def markdown(report: Report) -> str:
+    header, rows = table(report)
+    escape = lambda cell: str(cell).replace("|", "\\|")  # noqa: E731
+    lines = [header, ["---"] * len(header), *rows]
+    return "".join("| " + " | ".join(map(escape, line)) + " |\n" for line in lines)
+
+
+def text(report: Report) -> str:
+    """The table aligned in columns, for a terminal."""
+    header, rows = table(report)
+    widths = [max(len(x) for x in column) for column in zip(header, *rows)]
+    return "".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() + "\n"
+                   for line in [header, ["-" * w for w in widths], *rows])
+
+
+def objective_of(runs: Sequence[Run]) -> str | None:
+    """The ``objective.metric`` that every one of `runs` names (what a search optimized), else None."""
+    from omegaconf import OmegaConf
+
+    metrics = set()
+    for run in runs:  # .hydra/config.yaml is unresolved: the default objective is the algorithm's (rlhf.sweeps.points)
+        try:
+            metrics.add(str(OmegaConf.select(OmegaConf.create(run.config or {}), "objective.metric", default=None)))
+        except Exception:  # a config that no longer resolves (a renamed class): no objective to plot
+            metrics.add("None")
+    return metrics.pop() if len(metrics) == 1 and "None" not in metrics else None
+
+
+def write(report: Report, out: Path, plot_metrics: Sequence[str] | None = None,
+          objective: str | None = None) -> list[Path]:
+    """``report.md``, ``report.csv`` and ``report.png`` in ``out``, and with an `objective` metric ``objective.png``
+    where the runs searched a number (:func:`plot_objective`); returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    md, table_csv, png = (out / name for name in FILES)
+    md.write_text(markdown(report))
+    with table_csv.open("w", newline="") as file:
+        csv.writer(file).writerows(csv_rows(report))
+    plot_curves(report, plot_metrics or ["train/loss", *report.metrics], png)
+    written = [md, table_csv, png]
+    if objective and plot_objective(report, objective, out / "objective.png"):
+        written.append(out / "objective.png")
+    return written

@@ -1,0 +1,216 @@
+"""Choose settings on a validation split, then report fresh runs of the choice: the ``select_then_confirm`` sweeper.
+
+    python train.py experiment=optimizer_comparison        # each optimizer at its own best learning rate
+
+A search that scores and reports on the same rows flatters its winner (the best of N noisy scores is biased up).
+This sweeper keeps the two apart, in one multirun under any launcher:
+
+1. **search**: for each value of ``compare`` (e.g. ``optimizer=sgd,adamw``: each optimizer is searched on its own),
+   every point of its ``search`` grid (Hydra's sweep syntax: ``optimizer.lr=0.01,0.03,0.1``), with the ``select_on``
+   overrides (``data.evaluate_on=validation``: the validation rows, :class:`rlhf.data.source.DataSource`). One
+   batch for all compared values: under ``launcher=slurm`` they run side by side.
+2. **select**: per compared value, the point with the best final ``objective.metric`` (``objective.direction``);
+   failed points (``failed.json``) are never chosen.
+3. **confirm**: each choice again, from scratch, with the ``confirm_on`` overrides (``data.evaluate_on=held_out``
+   and other seeds, ``seed=1,2,3``: one job each), in a second batch. These are the figures to report.
+
+The sweep folder holds ``search/`` and ``confirm/`` (one run folder per job), ``selection.json`` and
+``selection.md`` (each compared value: its searched points and scores, the choice, the confirmed figures as mean ±
+std), and the reports of :mod:`rlhf.sweeps.report` (``search/report.*`` with ``objective.png``, the objective against each
+searched parameter; ``confirm/report.*``, seeds folded). The Hydra plugin class is
+``hydra_plugins/rlhf_sweepers.py``; the logic is here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlhf.core.errors import UserError
+
+log = logging.getLogger(__name__)
+
+SELECTION = "selection.json"
+STAGES = ("search", "confirm")
+
+
+def grid(overrides: str | Sequence[str] | None) -> list[list[str]]:
+    """Hydra sweep overrides (``"optimizer.lr=0.1,0.3 algo.beta=0.1"``, or a list of them) -> every combination, as
+    lists of plain overrides, in Hydra's order (the basic sweeper's cartesian product)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if overrides is None:
+        return [[]]
+    items = overrides.split() if isinstance(overrides, str) else [str(item) for item in overrides]
+    if not items:
+        return [[]]
+    parsed = OverridesParser.create().parse_overrides(items)
+    return BasicSweeper.split_arguments(parsed, None)[0]
+
+
+def check_arguments(arguments: Sequence[str]) -> None:
+    """Command-line overrides apply to every job; a sweep among them (``a=1,2``) is refused: the grid is
+    ``hydra.sweeper.search``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(arguments))
+    sweeps = [text for text, override in zip(arguments, parsed) if override.is_sweep_override()]
+    if sweeps:
+        raise UserError(f"{' '.join(sweeps)}: this sweeper takes its grid from hydra.sweeper.search, not from the "
+                        "command line. Fix: hydra.sweeper.search='<key>=<v1>,<v2>' (or drop the override)")
+
+
+def as_overrides(values: Mapping[str, Any] | None) -> list[str]:
+    """``{data.evaluate_on: validation, seed: "1,2,3"}`` -> ``["data.evaluate_on=validation", "seed=1,2,3"]``."""
+    return [f"{key}={value}" for key, value in (values or {}).items()]
+
+
+def compared_values(compare: str | None) -> list[list[str]]:
+    """``"optimizer=sgd,adamw"`` -> ``[["optimizer=sgd"], ["optimizer=adamw"]]``; ``None``: one group, no override."""
+    return grid(compare) if compare else [[]]
+
+
+def search_space(search: Any, compared: Sequence[str]) -> list[list[str]]:
+    """The grid searched for one compared value: ``search`` itself (a string or list of overrides, the same for
+    every value), or ``search[<value>]`` for a mapping keyed by the compared value (``sgd`` of ``optimizer=sgd``)."""
+    if isinstance(search, Mapping):
+        key = ",".join(override.partition("=")[2] for override in compared)
+        if key not in search:
+            raise UserError(f"hydra.sweeper.search has no grid for {key!r} (it has {', '.join(map(str, search))}). "
+                            f"Fix: add hydra.sweeper.search.{key}: '<key>=<v1>,<v2>,...'")
+        search = search[key]
+    return grid(search)
+
+
+@dataclasses.dataclass
+class Point:
+    """One job: the compared value, its own overrides (a searched point, or a confirm seed), where it ran and what
+    it returned (``None``: it failed)."""
+
+    compared: list[str]
+    overrides: list[str]
+    folder: str = ""
+    value: float | None = None
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class Study:
+    """The plan and the results of one select-then-confirm sweep."""
+
+    metric: str
+    direction: str
+    search: list[Point]
+    confirm: list[Point] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def plan(cls, compare: str | None, search: Any, objective: Mapping[str, str]) -> Study:
+        points = [Point(list(compared), point) for compared in compared_values(compare)
+                  for point in search_space(search, compared)]
+        return cls(objective["metric"], objective["direction"], points)
+
+    def better(self, a: float, b: float) -> bool:
+        return a > b if self.direction == "maximize" else a < b
+
+    def groups(self) -> list[list[str]]:
+        return list({tuple(p.compared): p.compared for p in self.search}.values())
+
+    def chosen(self, compared: Sequence[str]) -> Point | None:
+        """The best search point of a compared value that returned a number; ``None`` when every one failed."""
+        best = None
+        for point in self.search:
+            if point.compared == list(compared) and point.value is not None:
+                if best is None or self.better(point.value, best.value):
+                    best = point
+        return best
+
+    def plan_confirm(self, confirm_on: str | Sequence[str] | None) -> list[Point]:
+        """The confirm jobs: each compared value's choice with each combination of ``confirm_on`` (a key in both:
+        ``confirm_on``'s value, so that a searched ``seed`` gives way to the confirm seeds)."""
+        self.confirm = []
+        for compared in self.groups():
+            choice = self.chosen(compared)
+            if choice is None:
+                continue
+            for extra in grid(confirm_on):
+                keys = {override.partition("=")[0] for override in extra}
+                kept = [o for o in choice.overrides if o.partition("=")[0] not in keys]
+                self.confirm.append(Point(list(compared), [*kept, *extra]))
+        return self.confirm
+
+    def summary(self) -> dict[str, Any]:
+        """What ``selection.json`` holds."""
+        groups = {}
+        for compared in self.groups():
+            choice = self.chosen(compared)
+            confirmed = [p for p in self.confirm if p.compared == compared]
+            values = [p.value for p in confirmed if p.value is not None]
+            groups[" ".join(compared) or "all"] = {
+                "search": [dataclasses.asdict(p) for p in self.search if p.compared == compared],
+                "chosen": choice.overrides if choice else None,
+                "confirm": [dataclasses.asdict(p) for p in confirmed],
+                "mean": statistics.fmean(values) if values else None,
+                "std": statistics.stdev(values) if len(values) > 1 else None,
+            }
+        return {"objective": {"metric": self.metric, "direction": self.direction}, "compared": groups}
+
+
+def outcome(job_return: Any) -> tuple[float | None, str]:
+    """A Hydra JobReturn -> (the objective's value, or None with the reason): a failed point (``FailedPoint``), a
+    job whose process failed, or a run that did not report the metric."""
+    from hydra.core.utils import JobStatus
+
+    if job_return.status != JobStatus.COMPLETED:
+        return None, f"{type(job_return._return_value).__name__}: {job_return._return_value}"
+    value = job_return.return_value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value), ""
+    return None, "no value" if value is None else str(value)
+
+
+def markdown(summary: Mapping[str, Any]) -> str:
+    """``selection.md``: one row per compared value: the search's range of scores, the choice, the confirmed
+    figure."""
+    metric = summary["objective"]["metric"]
+    lines = [f"Objective: {metric} ({summary['objective']['direction']}). Search: validation rows; confirm: fresh "
+             "runs of the choice on the held-out rows.", "",
+             f"| compared | searched points (failed) | search {metric}: range | chosen | confirm {metric}: mean ± std "
+             "(runs) |", "|---|---|---|---|---|"]
+    for name, group in summary["compared"].items():
+        scores = [p["value"] for p in group["search"] if p["value"] is not None]
+        failed = len(group["search"]) - len(scores)
+        span = f"{min(scores):.4g} – {max(scores):.4g}" if scores else "none"
+        chosen = " ".join(group["chosen"]) if group["chosen"] else "nothing (every point failed)"
+        runs = len([p for p in group["confirm"] if p["value"] is not None])
+        mean = ("" if group["mean"] is None else f"{group['mean']:.4g}"
+                + (f" ± {group['std']:.2g}" if group["std"] is not None else "") + f" ({runs})")
+        lines.append(f"| {name} | {len(group['search'])} ({failed}) | {span} | {chosen} | {mean} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(study: Study, sweep_dir: Path) -> list[Path]:
+    """``selection.json`` and ``selection.md`` in the sweep folder, and the reports of its two stages."""
+    from rlhf.sweeps import report
+    from rlhf.sweeps.results import find
+
+    summary = study.summary()
+    written = [sweep_dir / SELECTION, sweep_dir / "selection.md"]
+    written[0].write_text(json.dumps(summary, indent=2))
+    written[1].write_text(markdown(summary))
+    for stage in STAGES:
+        folder = sweep_dir / stage
+        runs = find([folder]) if folder.is_dir() else []
+        if not runs:
+            continue
+        made = report.build(runs, sorted({study.metric} | set(report.default_metrics(runs))))
+        if stage == "confirm":
+            made = report.aggregate_seeds(made)
+        written += report.write(made, folder, objective=study.metric if stage == "search" else None)
+    return written

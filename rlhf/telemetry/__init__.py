@@ -1,0 +1,10 @@
+"""What a run reports about itself; may import everything below ``rlhf.run`` (the hardware strategies for
+memory and peak FLOP/s, the models for quantized sizes), never the run, the sweeps or the launch.
+
+- :mod:`~rlhf.telemetry.loggers`: the loggers a run writes to (``conf/logger/``: JSONL, TensorBoard, W&B), the log
+  file.
+- :mod:`~rlhf.telemetry.metrics`: the log window's means and the held-out evaluation, over every process.
+- :mod:`~rlhf.telemetry.mfu`: model FLOPs per token and of the machine, ``perf/mfu``.
+- :mod:`~rlhf.telemetry.profiling`: ``train.profile_steps`` (torch's profiler) and ``train.profile_memory``.
+- :mod:`~rlhf.telemetry.memory_preflight`: what a process will hold, predicted before the first step; its peak.
+"""

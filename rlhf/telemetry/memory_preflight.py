@@ -1,0 +1,204 @@
+"""The memory preflight: what one process will hold while training, predicted before the first step, and the peak
+measured after it (``perf/peak_mem_mb``).
+
+Per process, in bytes: the policy's weights, its gradients (trainable parameters only), the optimizer's state (bytes
+per trainable parameter measured by stepping the configured optimizer once on a probe tensor, so Adam8bit's
+quantized states and a momentum-free SGD count what they are), the frozen models (the reference: what the
+reference strategy left in ``algo.frozen``, counted after the hardware strategy placed it) and an activation
+estimate. A sharding strategy divides what it shards by the number of processes (``strategy.sharded_state()``).
+Everything here also works on a model built on the meta device, so that ``scripts/memory.py`` predicts for models
+that do not fit this machine.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+
+import torch
+
+from rlhf.hardware.holding import StoredPrecision, global_numel, local_numel
+from rlhf.models.quantize import quantized_bytes
+
+MB = 2**20
+AS_LOADED = StoredPrecision()  # the state stored as the model was loaded (data parallel)
+PROBE_SHAPE = (256, 256)  # a matrix above bitsandbytes' min_8bit_size (4096), so 8-bit states are 8-bit
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted bytes one process holds at its peak, by part."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    frozen: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{f.name} {getattr(self, f.name) / MB:,.1f}" for f in fields(self))
+        return f"memory per process, predicted: {self.total / MB:,.1f} MB = {parts} MB (frozen: the reference)"
+
+
+def unique_tensors(module: torch.nn.Module) -> Iterable[torch.Tensor]:
+    """Parameters and buffers of ``module``, each once (tied weights are one parameter)."""
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def held_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
+    """Bytes this process stores of ``tensors`` (its shard of a sharded one); tensors whose id is in ``skip`` (e.g.
+    layers a reference shares with the policy) are not counted."""
+    return sum(local_numel(t) * t.element_size() for t in tensors if skip is None or id(t) not in skip)
+
+
+def optimizer_bytes_per_parameter(make_optimizer: Callable[[list], torch.optim.Optimizer],
+                                  dtype: torch.dtype = torch.float32) -> float | None:
+    """State bytes per parameter element of the optimizer ``make_optimizer`` builds (a ``conf/optimizer`` partial),
+    measured by one step on a probe matrix; ``None`` if the optimizer cannot step on a CPU tensor."""
+    probe = torch.nn.Parameter(torch.zeros(PROBE_SHAPE, dtype=dtype))
+    probe.grad = torch.full_like(probe, 1e-3)
+    try:
+        optimizer = make_optimizer([probe])
+        optimizer.step()
+    except Exception:  # e.g. an optimizer with CUDA-only kernels
+        return None
+    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0)  # scalars (the step count) are negligible
+    return state / probe.numel()
+
+
+def _config_value(config, names: tuple[str, ...], default):
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return default
+
+
+def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, checkpointing: bool,
+                     logits_rows: int | None = None, attention_bytes: int | None = None) -> int:
+    """An estimate of what the backward pass keeps for one micro-batch of ``sequences`` x ``tokens``.
+
+    Per token and decoder layer, autograd keeps about ``12 h + 4 i`` values (h: hidden size, i: MLP width): the
+    inputs of the two norms and of the projections, query/key/value, the attention output, and the four MLP
+    intermediates of a gated MLP; eager attention adds the softmax's ``heads x tokens``. ``attention_bytes``, where
+    given, replaces that term: what the attention keeps beyond it, in bytes per token and layer
+    (:func:`rlhf.models.attention.kept_bytes`: torch's math kernel under bf16 keeps float32 scores and float32
+    copies of query, key and value). This follows the accounting of Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1) without its dropout masks
+    (dropout is off in preference training). Gradient checkpointing keeps one ``h`` per layer and recomputes one layer at a time.
+    The logits add ``3 V`` float32 values per token (logits, their log-softmax, and its gradient); where the output
+    layer computes them a tile at a time (:mod:`rlhf.ops.output_layer`), three tiles of ``logits_rows`` rows' worth."""
+    hidden = _config_value(config, ("hidden_size", "n_embd", "d_model"), 0)
+    layers = _config_value(config, ("num_hidden_layers", "n_layer", "num_layers"), 0)
+    heads = _config_value(config, ("num_attention_heads", "n_head"), 1)
+    inner = _config_value(config, ("intermediate_size", "n_inner", "ffn_dim"), 4 * hidden)
+    vocab = _config_value(config, ("vocab_size",), 0)
+    per_layer = (12 * hidden + 4 * inner) * bytes_per_value
+    if attention_bytes is not None:
+        per_layer += attention_bytes
+    elif getattr(config, "_attn_implementation", None) == "eager":
+        per_layer += heads * tokens * bytes_per_value
+    kept = (layers * hidden * bytes_per_value + per_layer) if checkpointing else layers * per_layer
+    rows = sequences * tokens if logits_rows is None else min(logits_rows, sequences * tokens)
+    return sequences * tokens * kept + rows * 3 * vocab * 4
+
+
+def plan(weights: int, trainable: int, gradient_width: int, frozen: int, optimizer_bytes: float | None,
+         sharded: frozenset[str], processes: int, activations: int, precision: StoredPrecision = AS_LOADED,
+         parameters: int = 0) -> MemoryPlan:
+    """The preflight's prediction for one process, from counts: the policy's ``weights`` in bytes (whole), its
+    ``trainable`` parameter elements with gradients of ``gradient_width`` bytes, the ``frozen`` models' bytes on
+    this process (already its share), the optimizer's bytes per trainable element, what the strategy splits over
+    ``processes`` (``sharded``: of ``weights``, ``gradients``, ``optimizer``), and the activation estimate.
+    ``precision``: how the strategy stores the state (e.g. DeepSpeed's bf16 weights of all ``parameters`` and a
+    float32 master copy, which counts with the optimizer)."""
+    def share(part: str, total: float) -> int:
+        return int(total / processes) if part in sharded else int(total)
+
+    if precision.weight_bytes is not None:
+        weights, gradient_width = parameters * precision.weight_bytes, precision.weight_bytes
+    optimizer = trainable * ((optimizer_bytes or 0.0) + precision.master_bytes)
+    return MemoryPlan(weights=share("weights", weights), gradients=share("gradients", trainable * gradient_width),
+                      optimizer=share("optimizer", optimizer), frozen=int(frozen),
+                      activations=int(activations))
+
+
+def measured_plan(model: torch.nn.Module, frozen: dict[str, torch.nn.Module], optimizer_bytes: float | None,
+                  sharded: frozenset[str], processes: int, activations: int,
+                  precision: StoredPrecision = AS_LOADED) -> MemoryPlan:
+    """:func:`plan` from the objects of a run: ``model`` the policy before the hardware strategy wrapped it,
+    ``frozen`` the algorithm's frozen models as the strategy placed them (their local shards count; tensors shared
+    with the policy do not)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    policy_ids = {id(t) for t in unique_tensors(model)}
+    return plan(weights=quantized_bytes(model),
+                trainable=sum(global_numel(p) for p in trainable),
+                gradient_width=trainable[0].element_size() if trainable else 0,
+                frozen=sum(held_bytes(unique_tensors(m), skip=policy_ids) for m in frozen.values() if m is not None),
+                optimizer_bytes=optimizer_bytes, sharded=sharded, processes=processes, activations=activations,
+                precision=precision, parameters=sum(global_numel(p) for p in model.parameters()))
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now."""
+    now = _status_kib("VmRSS")
+    return now * 1024 if now is not None else peak_resident_bytes()
+
+
+def reset_peak_resident() -> bool:
+    """Start the peak resident set size over from now (Linux: ``/proc/self/clear_refs``); False where the system
+    does not allow it, and the peak then counts from the process's start."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_resident_bytes() -> int:
+    """This process's highest resident set size since :func:`reset_peak_resident` (or since it started)."""
+    peak = _status_kib("VmHWM")
+    if peak is not None:
+        return peak * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+class PeakMemory:
+    """The peak memory a run added, for ``perf/peak_mem_mb``: on a GPU torch's peak allocated bytes; on a CPU the
+    peak resident set size of the process above its size when this object was made (before the model was built),
+    the figure comparable with :class:`MemoryPlan`. Made again by each run of a process (a sweep's in-process
+    points), it measures that run alone."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            self.start = 0
+        else:
+            reset_peak_resident()
+            self.start = resident_bytes()
+
+    def mb(self) -> float:
+        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else peak_resident_bytes()
+        return max(0, peak - self.start) / MB

@@ -1,0 +1,135 @@
+"""What a resume may change (rlhf/run/resume_check.py) and the command line of a resume (rlhf/run/folder.py
+``resume_overrides``): pieces, without training. The runs that use them are in tests/run/test_checkpoint.py and
+tests/launch/test_processes.py."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import yaml
+
+from rlhf.config.checks import check_config
+from rlhf.core.errors import UserError
+from rlhf.data.fingerprint import data_fingerprint
+from rlhf.run import checkpoint
+from rlhf.run import folder as run_folder
+from rlhf.run.resume_check import NOT_OPTIMIZING, optimizing, recorded_config
+from tests.conftest import ROOT, compose_config
+
+
+class _Strategy:
+    """What the record asks of a hardware strategy: what ``device: auto``, ``mixed_precision: auto`` (on a GPU with
+    bf16) and ``num_processes: null`` mean here."""
+
+    def __init__(self, cuda: bool = False, processes: int = 1) -> None:
+        self.cuda, self.processes = cuda, processes
+        self.mixed_precision = "bf16" if cuda else "no"
+
+    def uses_cuda(self) -> bool:
+        return self.cuda
+
+    def processes_per_node(self) -> int:
+        return self.processes
+
+
+def _changed(a: list[str], b: list[str], strategy_a=None, strategy_b=None) -> set[str]:
+    """The recorded keys that differ between the configs of overrides `a` and `b`."""
+    x = recorded_config(compose_config(*a), strategy_a or _Strategy())
+    y = recorded_config(compose_config(*b), strategy_b or _Strategy())
+    return {k for k in x.keys() | y.keys() if x.get(k, "absent") != y.get(k, "absent")}
+
+
+def test_the_hardware_that_shapes_the_training_is_recorded():
+    """ZeRO stages, CPU against GPU, precision and the strategy's class differ in the record; the fields that only
+    say where processes run do not, nor does `auto` against the device it means on this machine."""
+    assert _changed(["hardware=zero1"], ["hardware=zero2"]) == {"hardware.stage"}
+    assert "hardware.stage" in _changed(["hardware=zero2"], ["hardware=zero3"])
+    assert {"hardware.device", "hardware.mixed_precision"} <= _changed(["hardware=cpu"], ["hardware=gpu"], None,
+                                                                      _Strategy(cuda=True))
+    assert _changed(["hardware=cpu"], ["hardware=cpu", "hardware.mixed_precision=bf16"]) == {"hardware.mixed_precision"}
+    assert "hardware._target_" in _changed(["hardware=cpu_ddp"], ["hardware=fsdp"], _Strategy(processes=2),
+                                           _Strategy(processes=2))
+    assert _changed(["hardware=auto"], ["hardware=cpu"]) == set()  # auto is the CPU on this (stub) machine
+    assert _changed(["hardware=auto"], ["hardware=cpu"], _Strategy(cuda=True)) == {"hardware.device",
+                                                                                 "hardware.mixed_precision"}
+    # auto's bf16 on a GPU that has it is hardware=gpu's bf16: the same record
+    assert _changed(["hardware=auto"], ["hardware=gpu"], _Strategy(cuda=True), _Strategy(cuda=True)) == set()
+    where = ["hardware.timeout_s=60", "hardware.threads_per_process=1", "hardware.rdzv_endpoint=h:1",
+             "train.log_every_steps=3", "train.eval_every_steps=5", "train.save_every_steps=7", "train.keep_last=9",
+             "train.eval_batch_size=3", "logger=wandb", "resume=auto", "resume_changes=[seed]",
+             "model.tiny.cache_dir=/elsewhere"]
+    assert _changed([], where) == set()
+
+
+def test_everything_else_is_compared():
+    """The config is the list: every key of every group is recorded unless it is one of the few that cannot change
+    the optimization (no list of keys that may change to keep up to date)."""
+    recorded = recorded_config(compose_config("hardware=cpu"), _Strategy())
+    for key in ("seed", "train.max_steps", "train.per_device_batch_size", "train.grad_accumulation_steps",
+                "train.max_grad_norm", "optimizer.lr", "optimizer._target_", "scheduler._target_", "algo.beta",
+                "data.path", "data.task.num_train", "model.tiny.hidden_size", "hardware.num_processes"):
+        assert key in recorded, key
+    assert not [k for k in recorded if not optimizing(k)]
+    assert _changed(["seed=0"], ["seed=1", "train.max_grad_norm=0.5", "+optimizer.foreach=false"]) == {
+        "seed", "train.max_grad_norm", "optimizer.foreach"}
+    assert all(not optimizing(k) for k in NOT_OPTIMIZING)
+
+
+def test_the_data_fingerprint_depends_on_the_rows_not_on_how_they_are_stored(tmp_path):
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4], [5, 6]], "mask": [[1, 1, 0], [1], [0, 1]]})
+    fingerprint = data_fingerprint(rows)
+    rows.save_to_disk(str(tmp_path / "saved"))
+    assert data_fingerprint(datasets.load_from_disk(str(tmp_path / "saved"))) == fingerprint  # another process
+    chunks = datasets.concatenate_datasets([rows.select([0]), rows.select([1, 2])])
+    assert data_fingerprint(chunks) == fingerprint
+    assert data_fingerprint(rows.select([0, 2, 1])) != fingerprint  # row order
+    other = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4], [5, 6]], "mask": [[1, 1, 0], [1], [0, 1]]})
+    assert data_fingerprint(other) != fingerprint  # the same tokens, split into other rows
+
+
+# --- the command line of a resume -------------------------------------------------------------------------------
+def _record(folder, overrides, resumed_from=None):
+    folder.mkdir(parents=True)
+    (folder / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    if resumed_from:
+        (folder / run_folder.RESUMED_FROM).write_text(resumed_from)
+
+
+def test_a_resume_re_applies_the_overrides_of_the_runs_last_checked_attempt(tmp_path, capsys):
+    run = tmp_path / "run"
+    hydra = run / ".hydra"
+    _record(hydra, ["algo=sft", "+algo.call=1", "train.max_steps=10"])
+    given = [f"hydra.run.dir={run}", "resume=auto"]
+    argv = run_folder.resume_overrides(given)
+    assert argv[:-1] == ["algo=sft", "+algo.call=1", "train.max_steps=10", *given]
+    assert argv[-1].startswith("hydra.output_subdir=.hydra/attempt-")  # the original record is never overwritten
+    assert "re-applying the run's overrides" in capsys.readouterr().err
+    # An attempt that resumed (with a deliberate change), then one refused by the check: the first one counts, and
+    # neither its resume nor its resume_changes carries over (each resume says its own).
+    _record(hydra / "attempt-2024-01-01_00-00-00", ["algo=sft", "+algo.call=1", "train.max_steps=20",
+                                                    "resume=auto", "resume_changes=[train.max_steps]"], "step_10")
+    _record(hydra / "attempt-2024-01-02_00-00-00", ["algo=sft", "optimizer.lr=9", "resume=auto"])
+    assert run_folder.resume_overrides(given)[:-1] == ["algo=sft", "+algo.call=1", "train.max_steps=20", *given]
+    # Given again, a key wins over the recorded one; one the run added with + takes ++.
+    argv = run_folder.resume_overrides([*given, "algo.call=2", "train.max_steps=30", "--cfg", "job"])
+    assert argv[:-1] == ["--cfg", "job", "algo=sft", *given, "++algo.call=2", "train.max_steps=30"]
+    # The overrides of the attempt that wrote the checkpoint resumed: the attempt above began at step 10, so it
+    # wrote step 15 but not step 5; one that began at 15 and was stopped before its first checkpoint wrote nothing.
+    for step in (5, 10, 15):
+        folder = run / checkpoint.FOLDER / f"{checkpoint.PREFIX}{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / checkpoint.META).write_text("{}")
+    _record(hydra / "attempt-2024-01-03_00-00-00", ["algo=sft", "train.max_steps=99"], str(folder))
+    assert "train.max_steps=20" in run_folder.resume_overrides(given)
+    older = [f"hydra.run.dir={run}", f"resume={run / checkpoint.FOLDER / 'step_00000005'}"]
+    assert run_folder.resume_overrides(older)[:-1] == ["algo=sft", "+algo.call=1", "train.max_steps=10", *older]
+    for untouched in (["-m", *given], [f"hydra.run.dir={run}"], [f"hydra.run.dir={run}", "resume=null"],
+                      [f"hydra.run.dir={tmp_path / 'new'}", "resume=auto"], ["resume=auto"]):
+        assert run_folder.resume_overrides(untouched) == untouched
+
+
+@pytest.mark.parametrize("value", ["5", "[1]"])
+def test_resume_changes_is_a_list_of_keys(value):
+    with pytest.raises(UserError, match=r"resume_changes=.* is not a list of config keys\. Fix: e\.g\. "):
+        check_config(compose_config(f"resume_changes={value}", output_dir=ROOT / "outputs" / "unused"))
+    check_config(compose_config("resume_changes=[train.max_steps,tokenized_data]", output_dir=ROOT / "outputs" / "x"))

@@ -1,0 +1,199 @@
+"""The comparison report (rlhf.sweeps.report, scripts/compare_runs.py) of a real sweep: two optimizers x two seeds of a
+few steps (one interpreter, about 12 s), plus a crashed and a still-running run folder made by hand."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf.sweeps import report
+from rlhf.sweeps.results import find
+from tests.conftest import FAST, ROOT
+from tests.sweeps.test_results import script
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    """outputs of ``train.py -m optimizer=sgd,lion seed=0,1`` (held-out metrics at steps 0, 2 and 3), and beside
+    its jobs ``crashed`` (SGD, seed 2: two logged lines, an error in train.log, nothing written for an hour) and
+    ``running`` (SGD at another learning rate: metrics.jsonl just written, no summary)."""
+    folder = tmp_path_factory.mktemp("sweep")
+    overrides = [o for o in FAST if not o.startswith("train.eval_every_steps")]
+    command = [sys.executable, "train.py", "-m", *overrides, "train.eval_every_steps=2", "optimizer=sgd,lion",
+               "seed=0,1", f"hydra.sweep.dir={folder}"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sgd = next(run.path for run in find([folder]) if run.config["optimizer"]["_target_"] == "torch.optim.SGD")
+    for name, change, lines in (("crashed", {"seed": 2}, 2), ("running", {"optimizer": {"lr": 0.01}}, 3)):
+        fake = folder / name
+        shutil.copytree(sgd / ".hydra", fake / ".hydra")
+        config = yaml.safe_load((fake / ".hydra" / "config.yaml").read_text())
+        for key, value in change.items():
+            config[key] = {**config[key], **value} if isinstance(value, dict) else value
+        (fake / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+        (fake / "metrics.jsonl").write_text("".join((sgd / "metrics.jsonl").read_text().splitlines(True)[:lines]))
+    (folder / "crashed" / "train.log").write_text(
+        "[2026-01-01 10:00:00,000][rlhf.run.components][INFO] - run dir: x\n"
+        "[2026-01-01 10:00:07,500][rlhf][ERROR] - error: out of memory | try a smaller batch\n")
+    shutil.copytree(folder / "crashed", folder / "crashed_now")  # written just now, but its log has an error
+    shutil.rmtree(folder / "crashed_now" / ".hydra")  # and no config: it makes no value differ
+    an_hour_ago = time.time() - 3600
+    os.utime(folder / "crashed" / "metrics.jsonl", (an_hour_ago, an_hour_ago))
+    return folder
+
+
+def lines(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_each_row_holds_the_runs_own_metrics_and_the_values_that_differ(sweep):
+    made = report.build(find([sweep]))
+    assert made.metrics == ["eval/loss", "eval/exact_match", "eval/rewards/accuracies"]  # DPO's, found in the files
+    assert made.value_columns[:3] == ["seed", "optimizer", "lr"]  # from config.yaml: the group's lr shows too
+    assert "momentum" in made.value_columns and "betas" in made.value_columns  # SGD's and Lion's own options
+    rows = {row.name: row for row in made.rows}
+    assert list(rows) == ["0", "1", "2", "3", "crashed", "crashed_now", "running"]
+    assert rows.pop("crashed_now").status == "crashed"
+    assert [rows[n].values["optimizer"] for n in "0123"] == ["SGD", "SGD", "Lion", "Lion"]
+    assert [rows[n].values["seed"] for n in "0123"] == [0, 1, 0, 1] and rows["crashed"].values["seed"] == 2
+    assert rows["running"].values["lr"] == 0.01
+    for run in find([sweep])[:4]:
+        row, logged = rows[run.path.name.partition("_")[0]], lines(run.path)
+        assert row.status == "finished" and row.note == ""
+        for metric in made.metrics:
+            history = [(line["step"], line[metric]) for line in logged if metric in line]
+            assert [step for step, _ in history] == [0, 2, 3]
+            best = (min if metric == "eval/loss" else max)(history, key=lambda point: point[1])
+            assert [row.figures[c] for c in report.metric_columns(metric)] == [
+                history[0][1], history[-1][1], best[1], best[0]]
+        assert row.figures["train/loss end"] == [line["train/loss"] for line in logged if "train/loss" in line][-1]
+        assert row.figures["tokens/s"] == statistics.fmean(line["perf/tokens_per_s"] for line in logged
+                                                           if "perf/tokens_per_s" in line)
+        summary = json.loads((run.path / "summary.json").read_text())
+        assert row.figures["peak MB"] == max(summary["final"]["perf/peak_mem_mb"],
+                                             *(line.get("perf/peak_mem_mb", 0) for line in logged))
+        assert 0 < row.figures["wall s"] < 60
+    crashed, running = rows["crashed"], rows["running"]
+    assert crashed.status == "crashed" and crashed.note == "error: out of memory | try a smaller batch"
+    first = lines(find([sweep])[0].path)  # the crashed run logged the first two lines of job 0 (SGD, seed 0)
+    assert crashed.figures["wall s"] == 7.5 and crashed.figures["tokens/s"] == first[1]["perf/tokens_per_s"]
+    assert crashed.figures["eval/loss @0"] == crashed.figures["eval/loss end"] == first[0]["eval/loss"]
+    assert running.status == "running" and running.figures["eval/loss best step"] == 0
+
+
+def test_report_files_and_seed_aggregation(sweep, tmp_path, monkeypatch, capsys):
+    runs = find([sweep])
+    made = report.build(runs)
+    md, table_csv, png = report.write(made, tmp_path / "each")
+    assert png.read_bytes().startswith(PNG) and png.stat().st_size > 10_000
+    header, *rows = list(csv.reader(table_csv.open()))
+    assert header[:4] == ["run", "seed", "optimizer", "lr"] and header[-2:] == ["status", "note"]
+    assert [row[0] for row in rows] == ["0", "1", "2", "3", "crashed", "crashed_now", "running"]
+    column = header.index("eval/loss end")
+    assert [float(row[column]) for row in rows[:4]] == [run.last("eval/loss") for run in runs[:4]]  # exact
+    text = md.read_text()
+    assert text.startswith("| run | seed | optimizer | lr |") and "| --- |" in text
+    assert "out of memory \\| try a smaller batch |\n" in text and text.count("\n") == 2 + len(rows)
+
+    folded = report.aggregate_seeds(made)
+    assert [row.values["optimizer"] for row in folded.rows] == ["SGD", "Lion", "", "SGD"]  # "": no config
+    assert "seed" not in folded.value_columns
+    sgd, lion, no_config, running = folded.rows
+    assert (sgd.name, sgd.status, lion.status, no_config.status, running.status) == (
+        "3 seeds (0,1,2)", "2 finished, 1 crashed", "2 finished", "1 crashed", "1 running")
+    for row, members in ((sgd, runs[:2]), (lion, runs[2:4])):  # the crashed run does not count in the mean
+        ends = [run.last("eval/rewards/accuracies") for run in members]
+        assert row.figures["eval/rewards/accuracies end"] == statistics.fmean(ends)
+        assert math.isclose(row.spread["eval/rewards/accuracies end"], statistics.stdev(ends))
+    assert "eval/loss best step" not in running.spread
+    out = tmp_path / "seeds"
+    code, printed, err = script("compare_runs", sweep, "--seeds", "--out", out, "--metrics", "eval/loss", "--plot",
+                                "train/loss", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0 and f"wrote {out}/report.md" in err and " ± " in printed
+    header, *rows = list(csv.reader((out / "report.csv").open()))
+    first = header.index("eval/loss @0")
+    assert header[:3] == ["run", "optimizer", "lr"] and header[first:first + 3] == [
+        "eval/loss @0", "eval/loss @0 std", "eval/loss end"] and "eval/exact_match end" not in header
+    assert len(rows) == 4 and (out / "report.png").read_bytes().startswith(PNG)
+    code, _, _ = script("compare_runs", *(run.path for run in runs[2:4]), "--csv", monkeypatch=monkeypatch, capsys=capsys)
+    assert code == 0 and (sweep / "report.png").is_file()  # the folder that holds the runs given
+
+
+def test_short_names_and_flattening():
+    assert report.short_names(["optimizer.lr", "seed", "data.seed", "algo.loss.beta"]) == {
+        "optimizer.lr": "lr", "seed": "seed", "data.seed": "data.seed", "algo.loss.beta": "beta"}
+    assert report.flatten({"optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 1.0,
+                                         "betas": [0.9, 0.99]}}) == {
+        "optimizer": "SGD", "optimizer.lr": 1.0, "optimizer.betas": "[0.9, 0.99]"}
+    assert report.differing([{"a": 1, "b": {"c": 2}, "output_dir": "x"}, {"a": 1, "b": {"c": 3}, "output_dir": "y"},
+                             {"a": 1, "b": {"c": 2}, "d": 0}, {}]) == ["b.c", "d"]
+
+
+def test_job_numbers_name_the_rows_unless_they_repeat(tmp_path):
+    from tests.sweeps.test_results import make_run
+
+    runs = find([make_run(tmp_path / "a" / "0_x=1"), make_run(tmp_path / "a" / "1_x=2")])
+    assert [row.name for row in report.build(runs).rows] == ["0", "1"]
+    runs = find([make_run(tmp_path / "b" / "0_x=1"), tmp_path / "a"])
+    assert [row.name for row in report.build(runs).rows] == ["0_x=1", "0_x=1", "1_x=2"]
+
+
+def test_a_failed_sweep_point_is_crashed_with_the_reason_it_recorded(tmp_path):
+    from rlhf.sweeps.points import FAILED
+    from rlhf.sweeps.results import Run
+
+    run = tmp_path / "0_algo.beta=5"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "eval/loss": 0.69}\n')  # written just now: not stale
+    (run / "train.log").write_text("")
+    (run / FAILED).write_text(json.dumps({"error": "NonFinite", "message": "step 3: the loss is nan"}))
+    lines = report.log_lines(Run(run))
+    assert report.status(Run(run), lines) == "crashed"
+    assert report.why(lines, run) == "NonFinite: step 3: the loss is nan"
+
+
+def test_the_searched_parameters_are_the_numbers_that_vary_among_runs_alike_in_everything_else(tmp_path):
+    """``lr`` is searched within each optimizer; ``weight_decay`` only follows the optimizer; ``seed`` is never an
+    axis; the series are named by the optimizer alone. The objective's figure is written from them."""
+    def row(optimizer, lr, weight_decay, seed, value):
+        values = {"optimizer": optimizer, "lr": lr, "weight_decay": weight_decay, "seed": seed}
+        return report.Row(f"{optimizer}{lr}{seed}", values, report.FINISHED, {"eval/exact_match end": value}, [])
+
+    rows = [row("SGD", lr, 0.0, seed, lr) for lr in (0.01, 0.1) for seed in (0, 1)]
+    rows += [row("Lion", lr, 0.1, 0, lr * 100) for lr in (1e-5, 1e-4)]
+    keys = ["optimizer._target_", "optimizer.lr", "optimizer.weight_decay", "seed"]
+    made = report.Report(rows, keys, dict(zip(keys, ["optimizer", "lr", "weight_decay", "seed"])),
+                         ["eval/exact_match"])
+    assert report.searched_parameters(made) == (["lr"], ["optimizer"])
+    written = report.write(made, tmp_path, plot_metrics=["eval/exact_match"], objective="eval/exact_match")
+    assert (tmp_path / "objective.png") in written and (tmp_path / "objective.png").stat().st_size > 10_000
+    one_lr = report.Report([r for r in rows if r.values["lr"] in (0.01, 1e-5)], keys, made.names, made.metrics)
+    assert report.searched_parameters(one_lr)[0] == []  # nothing searched: no objective figure
+    assert not report.plot_objective(one_lr, "eval/exact_match", tmp_path / "none.png")
+
+
+def test_the_objective_of_runs_is_read_resolved_from_their_saved_config():
+    """.hydra/config.yaml keeps the default objective as an interpolation (the algorithm's); the report resolves it
+    (a raw "${...}" taken for a metric's name broke the plot's title)."""
+    from types import SimpleNamespace
+
+    default = {"metric": "${rlhf.objective:${oc.select:algo._target_,null},metric}"}
+    dpo = SimpleNamespace(config={"algo": {"_target_": "rlhf.algos.dpo.DPO"}, "objective": default})
+    named = SimpleNamespace(config={"algo": {"_target_": "rlhf.algos.dpo.DPO"},
+                                    "objective": {"metric": "eval/exact_match"}})
+    assert report.objective_of([dpo, dpo]) == "eval/loss"
+    assert report.objective_of([named]) == "eval/exact_match"
+    assert report.objective_of([dpo, named]) is None  # runs that optimized different things

@@ -1,0 +1,211 @@
+"""The memory preflight (rlhf/telemetry/memory_preflight.py): optimizer state measured per optimizer, what sharding divides, the
+reference's own bytes, the activation estimate against what autograd really keeps, and the measured peak."""
+
+from __future__ import annotations
+
+import functools
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from lion_pytorch import Lion
+
+from rlhf.embedded.tiny_model import TinySpec
+from rlhf.models.reference import FrozenCopy, SharedLayers
+from rlhf.ops.completion_logps import completion_stats
+from rlhf.telemetry.memory_preflight import (
+    MB,
+    PeakMemory,
+    activation_bytes,
+    held_bytes,
+    measured_plan,
+    optimizer_bytes_per_parameter,
+    unique_tensors,
+)
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (functools.partial(torch.optim.AdamW, lr=1e-3), 8.0),  # two float32 moments
+    (functools.partial(torch.optim.SGD, lr=1e-3), 0.0),
+    (functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9), 4.0),
+    (functools.partial(Lion, lr=1e-4), 4.0),  # one float32 moment
+    (functools.partial(bnb.optim.Adam8bit, lr=1e-3), 2.0),  # two 8-bit moments (+ block scales)
+])
+def test_optimizer_state_is_measured_per_parameter(make, expected):
+    assert optimizer_bytes_per_parameter(make) == pytest.approx(expected, abs=0.07)
+
+
+def test_an_optimizer_that_cannot_step_here_is_unknown_not_zero():
+    def broken(params):
+        raise RuntimeError("CUDA only")
+    assert optimizer_bytes_per_parameter(broken) is None
+
+
+def _tiny(layers: int = 3):
+    torch.manual_seed(0)
+    return TinySpec(hidden_size=32, num_layers=layers, num_heads=2, intermediate_size=64, warm_start_steps=0).build()
+
+
+def test_plan_counts_each_part_and_sharding_divides_what_it_shards():
+    model = _tiny().model
+    weights = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    reference = FrozenCopy()(model)
+    whole = measured_plan(model, {"reference": reference}, 8.0, frozenset(), processes=2, activations=100)
+    assert (whole.weights, whole.gradients, whole.frozen, whole.activations) == (
+        weights, sum(p.numel() * 4 for p in model.parameters()), weights, 100)
+    assert whole.optimizer == 2 * whole.gradients  # 8 bytes against 4 per parameter
+    sharded = measured_plan(model, {"reference": reference}, 8.0, frozenset({"weights", "gradients", "optimizer"}),
+                            2, 100)
+    assert (sharded.weights, sharded.gradients, sharded.optimizer) == (
+        whole.weights // 2, whole.gradients // 2, whole.optimizer // 2)
+    zero1 = measured_plan(model, {}, 8.0, frozenset({"optimizer"}), 2, 0)
+    assert (zero1.weights, zero1.optimizer, zero1.frozen) == (whole.weights, whole.optimizer // 2, 0)
+    assert whole.total == sum([whole.weights, whole.gradients, whole.optimizer, whole.frozen, whole.activations])
+
+
+def test_shared_layers_count_only_the_layers_the_reference_does_not_share():
+    model = _tiny().model
+    copy_bytes = measured_plan(model, {"reference": FrozenCopy()(model)}, 0.0, frozenset(), 1, 0).frozen
+    all_gradients = measured_plan(model, {}, 0.0, frozenset(), 1, 0).gradients
+    shared = SharedLayers(num_shared_layers=2)(model)
+    layer_bytes = held_bytes(unique_tensors(model.model.layers[0]))
+    assert measured_plan(model, {"reference": shared}, 0.0, frozenset(), 1, 0).frozen == copy_bytes - 2 * layer_bytes
+    # frozen layers train no more: no gradient, no optimizer state
+    assert measured_plan(model, {}, 8.0, frozenset(), 1, 0).gradients == all_gradients - 2 * layer_bytes
+
+
+def _saved_bytes(model, batch) -> int:
+    """Bytes of the tensors autograd keeps for the backward pass (each storage once, parameters left out)."""
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        completion_stats(model, batch)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(size for pointer, size in saved.items() if pointer not in parameters)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_estimate_is_close_to_what_autograd_keeps(checkpointing):
+    policy = _tiny(layers=4)
+    model = policy.model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    sequences, tokens = 16, 48
+    ids = torch.randint(3, 200, (sequences, tokens))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": torch.ones_like(ids)}
+    kept = _saved_bytes(model, batch)
+    estimate = activation_bytes(model.config, sequences, tokens, 4, checkpointing)
+    if checkpointing:  # autograd keeps each layer's input; the estimate adds the layer recomputed in the backward
+        assert kept < estimate < 4 * kept, (estimate, kept)
+    else:
+        assert 0.67 * kept < estimate < 1.5 * kept, (estimate, kept)
+
+
+def test_checkpointing_makes_the_estimate_smaller():
+    config = _tiny().model.config
+    assert activation_bytes(config, 8, 64, 4, True) < activation_bytes(config, 8, 64, 4, False) / 1.5
+
+
+def test_peak_memory_sees_a_large_allocation_and_starts_over_for_each_run():
+    """64 MB of fresh pages (an anonymous mapping, every page written): a tensor of that size may instead reuse
+    pages the C allocator kept resident from earlier tests in this process (glibc raises its mmap threshold after
+    large frees), which leaves the resident set, and so the peak, where it was."""
+    import mmap
+
+    first = PeakMemory(torch.device("cpu"))
+    block = mmap.mmap(-1, 64 * MB)
+    for offset in range(0, 64 * MB, mmap.PAGESIZE):
+        block[offset] = 1
+    assert first.mb() > 60
+    block.close()
+    second = PeakMemory(torch.device("cpu"))  # a second run in this process does not inherit the first's peak
+    assert second.mb() < 30
+
+
+def test_a_strategy_that_stores_bf16_weights_and_a_float32_master_copy_counts_them():
+    from rlhf.hardware import ZeRO
+    from rlhf.hardware.holding import StoredPrecision
+    from rlhf.telemetry.memory_preflight import plan
+
+    precision = ZeRO(stage=3, mixed_precision="bf16").stored_precision()
+    assert precision == StoredPrecision(weight_bytes=2, master_bytes=4, optimizer_dtype=torch.float32)
+    assert ZeRO(stage=3).stored_precision() == StoredPrecision()
+    stored = plan(weights=4000, trainable=1000, gradient_width=4, frozen=0, optimizer_bytes=8.0,
+                  sharded=frozenset({"optimizer"}), processes=2, activations=0, precision=precision, parameters=1000)
+    assert (stored.weights, stored.gradients, stored.optimizer) == (2000, 2000, (8 + 4) * 1000 // 2)
+
+
+def test_the_preflight_of_a_run_counts_gradient_checkpointing_as_the_model_has_it():
+    import types
+
+    import datasets
+
+    from rlhf.algos.dpo import DPO
+    from rlhf.hardware import DataParallel
+    from rlhf.run.components import preflight
+
+    policy = _tiny()
+    algo = DPO()
+    algo.setup(policy.model, policy.tokenizer)
+    rows = datasets.Dataset.from_list([algo.tokenize({"prompt": "abcdef=", "chosen": "fedcba", "rejected": "abcdef"},
+                                                     policy.tokenizer)] * 4)
+    strategy = DataParallel(device="cpu")
+    strategy.accelerator = types.SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+    settings = types.SimpleNamespace(per_device_batch_size=4)  # what the preflight reads of train:
+    make_optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    whole = preflight(policy.model, algo, rows, make_optimizer, strategy, settings)
+    policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = preflight(policy.model, algo, rows, make_optimizer, strategy, settings)
+    # 4 pairs, each one sequence around its shared prompt (algo.shared_prompt): the prompt's first 6 tokens, then
+    # each branch: the prompt's last token and 6 + EOS of its answer
+    assert algo.shares_prompt and len(rows[0]["chosen_input_ids"]) == 14
+    assert whole.activations == activation_bytes(policy.model.config, 4, 6 + 8 + 8, 4, False)
+    assert checkpointed.activations < whole.activations and checkpointed.weights == whole.weights
+
+
+def test_the_preflight_of_an_online_run_counts_prompts_times_completions_with_their_tokens():
+    import types
+
+    import datasets
+
+    from rlhf.algos.grpo import GRPO
+    from rlhf.hardware import DataParallel
+    from rlhf.run.components import preflight
+
+    policy = _tiny()
+    algo = GRPO(num_generations=8, steps_per_generation=2, max_completion_length=16)
+    algo.setup(policy.model, policy.tokenizer)
+    rows = datasets.Dataset.from_list([algo.tokenize({"prompt": "abcdef="}, policy.tokenizer)] * 4)
+    strategy = DataParallel(device="cpu")
+    strategy.accelerator = types.SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+    settings = types.SimpleNamespace(per_device_batch_size=4)  # 4 prompts x 8 completions, in 2 micro-batches
+    memory = preflight(policy.model, algo, rows, functools.partial(torch.optim.AdamW, lr=1e-3), strategy, settings)
+    prompt_tokens = len(rows[0]["prompt_ids"])
+    assert memory.activations == activation_bytes(policy.model.config, 16, prompt_tokens + 16, 4, False)
+
+
+def test_an_output_layer_that_answers_in_tiles_keeps_one_tile_of_logits_in_the_estimate():
+    """algo.fused_output_layer: the logits exist one tile at a time (on a CPU only when asked with true; auto
+    answers on a GPU), so the preflight counts one tile's worth of rows, not every token's."""
+    from rlhf.ops.output_layer import logits_rows, tap_output_layer
+    from rlhf.ops.token_logps import tile_shape
+
+    cpu, gpu, tokens = torch.device("cpu"), torch.device("cuda"), 64 * 512
+    auto, fused = _tiny().model, _tiny().model
+    tap_output_layer(auto, "auto")
+    tap_output_layer(fused, True)
+    config = fused.config
+    assert logits_rows(auto, cpu, tokens) is None and logits_rows(_tiny().model, cpu, tokens) is None
+    rows, chunk = tile_shape(tokens, config.vocab_size, gpu)
+    assert logits_rows(auto, gpu, tokens) == -(-rows * chunk // config.vocab_size)
+    rows = logits_rows(fused, cpu, tokens)
+    assert 0 < rows < tokens
+    whole = activation_bytes(config, 64, 512, 4, False)
+    tiles = activation_bytes(config, 64, 512, 4, False, logits_rows=rows)
+    assert whole - tiles == (tokens - rows) * 3 * config.vocab_size * 4 > 0
+    assert activation_bytes(config, 1, 3, 4, False, logits_rows=rows) == activation_bytes(config, 1, 3, 4, False)
