@@ -51,7 +51,7 @@ from rlhf.core.file_io import current_umask
 from rlhf.core.limits import Range, limits
 from rlhf.data.fingerprint import data_fingerprint
 from rlhf.models.reference import FrozenCopy, Pretrained, Reference
-from rlhf.ops.collectives import sum_over_processes
+from rlhf.ops.collectives import from_main_process, sum_over_every_process, sum_over_processes
 from rlhf.ops.completion_logps import completion_stats
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class Precomputed(Reference):
                     self._write(self.cache_dir / f"{keys[split]}.safetensors", keys[split], computed[split])
         out = {}
         for split in rows:
-            shared = _everywhere(values.get(split), accelerator) if found[split] else values[split]
+            shared = from_main_process(values.get(split), accelerator) if found[split] else values[split]
             source = "read from" if found[split] else "computed and saved to"
             if accelerator.is_main_process:
                 log.info("reference log-probabilities of the %s split (%d rows): %s %s", split, len(rows[split]),
@@ -195,7 +195,7 @@ class Precomputed(Reference):
                         values[torch.tensor(indices, device=accelerator.device)] = logps
                         self.computed_rows += len(indices)
                 if accelerator.num_processes > 1:
-                    values = accelerator.reduce(values, reduction="sum")
+                    values = sum_over_every_process(values)
                 out[split] = values.cpu()
             return out
         finally:
@@ -276,14 +276,3 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)};".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
-
-
-def _everywhere(values: Tensor | None, accelerator) -> Tensor:
-    """The main process's ``values`` on every process (one all-reduce: the others add zeros)."""
-    if accelerator.num_processes == 1:
-        return values
-    shape = torch.tensor(list(values.shape) if values is not None else [0, 0], device=accelerator.device)
-    shape = accelerator.reduce(shape, reduction="sum")
-    mine = values.to(accelerator.device) if values is not None else torch.zeros(
-        *shape.tolist(), dtype=torch.float32, device=accelerator.device)
-    return accelerator.reduce(mine, reduction="sum").cpu()

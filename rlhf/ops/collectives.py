@@ -9,7 +9,8 @@ package to it; the hardware strategies' sharding, which torch's FSDP2 and DeepSp
   :func:`max_over_processes`;
 - without one (an algorithm's loss or rollout, a reference's cache): :func:`processes`,
   :func:`sum_over_every_process`, :func:`flag_on_any_process`, :func:`gather_rows` (every process's rows, e.g.
-  the rewards a group baseline needs) and :func:`gather_equal` (a small tensor from every process, stacked).
+  the rewards a group baseline needs) and :func:`gather_equal` (a small tensor from every process, stacked);
+- the main process's tensor on every process: :func:`from_main_process` (a reference's precomputed cache).
 
 Every function is a collective: every process calls it, in the same order. With one process each returns its input
 (as a plain value) without touching ``torch.distributed``.
@@ -101,3 +102,15 @@ def gather_equal(values: Tensor) -> list[Tensor]:
     parts = [torch.empty_like(values) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(parts, values.contiguous())
     return parts
+
+
+def from_main_process(values: Tensor | None, accelerator) -> Tensor:
+    """The main process's ``values`` (``None`` on the others) on every process, on the CPU (one all-reduce of the
+    shape, one of the values: the other processes add zeros)."""
+    if accelerator.num_processes == 1:
+        return values
+    shape = torch.tensor(list(values.shape) if values is not None else [0, 0], device=accelerator.device)
+    shape = accelerator.reduce(shape, reduction="sum")
+    mine = values.to(accelerator.device) if values is not None else torch.zeros(
+        *shape.tolist(), dtype=torch.float32, device=accelerator.device)
+    return accelerator.reduce(mine, reduction="sum").cpu()
