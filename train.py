@@ -12,7 +12,7 @@ if __name__ == "__main__":  # a stop signal during the imports waits, then count
     # The imports (torch, transformers, datasets, Hydra: about 600,000 objects that live as long as the process) run
     # without the cyclic garbage collector, which would otherwise walk them again and again as they are made; then
     # they are frozen out of every later collection. Measured: 5.3 s -> 4.4 s to the first step of `python train.py`
-    # (scripts/startup_time.py).
+    # (benchmarks/startup_time.py).
     gc.disable()
 
 import logging  # noqa: E402

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv with PyTorch and rlhf (editable, with test tools, the [search] extra: Optuna's sweeper, and the
-# [bench] extra: TRL, which scripts/bench.py measures rlhf against). Safe to re-run: it skips what is present, and
+# [bench] extra: TRL, which benchmarks/bench.py measures rlhf against). Safe to re-run: it skips what is present, and
 # brings the other packages to the versions in constraints.txt (the set the tests and the README were run with).
 #   TORCH_SPEC  which torch to install when none is present (default: torch==2.13.0; e.g. "torch" for the
 #               newest build for your platform, or a CUDA wheel spec). torch is not in constraints.txt.

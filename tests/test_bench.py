@@ -1,4 +1,4 @@
-"""scripts/bench.py: the benchmark against TRL runs at a tiny size, both sides compute the same losses, and the
+"""benchmarks/bench.py: the benchmark against TRL runs at a tiny size, both sides compute the same losses, and the
 tokens it credits each sample with are the tokens our tokenization makes."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rlhf.algos.sft import SFT
 from rlhf.models.tokenizer import byte_tokenizer
 from tests.conftest import ROOT
 
-_spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+_spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
@@ -35,7 +35,7 @@ def test_rows_fit_their_shape_and_are_credited_the_tokens_they_tokenize_to(shape
 
 def test_the_benchmark_runs_at_a_tiny_size_and_both_sides_compute_the_same_losses(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--sizes", "3m", "--shapes", "short", "--cases",
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--sizes", "3m", "--shapes", "short", "--cases",
          "dpo_fp32,sft_fp32", "--steps", "2", "--batch", "2", "--rows", "32", "--threads", "1", "--out", str(tmp_path),
          "--profile"],
         capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -85,9 +85,9 @@ def test_on_a_gpu_our_side_runs_hardware_gpu_in_the_precision_of_the_case():
 
 
 def test_levers_runs_each_variant_and_writes_its_table(tmp_path):
-    """scripts/levers.py at the smallest size: every variant runs (a bad override would fail its run), and the
+    """benchmarks/levers.py at the smallest size: every variant runs (a bad override would fail its run), and the
     table has a row per variant with its rounds' values and the ratio to the defaults (1.00 for the defaults)."""
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "levers.py"), "--rounds", "1", "--steps", "2",
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "levers.py"), "--rounds", "1", "--steps", "2",
                              "--out", str(tmp_path), "loop=optimizer.fused=false"],
                             capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -95,11 +95,11 @@ def test_levers_runs_each_variant_and_writes_its_table(tmp_path):
     assert [row.split(" | ")[0] for row in rows[1:]] == ["| defaults", "| loop"]  # after the header
     defaults, loop = (row.split(" | ") for row in rows[1:])
     assert defaults[4] == "1.00" and float(loop[3]) > 0 and loop[1] == "optimizer.fused=false"
-    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "levers.py"), "nonsense"], capture_output=True,
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "levers.py"), "nonsense"], capture_output=True,
                          text=True, cwd=ROOT)
     assert bad.returncode == 2 and "write a lever as NAME=OVERRIDES" in bad.stderr
     # --base reaches every run, the defaults' first: a base the config refuses stops the first run
-    base = subprocess.run([sys.executable, str(ROOT / "scripts" / "levers.py"), "--rounds", "1", "--steps", "2",
+    base = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "levers.py"), "--rounds", "1", "--steps", "2",
                            "--out", str(tmp_path / "base"), "--base", "algo.beta=-1", "loop=optimizer.fused=false"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert base.returncode != 0 and "algo.beta=-1 must be > 0" in base.stderr + base.stdout, base.stderr[-2000:]
@@ -107,8 +107,8 @@ def test_levers_runs_each_variant_and_writes_its_table(tmp_path):
 
 
 def test_attention_kernels_times_flash_and_math(monkeypatch, capsys):
-    """scripts/attention_kernels.py at one small shape: a row per dtype and length, both kernels timed."""
-    spec = importlib.util.spec_from_file_location("attention_kernels", ROOT / "scripts" / "attention_kernels.py")
+    """benchmarks/attention_kernels.py at one small shape: a row per dtype and length, both kernels timed."""
+    spec = importlib.util.spec_from_file_location("attention_kernels", ROOT / "benchmarks" / "attention_kernels.py")
     kernels = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernels)
     monkeypatch.setattr(sys, "argv", ["attention_kernels.py", "--sizes", "3m", "--lengths", "16", "24",
@@ -121,8 +121,8 @@ def test_attention_kernels_times_flash_and_math(monkeypatch, capsys):
 
 
 def test_logps_kernels_times_both_ways_and_finds_them_equal(monkeypatch, capsys):
-    """scripts/logps_kernels.py at small shapes: both ways run, and they agree bit for bit ("equal")."""
-    spec = importlib.util.spec_from_file_location("logps_kernels", ROOT / "scripts" / "logps_kernels.py")
+    """benchmarks/logps_kernels.py at small shapes: both ways run, and they agree bit for bit ("equal")."""
+    spec = importlib.util.spec_from_file_location("logps_kernels", ROOT / "benchmarks" / "logps_kernels.py")
     kernels = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kernels)
     monkeypatch.setattr(kernels, "SHAPES", [(2, 9, 300), (3, 5, 2000)])

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh: the GPU check rehearsed on the CPU at the tiny size (every section runs, the page and the
+"""benchmarks/gpu_check.sh: the GPU check rehearsed on the CPU at the tiny size (every section runs, the page and the
 JSON are written, the correctness checks pass), and its goals judged from what was measured."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import pytest
 
 from tests.conftest import ROOT
 
-_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)
 
 
 def test_the_rehearsal_runs_every_section_and_writes_the_page(tmp_path):
     env = {**os.environ, "WHEELS": "none", "PYTHON": sys.executable, "OUT": str(tmp_path)}
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu"], capture_output=True,
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--device", "cpu"], capture_output=True,
                             text=True, cwd=ROOT, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.startswith("versions: torch ")  # the import check ran before the check

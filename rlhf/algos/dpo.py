@@ -63,7 +63,7 @@ class DPO(ReferenceRegularized):
         max_length: sequences longer than this many tokens lose their end (>= 1, or null).
         completion_logits_only: compute the output layer only where it scores completion tokens (from the batch's
             earliest one on), for the policy and the reference alike (:func:`~rlhf.ops.completion_logps.keep_completion_logits`).
-            On by default (measured faster: ``scripts/levers.py``); off by itself with ``nll_on_prompt``, which
+            On by default (measured faster: ``benchmarks/levers.py``); off by itself with ``nll_on_prompt``, which
             scores the prompt too.
         fused_output_layer: where the output layer computes the token log-probabilities itself, a tile of logits at a time,
             so that the ``[B, T, V]`` logits and their gradient never exist whole (policy and reference;

@@ -52,7 +52,7 @@ class GRPO(PolicyGradient):
         cache_implementation: the key-value cache ``generate`` samples with (TRL's name): ``None`` (transformers'
             dynamic cache, grown token by token) or ``"static"`` (allocated once at its longest; transformers then
             compiles the decoding step on a GPU). The same completions on a CPU (tested); its speed is measured by
-            ``scripts/gpu_check.py``'s levers.
+            ``benchmarks/gpu_check.py``'s levers.
         gather_for_generation: under ``fsdp``/``zero3``, the policy's parameters gathered once for a rollout's
             generation (the whole model in the compute dtype on each process while it generates; TRL's
             ``ds3_gather_for_generation``); ``False``: each layer gathered at every token (``synced_gpus``), for a

@@ -4,7 +4,7 @@
 (``torch.nn.functional.scaled_dot_product_attention``), the kernel behind it is chosen per call by what measured
 faster: torch's math kernel (two matrix products and a softmax) for a call in bf16 on a CPU whose backward pass will
 run, when the keys are fewer than :data:`CPU_MATH_BELOW_KEYS`; torch's own choice (its flash kernel on a CPU)
-everywhere else. ``python scripts/attention_kernels.py`` on a 2-core AVX-512-BF16 CPU (torch 2.13), 16 sequences:
+everywhere else. ``python benchmarks/attention_kernels.py`` on a 2-core AVX-512-BF16 CPU (torch 2.13), 16 sequences:
 forward and backward in bf16, flash took 1.7-2.3x the math kernel's time at 32 keys, 1.3-2.1x at 64, 1.2-1.5x at
 128, and 0.7-1.1x at 192 (4 and 12 heads); the forward alone (a frozen reference, generation) and float32 were
 faster with flash at every length. The choice is made inside each call, so a model switches as its batches'
@@ -26,7 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 AUTO = "auto"  # the config value
 NAME = "rlhf_sdpa"  # what a model's config._attn_implementation says under ``auto`` (registered with transformers)
-CPU_MATH_BELOW_KEYS = 192  # scripts/attention_kernels.py: the crossover on a 2-core CPU lies between 128 and 256 keys
+CPU_MATH_BELOW_KEYS = 192  # benchmarks/attention_kernels.py: the crossover on a 2-core CPU lies between 128 and 256 keys
 
 
 def uses_math_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

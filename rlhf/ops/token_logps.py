@@ -12,7 +12,7 @@ each block small enough to stay in cache, with a backward pass of its own that w
 (the gradient of a log-softmax; the saved per-position ``logsumexp`` gives the softmax back). The values are
 those of the autograd formula it replaces, ``x.gather(-1, index) - x.logsumexp(-1)`` with ``x = logits.float()``,
 bit for bit, and so are the greedy tokens and the gradient: each position's reduction over the vocabulary is the
-same, and the two terms of the gradient are added in the same two roundings (tested). ``python scripts/logps_kernels.py`` on the 2-core CPU at ``[16, 49, 32000]`` (the benchmark's 100m
+same, and the two terms of the gradient are added in the same two roundings (tested). ``python benchmarks/logps_kernels.py`` on the 2-core CPU at ``[16, 49, 32000]`` (the benchmark's 100m
 short DPO batch), forward and backward: 176 ms -> 82 ms in float32, 247 ms -> 62 ms from bfloat16 logits.
 
 Both functions take a sampling ``temperature`` ``T``: the log-probabilities are then those of ``softmax(logits / T)``,
@@ -120,7 +120,7 @@ class _LogSoftmaxAt(torch.autograd.Function):
 # matrix product of ``rows x H`` hidden states against a ``chunk x H`` slice of the weight: each row block reads the
 # whole weight once, so the tiles take as many rows as fit beside a chunk of at least ``MIN_VOCAB_CHUNK`` entries
 # (all of a batch's rows, unless it has more than ``bytes / 4 / MIN_VOCAB_CHUNK``). ``python
-# scripts/logps_kernels.py --fused`` on the 2-core CPU, forward and backward at bench.py's shapes: 4 MiB tiles as
+# benchmarks/logps_kernels.py --fused`` on the 2-core CPU, forward and backward at bench.py's shapes: 4 MiB tiles as
 # fast as 16 or faster (up to 1.2x at vocabulary 32,000), 64 MiB up to 1.6x slower than 16 (out of cache).
 LINEAR_TILE_BYTES_CPU = 4 * 2**20
 LINEAR_TILE_BYTES_GPU = 64 * 2**20

@@ -15,7 +15,7 @@ With ``train.profile_memory=true`` (a GPU only) the CUDA allocator's history is 
   largest first (:func:`memory_at_peak`).
 
 The profiler slows the steps it records (the table's times include its own overhead); ``perf/*`` of the log
-window that holds them says so by being slower. ``scripts/bench.py --profile`` profiles both sides of a case.
+window that holds them says so by being slower. ``benchmarks/bench.py --profile`` profiles both sides of a case.
 """
 
 from __future__ import annotations

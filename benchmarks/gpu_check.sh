@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check in one command (scripts/gpu_check.py): installs the wheels carried in .whl/ (scripts/device_wheels.sh)
+# The GPU check in one command (benchmarks/gpu_check.py): installs the wheels carried in .whl/ (benchmarks/device_wheels.sh)
 # into /tmp/site where there are any, runs the check (which first imports every package it needs, printing their
 # versions, and stops with exit 2 naming the missing one) and leaves its page, its JSON and its log in $OUT (the device tool's output folder; outputs/gpu_check elsewhere). Arguments go to gpu_check.py.
 #
-#   bash scripts/device_wheels.sh                         # here, once: the wheels (.whl/, ignored by git)
-#   device run, carry [".whl"]:  bash scripts/gpu_check.sh   # on the GPU machine: ~7 minutes
-#   WHEELS=none PYTHON=.venv/bin/python bash scripts/gpu_check.sh --device cpu   # the rehearsal on a CPU
+#   bash benchmarks/device_wheels.sh                         # here, once: the wheels (.whl/, ignored by git)
+#   device run, carry [".whl"]:  bash benchmarks/gpu_check.sh   # on the GPU machine: ~7 minutes
+#   WHEELS=none PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --device cpu   # the rehearsal on a CPU
 #                                                         (tests/test_gpu_check.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,4 +18,4 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=${OUT:-outputs/gpu_check}
 mkdir -p "$out"
-$PYTHON scripts/gpu_check.py --out "$out" "$@" 2>&1 | tee "$out/gpu_check.log"
+$PYTHON benchmarks/gpu_check.py --out "$out" "$@" 2>&1 | tee "$out/gpu_check.log"

@@ -2,8 +2,8 @@
 matrix product, a softmax, a matrix product), forward and backward, in float32 and bf16, over key lengths, at the
 head shapes of bench.py's model sizes. ``rlhf.models.attention`` chooses between them from these measurements.
 
-    python scripts/attention_kernels.py                      # 16 sequences (a DPO batch of 8 pairs), lengths 32..1024
-    python scripts/attention_kernels.py --sizes 100m --lengths 128 192 256 320 --repeats 20
+    python benchmarks/attention_kernels.py                      # 16 sequences (a DPO batch of 8 pairs), lengths 32..1024
+    python benchmarks/attention_kernels.py --sizes 100m --lengths 128 192 256 320 --repeats 20
 
 The kernels run interleaved, call after call, so that a slow moment of a shared machine falls on both; printed per
 shape: the median milliseconds of each and flash / math (above 1: the math kernel is faster). A causal boolean mask

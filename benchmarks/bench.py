@@ -2,9 +2,9 @@
 batch, lengths, precision and threads.
 
     pip install -e ".[bench]"            # TRL, only for this script (scripts/setup.sh installs it)
-    python scripts/bench.py              # the README's table: docs/bench.md and docs/bench.png
-    python scripts/bench.py --sizes 3m --shapes short --cases dpo_fp32,sft_fp32 --steps 3 --out /tmp/bench
-    python scripts/bench.py --device cuda --sizes 100m --shapes short --out /tmp/bench-gpu   # on one GPU
+    python benchmarks/bench.py              # the README's table: docs/bench.md and docs/bench.png
+    python benchmarks/bench.py --sizes 3m --shapes short --cases dpo_fp32,sft_fp32 --steps 3 --out /tmp/bench
+    python benchmarks/bench.py --device cuda --sizes 100m --shapes short --out /tmp/bench-gpu   # on one GPU
 
 For each model size (a Llama of random weights built from a config, saved once: ``SIZES``) and each data shape
 (random lowercase strings for prompt and completions, each row's lengths drawn between half and all of the shape's:
@@ -465,7 +465,7 @@ def versions() -> str:
 
 def markdown(results: list[dict], losses: dict, checkpoints: dict, header: dict) -> str:
     lines = [f"Measured {header['date']} on {header['machine']}, {header['threads']} torch thread(s), one process; "
-             f"{header['versions']}. `python scripts/bench.py {header['args']}`: per size, N steps timed after N untimed "
+             f"{header['versions']}. `python benchmarks/bench.py {header['args']}`: per size, N steps timed after N untimed "
              f"({', '.join(f'{k} N={v}' for k, v in header['steps'].items())}), {header['batch']} samples per step; "
              "rlhf with its defaults"
              + (f" and {', '.join(f'`{o}`' for o in header['ours'])}" if header["ours"] else "") + ".", "",

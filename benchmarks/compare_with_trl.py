@@ -1,7 +1,7 @@
 """Check our DPO numbers against TRL's DPOTrainer on the same model and data (TRL is not a dependency).
 
     pip install trl            # in any environment that has rlhf installed
-    python scripts/compare_with_trl.py [--rows 64] [--steps 100]
+    python benchmarks/compare_with_trl.py [--rows 64] [--steps 100]
 
 On the embedded default (the warm-started tiny model, the reverse task's held-out pairs), it evaluates the
 initial policy with both implementations and prints the metrics side by side: ``logps/chosen`` and

@@ -5,10 +5,10 @@
 # what it needs beyond that machine's packages, TRL, Liger-Kernel), and the versions of transformers, tokenizers,
 # peft and fsspec that this repository is tested with (constraints.txt), so that the GPU runs the code CI runs.
 # huggingface_hub stays that machine's (1.33 when last read; ours needs httpx2, which it lacks: transformers and
-# datasets take >= 1.31). Into .whl/ (ignored by git), about 21 MB; scripts/gpu_check.sh installs them there.
+# datasets take >= 1.31). Into .whl/ (ignored by git), about 21 MB; benchmarks/gpu_check.sh installs them there.
 #
-#   bash scripts/device_wheels.sh            # then carry .whl with the call that runs scripts/gpu_check.sh
-#   WITH_PYARROW=1 bash scripts/device_wheels.sh   # also pyarrow (+40 MB), should that machine's be too old
+#   bash benchmarks/device_wheels.sh            # then carry .whl with the call that runs benchmarks/gpu_check.sh
+#   WITH_PYARROW=1 bash benchmarks/device_wheels.sh   # also pyarrow (+40 MB), should that machine's be too old
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-python3 -m pip}

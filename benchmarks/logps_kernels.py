@@ -1,9 +1,9 @@
 """Milliseconds of the token log-probabilities, forward and backward: autograd's operators against
 ``rlhf.ops.token_logps``'s one blockwise pass, and whether they agree bit for bit.
 
-    python scripts/logps_kernels.py             # the logits of bench.py's DPO batches (8 pairs, short rows)
-    python scripts/logps_kernels.py --step      # and a whole 100m policy step (forward, backward) with each
-    python scripts/logps_kernels.py --fused     # the output layer too: F.linear then one pass, against one op
+    python benchmarks/logps_kernels.py             # the logits of bench.py's DPO batches (8 pairs, short rows)
+    python benchmarks/logps_kernels.py --step      # and a whole 100m policy step (forward, backward) with each
+    python benchmarks/logps_kernels.py --fused     # the output layer too: F.linear then one pass, against one op
 
 The shapes: ``[16, 49, V]`` (8 pairs of short rows, positions from the earliest completion token on) at bench.py's
 vocabularies (4,096, 16,384, 32,000) and ``[16, 257, 4096]`` (3m's long rows), float32 and bfloat16 logits. Each

@@ -1,15 +1,15 @@
 """The GPU check: everything that needs a GPU, in one process tree that fits one device call, written as a dated
 page (``docs/gpu/<date>-<device>.md``) and a summary table of the goals on stdout.
 
-    bash scripts/gpu_check.sh                      # on the GPU machine (installs the carried wheels first)
-    python scripts/gpu_check.py --device cuda --out /tmp/gpu-check [--budget-s 420]
-    python scripts/gpu_check.py --device cpu --out /tmp/rehearsal   # the rehearsal: tiny sizes, the same code
+    bash benchmarks/gpu_check.sh                      # on the GPU machine (installs the carried wheels first)
+    python benchmarks/gpu_check.py --device cuda --out /tmp/gpu-check [--budget-s 420]
+    python benchmarks/gpu_check.py --device cpu --out /tmp/rehearsal   # the rehearsal: tiny sizes, the same code
 
 Sections, in order (each result is written to ``<out>/gpu_check.json`` as soon as it exists, so a run stopped at
 its limit still leaves what it measured):
 
 1. **Correctness** (float32, one batch): the first-step DPO, SFT and GRPO losses of ours and TRL's on the same batch
-   (``scripts/bench.py``'s checks: a reference that differs from the policy; GRPO at temperature 0.7 with a KL term),
+   (``benchmarks/bench.py``'s checks: a reference that differs from the policy; GRPO at temperature 0.7 with a KL term),
    |Δ| < 1e-4; the tiled output layer (``algo.fused_output_layer=true``) and the shared-prompt layout
    (``algo.shared_prompt=true``; on a GPU also under flex attention's block mask) and padding-free pairs
    (``algo.padding_free=true``) against two plain sequences a pair: DPO's loss and every parameter's gradient;
@@ -20,7 +20,7 @@ its limit still leaves what it measured):
    (``train.save_every_minutes``), and against its step seconds at one checkpoint every 100 steps, batch 8.
 3. **The output layer's kernels** (:func:`output_layer_kernels`): SFT's loss from the last hidden states, the
    logits whole, our tiles, and Liger-Kernel's fused linear cross entropy where it is installed.
-4. **Speed and memory** against TRL at equal settings (``scripts/bench.py``'s cases: bf16 autocast, live reference,
+4. **Speed and memory** against TRL at equal settings (``benchmarks/bench.py``'s cases: bf16 autocast, live reference,
    no gradient checkpointing, the same batch, lengths and AdamW; GRPO with HF generate on both sides, 8 completions
    a prompt), in the order of :data:`PLAN`, each pair started only while the budget (``--budget-s``) leaves room for
    it: samples/s of both, the ratio, peak GPU memory (torch's allocator) of both, MFU.
@@ -50,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-_spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+_spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
@@ -105,7 +105,7 @@ GOALS = [
 
 
 def check_plan(plan: list[tuple[str, int, str]]) -> None:
-    """Every entry names a size and a case of ``scripts/bench.py``, has its step counts, and its overrides build
+    """Every entry names a size and a case of ``benchmarks/bench.py``, has its step counts, and its overrides build
     (GRPO's batch a multiple of its group): what the rehearsal does not run is checked here, before any minute
     of a GPU is spent."""
     for size, batch, case in plan:
@@ -247,7 +247,7 @@ def resume_and_checkpoints(model_dir: Path, work: Path, device: str, steps: int,
 # ---- speed --------------------------------------------------------------------------------------------------------
 def speed_pair(size: str, batch: int, case: str, model_dir: Path, params: int, work: Path, device: str,
                peaks: dict, steps: int) -> dict:
-    """Ours and TRL's on one case (``scripts/bench.py``'s runners), with MFU as the benchmark computes it."""
+    """Ours and TRL's on one case (``benchmarks/bench.py``'s runners), with MFU as the benchmark computes it."""
     algo = bench.CASES[case][0]
     rows = bench.make_rows(algo, "short", max(64 if device == "cpu" else 512, 4 * batch))
     data = work / f"{algo}-short.jsonl"
@@ -346,7 +346,7 @@ def output_layer_kernels(device: str, repeats: int = 5) -> list[dict]:
             except Exception as error:  # noqa: BLE001  (a kernel that fails on this GPU is a finding)
                 rows_out.append({"shape": label, "way": name, "failed": f"{type(error).__name__}: {error}"[:200]})
     if liger_fused_linear_cross_entropy is None:
-        rows_out.append({"shape": "-", "way": "Liger", "failed": "liger-kernel is not installed (scripts/device_wheels.sh "
+        rows_out.append({"shape": "-", "way": "Liger", "failed": "liger-kernel is not installed (benchmarks/device_wheels.sh "
                                                                "carries it to the GPU machine)"})
     return rows_out
 
@@ -482,8 +482,8 @@ def main() -> int:
         print("versions: " + ", ".join(f"{n} {importlib.import_module(n).__version__}" for n in names), flush=True)
         import rlhf.run.loop  # noqa: F401  (the package imports against these versions)
     except ImportError as error:
-        print(f"{error}: a package is missing or too old here. Fix: run scripts/device_wheels.sh where pip works and "
-              "carry .whl (scripts/gpu_check.sh installs it)", file=sys.stderr)
+        print(f"{error}: a package is missing or too old here. Fix: run benchmarks/device_wheels.sh where pip works and "
+              "carry .whl (benchmarks/gpu_check.sh installs it)", file=sys.stderr)
         return 2
     import datasets
     import torch
@@ -503,7 +503,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     device_name = machine_name(torch.device(device))
     header = {"date": time.strftime("%Y-%m-%d"), "machine": f"{device_name}, {platform.system()}",
-              "versions": bench.versions(), "command": "python scripts/gpu_check.py " + " ".join(sys.argv[1:]),
+              "versions": bench.versions(), "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:]),
               "budget_s": args.budget_s, "elapsed_s": 0.0, "device": device}
     report = Report(out, header)
     report.data["peaks"] = probe(torch.device(device))

@@ -1,8 +1,8 @@
 """Seconds of the same short run with the threads `hardware` picks by itself and with every CPU's worth of threads,
 on this machine as it is and with other work keeping its CPUs busy.
 
-    python scripts/threads_under_load.py                  # 60 steps of the default (DPO), idle and loaded
-    python scripts/threads_under_load.py --steps 30 algo=sft
+    python benchmarks/threads_under_load.py                  # 60 steps of the default (DPO), idle and loaded
+    python benchmarks/threads_under_load.py --steps 30 algo=sft
 
 For each load (none; then one busy process per CPU, each spinning a pure-Python loop, started before the run and
 stopped after it), two runs one after the other: `hardware.threads_per_process=null` (the default: the CPUs shared

@@ -1,7 +1,7 @@
 """Measure the memory each process holds for DPO's reference model under a hardware option, on 2 CPU processes.
 
-    python scripts/reference_memory.py                         # cpu_ddp, fsdp, zero3 on a hidden-512 tiny Llama
-    python scripts/reference_memory.py --options cpu_ddp fsdp --hidden-size 256 --layers 2
+    python benchmarks/reference_memory.py                         # cpu_ddp, fsdp, zero3 on a hidden-512 tiny Llama
+    python benchmarks/reference_memory.py --options cpu_ddp fsdp --hidden-size 256 --layers 2
 
 For each option (``conf/hardware/<option>.yaml`` with 2 processes, each option in a fresh pair of processes, one
 thread each) every rank builds the embedded model (random init, no warm start), then makes the reference as

@@ -2,8 +2,8 @@
 every call) and stored in bf16 (``rlhf.hardware.holding.linear_weights_to_bf16``, what ``prepare_frozen`` does
 under ``hardware.mixed_precision=bf16``), at bench.py's model sizes.
 
-    python scripts/frozen_bf16.py                       # 3m, 25m, 100m; 16 sequences of 64 tokens (a DPO batch of 8 pairs)
-    python scripts/frozen_bf16.py --sizes 100m --repeats 20
+    python benchmarks/frozen_bf16.py                       # 3m, 25m, 100m; 16 sequences of 64 tokens (a DPO batch of 8 pairs)
+    python benchmarks/frozen_bf16.py --sizes 100m --repeats 20
 
 The two copies run interleaved, call after call, so a slow moment of a shared machine falls on both; printed per
 size: the median seconds per forward of each, the ratio, the bytes of parameters each holds, and whether their

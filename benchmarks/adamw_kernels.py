@@ -1,6 +1,6 @@
 """Milliseconds of one AdamW step with torch's three kernels, and how far their results drift apart.
 
-    python scripts/adamw_kernels.py            # parameter sets the shape of bench.py's 3m and 100m models
+    python benchmarks/adamw_kernels.py            # parameter sets the shape of bench.py's 3m and 100m models
 
 The kernels: ``foreach=False`` (a loop over the parameters, torch's default on a CPU), ``foreach=True`` and
 ``fused=True`` (what ``optimizer.fused: true`` in conf/optimizer/adamw.yaml picks; TRL's default optimizer too).

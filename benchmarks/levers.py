@@ -1,10 +1,10 @@
 """Measure speed levers of our loop against its defaults: the same run with and without each override.
 
-    python scripts/levers.py fused=optimizer.fused=true                       # 3m, short rows, DPO, 3 rounds
-    python scripts/levers.py --size 100m --rounds 2 logits=algo.completion_logits_only=true \\
+    python benchmarks/levers.py fused=optimizer.fused=true                       # 3m, short rows, DPO, 3 rounds
+    python benchmarks/levers.py --size 100m --rounds 2 logits=algo.completion_logits_only=true \\
         "both=algo.completion_logits_only=true optimizer.fused=true"
-    python scripts/levers.py --algo sft compile=hardware.compile=true
-    python scripts/levers.py --size 100m --base hardware.mixed_precision=bf16 sdpa=model.attn_implementation=sdpa
+    python benchmarks/levers.py --algo sft compile=hardware.compile=true
+    python benchmarks/levers.py --size 100m --base hardware.mixed_precision=bf16 sdpa=model.attn_implementation=sdpa
 
 Each lever is ``NAME=OVERRIDES`` (space-separated overrides in one argument). The runs are bench.py's (the same
 random-init Llama sizes, random rows, batch, threads and shared settings; float32 unless an override says
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (scripts/bench.py: sizes, rows, the command of one of our runs)
+import bench  # noqa: E402  (benchmarks/bench.py: sizes, rows, the command of one of our runs)
 
 ROOT = bench.ROOT
 
@@ -76,7 +76,7 @@ def main() -> int:
              f"{steps} timed steps, {threads} threads, {args.rounds} interleaved rounds"
              f"{'; every variant with ' + ' '.join(args.base) if args.base else ''}; {bench.machine()}; "
              f"{time.strftime('%Y-%m-%d')}")
-    lines = [f"# Levers: {title}", "", f"`python scripts/levers.py {' '.join(sys.argv[1:])}`", "",
+    lines = [f"# Levers: {title}", "", f"`python benchmarks/levers.py {' '.join(sys.argv[1:])}`", "",
              "| variant | overrides | samples/s per round | best | best / defaults' best | peak MB |",
              "|---|---|---|---:|---:|---:|"]
     for name, runs in results.items():

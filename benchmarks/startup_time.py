@@ -1,7 +1,7 @@
 """Seconds from `python train.py` to the end of its first optimizer step, on the embedded default.
 
-    python scripts/startup_time.py                 # 3 runs of the default (DPO, tiny model), one after the other
-    python scripts/startup_time.py --runs 5 algo=sft   # more runs; extra arguments are overrides of every run
+    python benchmarks/startup_time.py                 # 3 runs of the default (DPO, tiny model), one after the other
+    python benchmarks/startup_time.py --runs 5 algo=sft   # more runs; extra arguments are overrides of every run
 
 Each run is `train.py train.max_steps=1 <overrides>` in a fresh process and a fresh run folder; the clock starts
 when the process is started and stops when the log line of step 1 appears (the step's end, after the evaluation at
