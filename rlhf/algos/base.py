@@ -1,5 +1,6 @@
-"""What the loop expects from an algorithm (:class:`Algorithm`, the one contract a new algorithm implements), and
-the forward pass every log-likelihood method shares."""
+"""What the loop expects from an algorithm (:class:`Algorithm`, the one contract a new algorithm implements). The
+forward pass every log-likelihood method shares (:func:`completion_stats`) lives in :mod:`rlhf.ops.completion_logps`,
+beside the reference strategies' use of it, and is importable from here too."""
 
 from __future__ import annotations
 
