@@ -11,7 +11,7 @@ from rlhf.telemetry.profiling import memory_at_peak
 
 TORCH = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"}
 MODEL = {"filename": "/x/site-packages/transformers/models/llama/modeling_llama.py", "line": 7, "name": "forward"}
-OURS = {"filename": "/x/rlhf/algos/token_logps.py", "line": 9, "name": "forward"}
+OURS = {"filename": "/x/rlhf/ops/token_logps.py", "line": 9, "name": "forward"}
 NATIVE = {"filename": "??", "line": 0, "name": "c10::cuda::CUDACachingAllocator::malloc"}  # a C++ frame
 
 
