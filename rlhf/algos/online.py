@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 from torch import Tensor
 
 from rlhf.algos import reward_funcs as reward_lib
@@ -33,7 +32,7 @@ from rlhf.core.limits import Range, limits
 from rlhf.core.train_state import TrainState
 from rlhf.data.collate import PROMPT_CUT, TRUNCATED
 from rlhf.data.loaders import Batches
-from rlhf.models.generation import gathered_for_generation
+from rlhf.models.generation import Sampling, sample
 
 TEMPERATURE = Range(gt=0, meaning="the sampling temperature of training completions; 1.0 samples the policy as it is",
                     fix=1.0)
@@ -51,6 +50,29 @@ def generation_seed(seed: int, epoch: int, index: int) -> int:
     number from a hash, so that neighbouring batches get unrelated streams."""
     digest = hashlib.sha256(f"{seed}/{epoch}/{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def tokenize_prompt(row: dict[str, Any], tokenizer, max_prompt_length: int | None,
+                    columns: Sequence[str] = ()) -> dict[str, Any]:
+    """A prompt row tokenized for sampling: its tokens (the tokenizer's BOS first, as the SFT warm start saw them;
+    the end kept when longer than ``max_prompt_length``), its text, the truncation flag and ``columns`` as they are."""
+    special = not (tokenizer.bos_token and row["prompt"].startswith(tokenizer.bos_token))
+    ids = tokenizer(row["prompt"], add_special_tokens=special)["input_ids"]
+    cut = max_prompt_length is not None and len(ids) > max_prompt_length
+    if cut:
+        ids = ids[-max_prompt_length:]
+    return {"prompt_ids": ids, "prompt": row["prompt"], TRUNCATED: PROMPT_CUT if cut else 0,
+            **{c: row[c] for c in columns if c in row}}
+
+
+def collate_prompts(rows: list[dict[str, Any]], pad_id: int, columns: Sequence[str] = ()) -> dict[str, Any]:
+    """Left-padded prompts (``input_ids``, ``attention_mask``, ``[B, P]``, as ``generate`` needs), their texts
+    (``prompts``) and ``columns`` (lists)."""
+    width = max(len(r["prompt_ids"]) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in rows])
+    mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in rows])
+    return {"input_ids": ids, "attention_mask": mask, "prompts": [r["prompt"] for r in rows],
+            **{c: [r[c] for r in rows] for c in columns if c in rows[0]}}
 
 
 @limits(temperature=TEMPERATURE, top_p=TOP_P, top_k=TOP_K, max_completion_length=COMPLETION_TOKENS,
@@ -111,27 +133,15 @@ class OnlineAlgorithm(Algorithm):
 
     # ---- data ----------------------------------------------------------------------------------------------------
     def tokenize(self, row: dict[str, Any], tokenizer) -> dict[str, Any]:
-        """The prompt's tokens (the tokenizer's BOS first, as the SFT warm start saw them), its text and the reward
-        columns as they are."""
-        special = not (tokenizer.bos_token and row["prompt"].startswith(tokenizer.bos_token))
-        ids = tokenizer(row["prompt"], add_special_tokens=special)["input_ids"]
-        cut = self.max_prompt_length is not None and len(ids) > self.max_prompt_length
-        if cut:
-            ids = ids[-self.max_prompt_length:]
-        return {"prompt_ids": ids, "prompt": row["prompt"], TRUNCATED: PROMPT_CUT if cut else 0,
-                **{c: row[c] for c in self.reward_columns if c in row}}
+        """The prompt's tokens (:func:`tokenize_prompt`), its text and the reward columns as they are."""
+        return tokenize_prompt(row, tokenizer, self.max_prompt_length, self.reward_columns)
 
     def setup(self, policy, tokenizer) -> None:
         self.pad_id, self.eos_id, self.tokenizer = tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Left-padded prompts (``input_ids``, ``attention_mask``, ``[B, P]``), their texts (``prompts``) and the
-        reward columns (lists)."""
-        width = max(len(r["prompt_ids"]) for r in rows)
-        ids = torch.tensor([[self.pad_id] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in rows])
-        mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in rows])
-        return {"input_ids": ids, "attention_mask": mask, "prompts": [r["prompt"] for r in rows],
-                **{c: [r[c] for r in rows] for c in self.reward_columns if c in rows[0]}}
+        """Left-padded prompts and their columns (:func:`collate_prompts`)."""
+        return collate_prompts(rows, self.pad_id, self.reward_columns)
 
     def micro_batch_shape(self, batch: dict[str, Any]) -> tuple[int, int]:
         """A rollout of ``batch``'s prompts trains on ``num_generations`` completions per prompt, split into
@@ -172,49 +182,24 @@ class OnlineAlgorithm(Algorithm):
         self.buffer = state.get("buffer", {})
 
     # ---- sampling and scoring ----------------------------------------------------------------------------------------
-    @torch.no_grad()
     def sample(self, model: torch.nn.Module, prompts: dict[str, Any], num_generations: int,
                seed: int | None) -> dict[str, Any]:
-        """``num_generations`` completions per prompt (greedy when ``seed`` is None: one each), in eval mode without
-        gradients: ``prompt_ids``/``prompt_mask`` ``[N, P]`` (left-padded), ``completion_ids``/``completion_mask``
-        ``[N, C]`` (right-padded; the mask covers the tokens up to and including EOS), ``truncated [N]`` (no EOS
-        within ``max_completion_length``), and the decoded ``completions`` (list of N strings)."""
-        policy = extract_model_from_parallel(model)
-        training = policy.training
-        policy.eval()
-        ids = prompts["input_ids"].repeat_interleave(num_generations, 0)
-        mask = prompts["attention_mask"].repeat_interleave(num_generations, 0)
-        settings: dict[str, Any] = {"do_sample": False} if seed is None else {
-            "do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
-        if self.cache_implementation is not None:  # "static": one cache of the longest length, which lets
-            settings["cache_implementation"] = self.cache_implementation  # transformers compile decoding on a GPU
-        devices = [ids.device] if ids.device.type == "cuda" else []
+        """``num_generations`` completions per prompt with this algorithm's sampling settings (greedy when ``seed``
+        is None: one each): :func:`rlhf.models.generation.sample`. A training rollout's time counts in
+        :meth:`timings`."""
         started = time.perf_counter()
-        try:  # FSDP2's and ZeRO-3's parameters gathered once for the whole rollout, not at every token
-            with torch.random.fork_rng(devices=devices), gathered_for_generation(model, self.gather_for_generation) as still_sharded:
-                if seed is not None:
-                    torch.manual_seed(seed)
-                # synced_gpus where the forward passes are still collectives: a process whose completions ended
-                # keeps stepping until every process is done
-                out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.max_completion_length,
-                                      pad_token_id=self.pad_id, eos_token_id=self.eos_id, synced_gpus=still_sharded,
-                                      **settings)
-        finally:
-            policy.train(training)
-        completion = out[:, ids.shape[1]:]
-        is_eos = completion == self.eos_id
-        ended = is_eos.any(-1)
-        first_eos = torch.where(ended, is_eos.float().argmax(-1), torch.full_like(ended, completion.shape[1],
-                                                                                 dtype=torch.long))
-        positions = torch.arange(completion.shape[1], device=completion.device)
-        completion_mask = (positions.unsqueeze(0) <= first_eos.unsqueeze(1)).long()
-        completion = torch.where(completion_mask.bool(), completion, torch.full_like(completion, self.pad_id))
-        texts = [self.tokenizer.decode(row[:n], skip_special_tokens=True)
-                 for row, n in zip(completion.tolist(), completion_mask.sum(-1).tolist())]
-        if seed is not None:  # a training rollout's (greedy evaluation is not training time); .tolist() above
+        sampled = sample(model, prompts["input_ids"], prompts["attention_mask"], num_generations, seed,
+                         self.sampling())
+        if seed is not None:  # a training rollout's (greedy evaluation is not training time); decoding its output
             self.generation_s += time.perf_counter() - started  # has waited for the device
-        return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion,
-                "completion_mask": completion_mask, "truncated": ~ended, "completions": texts}
+        return sampled
+
+    def sampling(self) -> Sampling:
+        """This algorithm's sampling settings (after :meth:`setup`: the tokenizer's ids)."""
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                        max_new_tokens=self.max_completion_length, pad_id=self.pad_id, eos_id=self.eos_id,
+                        tokenizer=self.tokenizer, cache_implementation=self.cache_implementation,
+                        gather=self.gather_for_generation)
 
     def score(self, prompts: dict[str, Any], completions: list[str], num_generations: int, keep: bool = True
               ) -> tuple[Tensor, Tensor]:

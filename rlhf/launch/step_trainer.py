@@ -33,7 +33,6 @@ from rlhf.run.components import BuiltRun, build_run
 from rlhf.run.loop import train_step, window_metrics
 from rlhf.run.nonfinite import CAUSES, NonFinite
 from rlhf.telemetry.loggers import Loggers
-from rlhf.telemetry.metrics import evaluate
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +274,7 @@ class StepTrainer:
 
     def evaluate(self) -> dict[str, float]:
         """The loop's held-out evaluation (``eval/*``: for ``algo=sft`` ``eval/loss``, ``eval/exact_match`` ...)."""
-        metrics = evaluate(self.run.model, self.run.algo, self.run.eval_loader, self.run.accelerator)
+        metrics = self.run.evaluate()
         if self._logger is not None:
             self._logger.log(metrics, self.state.step)
         return metrics

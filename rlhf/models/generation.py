@@ -1,4 +1,5 @@
-"""A model that generates: its parameters gathered once for a whole generation where a strategy shards them.
+"""Sampling completions from a policy (:func:`sample`, for online algorithms' rollouts and the generation
+evaluation alike), with its parameters gathered once for a whole generation where a strategy shards them.
 
 Under FSDP2 and ZeRO-3 every forward pass of a sharded model all-gathers each unit's (layer's) parameters and frees
 them after; generating ``T`` tokens would gather the model ``T`` times, and every process would have to keep stepping
@@ -11,10 +12,74 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are drawn: ``temperature``, ``top_p``, ``top_k`` (0: off) and at most ``max_new_tokens``
+    each; the tokenizer's ``pad_id`` and ``eos_id``, and the tokenizer that decodes them; transformers'
+    ``cache_implementation`` (None: its dynamic cache); ``gather``: a sharded model's parameters gathered once for
+    the whole generation (:func:`gathered_for_generation`)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    pad_id: int = 0
+    eos_id: int | None = None
+    tokenizer: Any = None
+    cache_implementation: str | None = None
+    gather: bool = True
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_generations: int,
+           seed: int | None, settings: Sampling) -> dict[str, Any]:
+    """``num_generations`` completions per prompt of the left-padded ``input_ids`` (greedy when ``seed`` is None:
+    one each), in eval mode without gradients, the random streams left as they were: ``prompt_ids``/``prompt_mask``
+    ``[N, P]`` (left-padded), ``completion_ids``/``completion_mask`` ``[N, C]`` (right-padded; the mask covers the
+    tokens up to and including EOS), ``truncated [N]`` (no EOS within ``max_new_tokens``), and the decoded
+    ``completions`` (list of N strings). ``model`` as the hardware strategy wrapped it."""
+    policy = extract_model_from_parallel(model)
+    training = policy.training
+    policy.eval()
+    ids = input_ids.repeat_interleave(num_generations, 0)
+    mask = attention_mask.repeat_interleave(num_generations, 0)
+    options: dict[str, Any] = {"do_sample": False} if seed is None else {
+        "do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
+    if settings.cache_implementation is not None:  # "static": one cache of the longest length, which lets
+        options["cache_implementation"] = settings.cache_implementation  # transformers compile decoding on a GPU
+    devices = [ids.device] if ids.device.type == "cuda" else []
+    try:  # FSDP2's and ZeRO-3's parameters gathered once for the whole rollout, not at every token
+        with torch.random.fork_rng(devices=devices), gathered_for_generation(model, settings.gather) as still_sharded:
+            if seed is not None:
+                torch.manual_seed(seed)
+            # synced_gpus where the forward passes are still collectives: a process whose completions ended
+            # keeps stepping until every process is done
+            out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.max_new_tokens,
+                                  pad_token_id=settings.pad_id, eos_token_id=settings.eos_id,
+                                  synced_gpus=still_sharded, **options)
+    finally:
+        policy.train(training)
+    completion = out[:, ids.shape[1]:]
+    is_eos = completion == settings.eos_id
+    ended = is_eos.any(-1)
+    first_eos = torch.where(ended, is_eos.float().argmax(-1), torch.full_like(ended, completion.shape[1],
+                                                                             dtype=torch.long))
+    positions = torch.arange(completion.shape[1], device=completion.device)
+    completion_mask = (positions.unsqueeze(0) <= first_eos.unsqueeze(1)).long()
+    completion = torch.where(completion_mask.bool(), completion, torch.full_like(completion, settings.pad_id))
+    texts = [settings.tokenizer.decode(row[:n], skip_special_tokens=True)
+             for row, n in zip(completion.tolist(), completion_mask.sum(-1).tolist())]
+    return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion,
+            "completion_mask": completion_mask, "truncated": ~ended, "completions": texts}
 
 
 def sharded(model: torch.nn.Module) -> bool:

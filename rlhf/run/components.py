@@ -22,6 +22,7 @@ from rlhf.core.instantiate import build
 from rlhf.data.collate import truncated_rows
 from rlhf.data.fingerprint import data_fingerprint
 from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
+from rlhf.evaluation.generated import NoGenerationEval
 from rlhf.hardware import global_numel
 from rlhf.models import attention
 from rlhf.models.adapters import NoAdapter
@@ -37,6 +38,7 @@ from rlhf.telemetry.memory_preflight import (
     measured_plan,
     optimizer_bytes_per_parameter,
 )
+from rlhf.telemetry.metrics import evaluate
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,13 @@ class BuiltRun:
     peak: PeakMemory  # the measured peak, counted from just before anything of the run was built
     flops_per_token: float  # model FLOPs of one trained token, for perf/mfu (rlhf.telemetry.mfu.flops_per_token)
     peak_flops: float  # FLOP/s one process of this machine reaches in the run's precision (rlhf.telemetry.mfu.peak_flops)
+    generation_eval: Any = None  # the eval option (rlhf.evaluation.generated): eval/gen/* beside the algorithm's
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out metrics: the algorithm's own (``eval/<name>``) and the generation evaluation's
+        (``eval/gen/...``, with ``eval=generate``)."""
+        metrics = evaluate(self.model, self.algo, self.eval_loader, self.accelerator)
+        return {**metrics, **(self.generation_eval(self.model, self.accelerator) if self.generation_eval else {})}
 
     def describe(self) -> None:
         """Log what is about to happen: the folder, the hardware, the batch arithmetic, the model's size."""
@@ -114,6 +123,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     # Before the algorithm's setup: a reference made from the policy sees the adapter (or switches it off).
     model, tokenizer = adapter.apply(policy.model, load_base=lambda: build(cfg.model).model), policy.tokenizer
     algo: Algorithm = build(cfg.algo)
+    generation_eval = build(cfg.eval) if "eval" in cfg else NoGenerationEval()
     _check_context(getattr(algo, "max_length", None), model.config)
     data = build(cfg.data)
     with accelerator.local_main_process_first():
@@ -122,14 +132,18 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     _check_split_sizes(tokenized, settings, accelerator.num_processes)
 
     algo.setup(model, tokenizer)  # before prepare(): e.g. the reference copies the initial policy
+    generation_eval.setup(model, tokenizer, algo, splits["eval"])  # its own copy of the policy where it needs one
     algo.frozen = {name: strategy.prepare_frozen(module, name=name) for name, module in algo.frozen.items()}
+    generation_eval.frozen = {name: strategy.prepare_frozen(module, name=name)
+                              for name, module in generation_eval.frozen.items()}
     fingerprint = data_fingerprint(tokenized["train"])  # of the tokens: precomputed columns are the model's
     tokenized = algo.precompute(tokenized, strategy)  # e.g. reference log-probabilities, computed or read once
     training = train_loader(tokenized["train"], settings.per_device_batch_size, algo.collate, cfg.seed)
     evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)
     # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
     make_optimizer = build(cfg.optimizer, _convert_="all")  # plain lists (betas): checkpoints load weights-only
-    memory = preflight(model, algo, tokenized["train"], make_optimizer, strategy, settings)
+    memory = preflight(model, algo, tokenized["train"], make_optimizer, strategy, settings,
+                       frozen={**algo.frozen, **generation_eval.frozen})
     model, optimizer, training = strategy.prepare(model, lambda m: make_optimizer(param_groups(m)), training)
     max_steps = settings.steps(len(training), accumulation)
     scheduler = schedule(build(cfg.scheduler), optimizer, max_steps)
@@ -143,7 +157,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
                     truncated=truncated_rows(tokenized["train"]),
                     resume_record=record(cfg, strategy, fingerprint), memory=memory,
                     adapter=adapter, peak=peak, flops_per_token=perf.flops_per_token(policy, list(algo.frozen.values())),
-                    peak_flops=peak_flops)
+                    peak_flops=peak_flops, generation_eval=generation_eval)
 
 
 def activation_checkpointing(model) -> bool:
@@ -152,9 +166,11 @@ def activation_checkpointing(model) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False) if value is None else value)
 
 
-def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: TrainSettings) -> MemoryPlan:
-    """The memory preflight (:mod:`rlhf.telemetry.memory_preflight`) of this run, for one process: the activations are estimated for a
-    micro-batch of the longest rows (of the first 1000), as the algorithm collates them."""
+def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: TrainSettings,
+              frozen: dict[str, Any] | None = None) -> MemoryPlan:
+    """The memory preflight (:mod:`rlhf.telemetry.memory_preflight`) of this run, for one process: the activations
+    are estimated for a micro-batch of the longest rows (of the first 1000), as the algorithm collates them;
+    ``frozen``: the frozen models held (default: the algorithm's)."""
     sample = rows.select(range(min(len(rows), 1000)))
     sizes = [sum(len(v) for v in row.values() if isinstance(v, list)) for row in sample]
     longest = sorted(range(len(sizes)), key=sizes.__getitem__)[-settings.per_device_batch_size:]
@@ -170,7 +186,7 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     precision = strategy.stored_precision()
     trainable = next((p for p in model.parameters() if p.requires_grad), None)
     state_dtype = precision.optimizer_dtype or (trainable.dtype if trainable is not None else torch.float32)
-    return measured_plan(model, algo.frozen, optimizer_bytes_per_parameter(make_optimizer, state_dtype),
+    return measured_plan(model, algo.frozen if frozen is None else frozen, optimizer_bytes_per_parameter(make_optimizer, state_dtype),
                          strategy.sharded_state(), strategy.accelerator.num_processes, activations, precision)
 
 

@@ -32,7 +32,7 @@ from rlhf.run.components import BuiltRun, build_run
 from rlhf.run.nonfinite import CAUSES, NonFinite, skip_or_stop
 from rlhf.run.signals import Stopped, catch_stop_signals
 from rlhf.telemetry.loggers import Loggers, log_file
-from rlhf.telemetry.metrics import evaluate, window_means
+from rlhf.telemetry.metrics import window_means
 from rlhf.telemetry.mfu import mfu
 from rlhf.telemetry.profiling import StepProfiler
 
@@ -247,7 +247,7 @@ def window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, el
 
 
 def _evaluate(run: BuiltRun, record, step: int) -> None:
-    metrics = evaluate(run.model, run.algo, run.eval_loader, run.accelerator)
+    metrics = run.evaluate()
     record(metrics, step)
     log.info("step %d: %s", step, _brief(metrics))
 

@@ -82,10 +82,15 @@ def check_objective(container: dict) -> None:
     if not (isinstance(algo, dict) and isinstance(algo.get("_target_"), str)):
         return
     produced = produced_metrics(get_object(algo["_target_"]))
+    evaluation = container.get("eval")
+    if isinstance(evaluation, dict) and isinstance(evaluation.get("_target_"), str):  # eval=generate: eval/gen/*
+        produced += list(getattr(get_object(evaluation["_target_"]), "produced", lambda options: ())(evaluation))
     metric = objective.get("metric")
     if metric not in produced:
         close = difflib.get_close_matches(str(metric), produced, n=1)
         fix = f"objective.metric={close[0]}" if close else f"one of {', '.join(produced)}"
+        if str(metric).startswith("eval/gen/") and not any(m.startswith("eval/gen/") for m in produced):
+            fix = "eval=generate (the generation evaluation reports eval/gen/*)"
         raise UserError(f"objective.metric={metric}: runs of {algo['_target_']} do not report it, so a sweep could "
                         f"not optimize it. Fix: {fix}")
 
