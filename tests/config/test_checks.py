@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from types import SimpleNamespace
 
+import datasets
 import pytest
 import submitit
 import torch
@@ -168,6 +170,12 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
         assert len(splits["train"]) == 8
     elif group == "train":
         TrainSettings(**OmegaConf.to_container(node, resolve=True))
+    elif group == "eval":  # set up on the embedded policy and held-out prompts, as the run sets it up
+        evaluation = instantiate(node)
+        rows = datasets.Dataset.from_list([{"prompt": "abc"}, {"prompt": "xy"}])
+        evaluation.setup(_tiny_policy().model, _tiny_policy().tokenizer, SimpleNamespace(frozen={}), rows)
+        assert set(evaluation.produced(OmegaConf.to_container(node))) >= (
+            {"eval/gen/kl", "eval/gen/reward"} if node._target_.endswith(".GenerationEval") else set())
     elif group == "peft":  # applied to a small policy: what trains is what it predicts
         adapter = instantiate(node)
         model = _small_model()

@@ -169,3 +169,16 @@ def test_the_reason_of_a_dead_point_is_the_line_of_its_log_that_names_the_troubl
     quiet = "step 0: eval/loss 5.574\rtraining:  33%|###3      | 1/3 [00:01<00:03,  1.52s/it, loss=5.5610]\n\n"
     assert last_log_line(quiet) == "step 0: eval/loss 5.574"
     assert last_log_line("") == ""
+
+
+def test_the_generation_evaluation_metrics_are_objectives_only_with_it(tmp_path):
+    """``objective.metric=eval/gen/kl`` is a metric the run reports with ``eval=generate``, and refused without it,
+    with the fix named."""
+    options = ("objective.metric=eval/gen/rewards/similarity", "objective.direction=maximize")
+    check_config(compose_config("eval=generate", *options, output_dir=tmp_path))
+    with pytest.raises(UserError, match="Fix: eval=generate"):
+        check_config(compose_config(*options, output_dir=tmp_path))
+    with pytest.raises(UserError, match="do not report it"):  # no win rate without greedy completions
+        check_config(compose_config("eval=generate", "eval.greedy=false", "eval.win_rate=false",
+                                    "objective.metric=eval/gen/win_rate", "objective.direction=maximize",
+                                    output_dir=tmp_path))
