@@ -147,3 +147,24 @@ def test_samples_are_scored_as_the_policy_sampled_them():
         prompt = [A, B] if row < 6 else [B]
         completion = sampled["completion_ids"][row][: int(sampled["completion_mask"][row].sum())].tolist()
         assert float(scored[row]) == pytest.approx(sequence_logp(policy, prompt, completion), abs=1e-5)
+
+
+@pytest.mark.serial
+def test_one_process_and_two_sample_the_same_completions(tmp_path):
+    """eval=generate on the embedded task's held-out prompts at step 0: hardware=cpu and hardware=cpu_ddp (the
+    prompts dealt to two processes, an idle turn on one of them) report the same rewards, lengths and win rate (red
+    when a process seeds its batches by its own position instead of the batch's)."""
+    import json
+
+    from rlhf import train
+    from tests.conftest import FAST, compose_config
+
+    common = [*FAST, "train.max_steps=0", "eval=generate", "eval.prompts=12", "eval.batch_size=4", "eval.samples=3"]
+    found = []
+    for hardware in ("cpu", "cpu_ddp"):
+        train(compose_config(*common, f"hardware={hardware}", output_dir=tmp_path / hardware))
+        lines = [json.loads(line) for line in (tmp_path / hardware / "metrics.jsonl").read_text().splitlines()]
+        found.append({k: v for line in lines for k, v in line.items() if k.startswith("eval/gen/")})
+    assert found[0]["eval/gen/kl"] == 0 and found[0]["eval/gen/win_rate"] == 0.5
+    assert set(found[0]) == set(found[1]) and len(found[0]) >= 8
+    assert found[1] == pytest.approx(found[0], abs=1e-9)
