@@ -111,3 +111,87 @@ def plot_objective(report, metric: str, path: Path) -> bool:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True
+
+
+REWARD, KL = "eval/gen/reward", "eval/gen/kl"  # the generation evaluation's (rlhf.evaluation.generated)
+
+
+def objective_name(run) -> str:
+    """The objective as the user chose it: the ``algo=`` override (``algo=ipo``, not its expansion into DPO with
+    an IPO loss), else the algorithm's class name."""
+    chosen = run.override_values.get("algo")
+    if chosen:
+        return chosen
+    target = ((run.config or {}).get("algo") or {}).get("_target_", "?")
+    return str(target).rpartition(".")[2]
+
+
+def frontier_points(report) -> list[dict[str, Any]]:
+    """One point per row with both metrics at its end: ``kl`` and ``reward`` (means over the row's runs, the seeds
+    of an aggregated row), their standard deviations over those runs (``kl_sd``, ``reward_sd``: 0 for one run),
+    ``objective`` (:func:`objective_name`), ``label`` (the row's differing values), ``trajectories`` (each run's
+    (KL, reward) at every evaluation that has both) and ``front`` (whether no other point has at least its reward
+    for at most its KL, one of them strictly)."""
+    points = []
+    for row in report.rows:
+        ends, trajectories = [], []
+        for run in row.runs:
+            rewards, kls = dict(run.history(REWARD)), dict(run.history(KL))
+            steps = sorted(set(rewards) & set(kls))
+            if steps:
+                trajectories.append([(kls[s], rewards[s]) for s in steps])
+                ends.append(trajectories[-1][-1])
+        if not ends:
+            continue
+        kls, rewards = [k for k, _ in ends], [r for _, r in ends]
+        points.append({"kl": sum(kls) / len(kls), "reward": sum(rewards) / len(rewards),
+                       "kl_sd": _sd(kls), "reward_sd": _sd(rewards), "objective": objective_name(row.runs[0]),
+                       "label": label(row), "trajectories": trajectories})
+    for point in points:
+        point["front"] = not any(
+            other is not point and other["kl"] <= point["kl"] and other["reward"] >= point["reward"]
+            and (other["kl"] < point["kl"] or other["reward"] > point["reward"]) for other in points)
+    return points
+
+
+def _sd(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def plot_frontier(report, path: Path) -> bool:
+    """The reward-KL frontier (``eval=generate``'s ``eval/gen/reward`` against ``eval/gen/kl``): a point per row at
+    its end (seeds as error bars), one colour per objective, the non-dominated front as a line, and each run's
+    trajectory over its evaluations, faint. False (nothing written) when no run has both metrics."""
+    points = frontier_points(report)
+    if not points:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    objectives = list(dict.fromkeys(point["objective"] for point in points))
+    figure, axis = plt.subplots(figsize=(7, 4.8), layout="constrained")
+    for point in points:
+        colour = colours[objectives.index(point["objective"]) % len(colours)]
+        for trajectory in point["trajectories"]:
+            axis.plot(*zip(*trajectory), "-", color=colour, alpha=0.25, linewidth=1)
+        axis.errorbar(point["kl"], point["reward"], xerr=point["kl_sd"] or None, yerr=point["reward_sd"] or None,
+                      fmt="o", color=colour, capsize=3, markersize=6)
+        axis.annotate(point["label"], (point["kl"], point["reward"]), fontsize=6, xytext=(4, 3),
+                      textcoords="offset points")
+    front = sorted((p for p in points if p["front"]), key=lambda p: p["kl"])
+    axis.plot([p["kl"] for p in front], [p["reward"] for p in front], "k--", linewidth=1, label="non-dominated")
+    for index, objective in enumerate(objectives):
+        axis.plot([], [], "o", color=colours[index % len(colours)], label=objective)
+    axis.set_xlabel("KL(policy || reference) per sequence (eval/gen/kl)")
+    axis.set_ylabel("reward of sampled completions (eval/gen/reward)")
+    axis.set_title("reward against KL: each point a run's end (error bars: seeds), faint: its evaluations", fontsize=9)
+    axis.legend(fontsize=8)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True

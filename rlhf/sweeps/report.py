@@ -22,7 +22,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rlhf.sweeps.plots import plot_curves, plot_objective, searched_parameters  # noqa: F401  (the report's figures)
+from rlhf.sweeps.plots import (  # noqa: F401  (the report's figures)
+    KL,
+    REWARD,
+    plot_curves,
+    plot_frontier,
+    plot_objective,
+    searched_parameters,
+)
 from rlhf.sweeps.points import FAILED
 from rlhf.sweeps.results import Run, Status
 
@@ -72,13 +79,15 @@ def short_names(keys: Sequence[str]) -> dict[str, str]:
 
 
 def default_metrics(runs: Iterable[Run]) -> list[str]:
-    """``eval/loss`` and the held-out accuracy-like metrics (exact match, accuracies, win rate) the runs logged."""
+    """``eval/loss``, the held-out accuracy-like metrics (exact match, accuracies, win rate) the runs logged, and
+    the generation evaluation's reward and KL (``eval=generate``)."""
     logged = sorted({key for run in runs for record in run.metrics for key in record if key.startswith("eval/")})
-    return [m for m in logged if m == "eval/loss"] + [m for m in logged if any(word in m for word in ACCURACY_LIKE)]
+    return ([m for m in logged if m == "eval/loss"] + [m for m in logged if any(word in m for word in ACCURACY_LIKE)]
+            + [m for m in logged if m in (REWARD, KL)])
 
 
 def lower_is_better(metric: str) -> bool:
-    return "loss" in metric
+    return "loss" in metric or metric.endswith("/kl")
 
 
 def status(run: Run, lines: list[tuple[datetime, str, str]], now: float | None = None) -> str:
@@ -302,7 +311,8 @@ def objective_of(runs: Sequence[Run]) -> str | None:
 def write(report: Report, out: Path, plot_metrics: Sequence[str] | None = None,
           objective: str | None = None) -> list[Path]:
     """``report.md``, ``report.csv`` and ``report.png`` in ``out``, and with an `objective` metric ``objective.png``
-    where the runs searched a number (:func:`plot_objective`); returns the paths written."""
+    where the runs searched a number (:func:`plot_objective`), and ``frontier.png`` where runs report the generation
+    evaluation's reward and KL (:func:`plot_frontier`); returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     md, table_csv, png = (out / name for name in FILES)
     md.write_text(markdown(report))
@@ -312,4 +322,6 @@ def write(report: Report, out: Path, plot_metrics: Sequence[str] | None = None,
     written = [md, table_csv, png]
     if objective and plot_objective(report, objective, out / "objective.png"):
         written.append(out / "objective.png")
+    if plot_frontier(report, out / "frontier.png"):
+        written.append(out / "frontier.png")
     return written

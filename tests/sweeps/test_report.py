@@ -197,3 +197,41 @@ def test_the_objective_of_runs_is_read_resolved_from_their_saved_config():
     assert report.objective_of([dpo, dpo]) == "eval/loss"
     assert report.objective_of([named]) == "eval/exact_match"
     assert report.objective_of([dpo, named]) is None  # runs that optimized different things
+
+
+def _frontier_run(folder, objective: str, seed: int, trajectory: list[tuple[float, float]]):
+    """A finished run of ``objective`` whose evaluations logged (KL, reward) pairs at steps 0, 10, 20..."""
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "config.yaml").write_text(f"algo:\n  _target_: rlhf.algos.dpo.DPO\n  loss: {objective}\nseed: {seed}\n")
+    (folder / ".hydra" / "overrides.yaml").write_text(f"- algo={objective}\n- seed={seed}\n")
+    lines = [{"step": 10 * i, "eval/gen/kl": kl, "eval/gen/reward": reward} for i, (kl, reward) in enumerate(trajectory)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / "summary.json").write_text(json.dumps({"final": lines[-1], "seed": seed}))
+    return folder
+
+
+def test_the_frontier_is_the_runs_own_final_points_with_the_dominated_ones_marked(tmp_path):
+    """frontier.png from the runs' own files: each row's point is its runs' last (KL, reward), seeds as means with
+    a standard deviation, the objective as chosen (algo=ipo), and a point that another beats on both axes off the
+    front."""
+    from rlhf.sweeps import plots
+    from rlhf.sweeps.report import aggregate_seeds, build, write
+    from rlhf.sweeps.results import find
+
+    _frontier_run(tmp_path / "0_algo=dpo,seed=0", "dpo", 0, [(0.0, 0.5), (1.0, 0.7), (2.0, 0.8)])
+    _frontier_run(tmp_path / "1_algo=dpo,seed=1", "dpo", 1, [(0.0, 0.5), (1.5, 0.72), (2.2, 0.84)])
+    _frontier_run(tmp_path / "2_algo=ipo,seed=0", "ipo", 0, [(0.0, 0.5), (3.0, 0.75)])  # more KL, less reward
+    _frontier_run(tmp_path / "3_algo=ipo,seed=1", "ipo", 1, [(0.0, 0.5), (3.2, 0.77)])
+    runs = find([tmp_path])
+    report = aggregate_seeds(build(runs))
+    points = {p["objective"]: p for p in plots.frontier_points(report)}
+    assert set(points) == {"dpo", "ipo"}
+    assert points["dpo"]["kl"] == pytest.approx(2.1) and points["dpo"]["reward"] == pytest.approx(0.82)
+    assert points["dpo"]["kl_sd"] == pytest.approx(0.1414213562) and points["dpo"]["reward_sd"] == pytest.approx(
+        0.0282842712)
+    assert points["dpo"]["front"] and not points["ipo"]["front"]
+    assert sorted(len(t) for t in points["dpo"]["trajectories"]) == [3, 3]
+    assert "eval/gen/kl" in report.metrics and "eval/gen/reward" in report.metrics  # the table's columns
+    written = write(report, tmp_path / "report")
+    assert tmp_path / "report" / "frontier.png" in written and (tmp_path / "report" / "frontier.png").stat().st_size
+    assert not (tmp_path / "plain").exists() and plots.plot_frontier(build([]), tmp_path / "plain.png") is False
