@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the measured numbers in README.md (a few minutes on 2 CPU cores). Each part prints its table.
-#   bash benchmarks/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [objectives] [reward] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation] [ddp_speed]
-#   (default: all fourteen; the online ones run experiment=<part>_reverse over seeds 0-2)
+#   bash benchmarks/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [objectives] [reward] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation] [ddp_speed] [eval_cost]
+#   (default: all fifteen; the online ones run experiment=<part>_reverse over seeds 0-2)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
 # EXTRA adds overrides to every run (outputs then go to outputs/readme-extra/, docs/ is left alone), e.g. the
 # float32 figures on a CPU with bf16 instructions: EXTRA=hardware.mixed_precision=no bash benchmarks/readme_numbers.sh main
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 EXTRA=${EXTRA:-}
 OUT=outputs/readme${EXTRA:+-extra}
-parts=${*:-main optimizers dpo_search sft_dpo objectives reward hardware grpo rloo reinforce_pp ppo iterative_sft generation ddp_speed}
+parts=${*:-main optimizers dpo_search sft_dpo objectives reward hardware grpo rloo reinforce_pp ppo iterative_sft generation ddp_speed eval_cost}
 for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
@@ -116,6 +116,33 @@ step = sum(r["perf/step_time_s"] for r in windows) / len(windows)
 print(f"{run.path.name:22s} sampling {gen:.3f} s of a {step:.3f} s step ({gen / step:.0%}), steps 11-40")
 PY
       done
+      echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)" ;;
+    eval_cost)  # "One evaluation for every objective": the main job's wall time without and with eval=generate
+      # (its defaults: 64 prompts x 4 samples, greedy and the reference's greedy, at each of the 7 evaluations),
+      # interleaved for ROUNDS rounds (default 2), seed 0
+      rm -rf $OUT/eval_cost-*
+      for round in $(seq 1 ${ROUNDS:-2}); do
+        for ev in none generate; do
+          $PY train.py $EXTRA algo=dpo optimizer=lion eval=$ev hydra.run.dir=$OUT/eval_cost-$ev-$round >/dev/null 2>&1
+        done
+      done
+      $PY - $OUT/eval_cost-none-* $OUT/eval_cost-generate-* <<'PY'
+import statistics
+import sys
+from rlhf.sweeps.report import log_lines, wall_time_s
+from rlhf.sweeps.results import Run
+seconds = {"none": [], "generate": []}
+for folder in sys.argv[1:]:
+    run = Run(folder)
+    option = run.path.name.removeprefix("eval_cost-").rsplit("-", 1)[0]
+    seconds[option].append(wall_time_s(run, log_lines(run)))
+    final = run.final or {}
+    print(f"{run.path.name:22s} {seconds[option][-1]:.1f} s; eval/gen/reward {final.get('eval/gen/reward', float('nan')):.4f}, "
+          f"eval/gen/kl {final.get('eval/gen/kl', float('nan')):.3f}")
+none, generate = statistics.median(seconds["none"]), statistics.median(seconds["generate"])
+print(f"median wall time: {none:.1f} s without, {generate:.1f} s with eval=generate: "
+      f"the evaluation takes {(generate - none) / generate:.0%} of the run")
+PY
       echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)" ;;
     ddp_speed)  # "Speed": steady-state samples/s of the main job on 1 process x 2 threads and 2 processes x 1 thread,
       # interleaved for ROUNDS rounds (default 3: a slow minute falls on both), each round's means, then the medians

@@ -289,7 +289,7 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
     if run.accelerator.is_main_process:
         (run.run_dir / "summary.json").write_text(json.dumps(
             {"final": final, "train": {**asdict(run.settings), "max_steps": run.max_steps}, "seed": seed,
-             "memory_predicted_mb": {part: size / 2**20 for part, size in asdict(run.memory).items()}}, indent=2))
+             "memory_predicted_mb": run.memory.megabytes()}, indent=2))
         run_folder.drop_previous_results(run.run_dir)  # this run's results are complete: the previous run's go
     return final
 

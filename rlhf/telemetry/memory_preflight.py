@@ -12,10 +12,11 @@ that do not fit this machine.
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -36,14 +37,25 @@ class MemoryPlan:
     optimizer: int
     frozen: int
     activations: int
+    held: tuple[str, ...] = ()  # what the frozen part holds, by name ("reference", "eval_reference", ...)
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return sum(getattr(self, name) for name in PARTS)
+
+    def megabytes(self) -> dict[str, float]:
+        """Each part in MB (``summary.json``'s ``memory_predicted_mb``)."""
+        return {name: getattr(self, name) / 2**20 for name in PARTS}
 
     def describe(self) -> str:
-        parts = ", ".join(f"{f.name} {getattr(self, f.name) / MB:,.1f}" for f in fields(self))
-        return f"memory per process, predicted: {self.total / MB:,.1f} MB = {parts} MB (frozen: the reference)"
+        parts = ", ".join(f"{name} {getattr(self, name) / MB:,.1f}" for name in PARTS)
+        held = ", ".join(FROZEN_NAMES.get(name, name) for name in self.held)
+        return f"memory per process, predicted: {self.total / MB:,.1f} MB = {parts} MB" + (
+            f" (frozen: {held})" if held else "")
+
+
+PARTS = ("weights", "gradients", "optimizer", "frozen", "activations")  # the byte counts of a MemoryPlan
+FROZEN_NAMES = {"reference": "the reference", "eval_reference": "eval=generate's copy of the initial policy"}
 
 
 def unique_tensors(module: torch.nn.Module) -> Iterable[torch.Tensor]:
@@ -138,12 +150,13 @@ def measured_plan(model: torch.nn.Module, frozen: dict[str, torch.nn.Module], op
     with the policy do not)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     policy_ids = {id(t) for t in unique_tensors(model)}
-    return plan(weights=quantized_bytes(model),
+    held = tuple(name for name, m in frozen.items() if m is not None)
+    return dataclasses.replace(plan(weights=quantized_bytes(model),
                 trainable=sum(global_numel(p) for p in trainable),
                 gradient_width=trainable[0].element_size() if trainable else 0,
                 frozen=sum(held_bytes(unique_tensors(m), skip=policy_ids) for m in frozen.values() if m is not None),
                 optimizer_bytes=optimizer_bytes, sharded=sharded, processes=processes, activations=activations,
-                precision=precision, parameters=sum(global_numel(p) for p in model.parameters()))
+                precision=precision, parameters=sum(global_numel(p) for p in model.parameters())), held=held)
 
 
 def _status_kib(field: str) -> int | None:

@@ -168,3 +168,20 @@ def test_one_process_and_two_sample_the_same_completions(tmp_path):
     assert found[0]["eval/gen/kl"] == 0 and found[0]["eval/gen/win_rate"] == 0.5
     assert set(found[0]) == set(found[1]) and len(found[0]) >= 8
     assert found[1] == pytest.approx(found[0], abs=1e-9)
+
+
+def test_the_evaluations_own_reference_copy_shows_in_the_memory_preflight(tmp_path):
+    """SFT has no reference: eval=generate builds a frozen copy of the initial policy, and the preflight counts it
+    and names it (red when the preflight counts only the algorithm's frozen models)."""
+    import json
+
+    from rlhf import train
+    from tests.conftest import FAST, compose_config
+
+    frozen = {}
+    for option in ("none", "generate"):
+        train(compose_config(*FAST, "algo=sft", "train.max_steps=0", f"eval={option}", "eval.prompts=4"
+                             if option == "generate" else "seed=0", output_dir=tmp_path / option))
+        frozen[option] = json.loads((tmp_path / option / "summary.json").read_text())["memory_predicted_mb"]["frozen"]
+    assert frozen["none"] == 0 and frozen["generate"] > 0
+    assert "(frozen: eval=generate's copy of the initial policy)" in (tmp_path / "generate" / "train.log").read_text()
