@@ -151,6 +151,8 @@ def _algo_key_problem(arg: str, argv: Sequence[str], folder: Path, added: bool) 
     key, value = arg.lstrip("+").split("=", 1)
     if not key.startswith(("algo.", "algo/")):
         return None
+    if "@" in key and (folder / key.split("@")[0]).is_dir():  # a group's option placed under another key
+        return _option_problem(key.split("@")[0], value, folder)  # (algo/reward_funcs@eval=...): not the algo's
     option = _chosen_algo(argv, folder)
     if option is None:
         return None

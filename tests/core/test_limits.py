@@ -404,6 +404,9 @@ def test_a_missing_local_model_is_refused_before_anything_loads(tmp_path):
                                               "(logger.<option>.<field>), so that several can be chosen at once "
                                               "(logger=[a,b]). Fix: logger.wandb.mode=offline."),
     (["logger=[wandb,tensorboard]", "logger.wandb.mode=offline", "optimizer.lr=0.1"], None),
+    (["algo=simpo", "eval=generate", "algo/reward_funcs@eval=exact_match"], None),  # a group placed under eval
+    (["eval=generate", "algo/reward_funcs@eval=exact_matc"], "algo/reward_funcs=exact_matc: conf/algo/reward_funcs/ "
+                                                             "has no option 'exact_matc'"),
 ])
 def test_the_command_line_is_checked_before_hydra(args, message):
     found = command_line.problem(args, CONF)
