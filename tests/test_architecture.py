@@ -35,6 +35,6 @@ def test_the_architecture_page_is_up_to_date():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     page = (ROOT / "docs" / "architecture.md").read_text()
-    for package in ("core", "data", "ops", "models", "algos", "hardware", "optim", "embedded", "telemetry", "run",
+    for package in ("core", "data", "ops", "models", "algos", "hardware", "optim", "embedded", "telemetry", "evaluation", "run",
                     "sweeps", "config", "launch"):
         assert f"**`{package}`**" in page, f"docs/architecture.md has no paragraph on rlhf.{package}"
