@@ -131,14 +131,35 @@ class Study:
                     best = point
         return best
 
+    def on_edge(self, compared: Sequence[str]) -> list[str]:
+        """The searched numbers whose chosen value is the lowest or the highest of the compared value's grid, each
+        as ``"optimizer.lr=1e-4 (the lowest of 3)"``: the best may lie outside what was searched."""
+        choice = self.chosen(compared)
+        if choice is None:
+            return []
+        edges = []
+        for override in choice.overrides:
+            key, _, value = override.partition("=")
+            values = {float(v) for p in self.search if p.compared == list(compared)
+                      for k, _, v in (o.partition("=") for o in p.overrides) if k == key and _number(v)}
+            if len(values) > 1 and _number(value) and float(value) in (min(values), max(values)):
+                side = "lowest" if float(value) == min(values) else "highest"
+                edges.append(f"{override} (the {side} of {len(values)})")
+        return edges
+
     def plan_confirm(self, confirm_on: str | Sequence[str] | None) -> list[Point]:
         """The confirm jobs: each compared value's choice with each combination of ``confirm_on`` (a key in both:
-        ``confirm_on``'s value, so that a searched ``seed`` gives way to the confirm seeds)."""
+        ``confirm_on``'s value, so that a searched ``seed`` gives way to the confirm seeds). A choice on the edge of
+        its grid is logged as a warning (:meth:`on_edge`)."""
         self.confirm = []
         for compared in self.groups():
             choice = self.chosen(compared)
             if choice is None:
                 continue
+            for edge in self.on_edge(compared):
+                log.warning("%s: the chosen %s is on the edge of its grid: the best value may lie beyond it; "
+                            "widen the grid (hydra.sweeper.search) and search again", " ".join(compared) or "search",
+                            edge)
             for extra in grid(confirm_on):
                 keys = {override.partition("=")[0] for override in extra}
                 kept = [o for o in choice.overrides if o.partition("=")[0] not in keys]
@@ -155,11 +176,19 @@ class Study:
             groups[" ".join(compared) or "all"] = {
                 "search": [dataclasses.asdict(p) for p in self.search if p.compared == compared],
                 "chosen": choice.overrides if choice else None,
+                "on_edge": self.on_edge(compared),
                 "confirm": [dataclasses.asdict(p) for p in confirmed],
                 "mean": statistics.fmean(values) if values else None,
                 "std": statistics.stdev(values) if len(values) > 1 else None,
             }
         return {"objective": {"metric": self.metric, "direction": self.direction}, "compared": groups}
+
+
+def _number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def outcome(job_return: Any) -> tuple[float | None, str]:
@@ -188,6 +217,8 @@ def markdown(summary: Mapping[str, Any]) -> str:
         failed = len(group["search"]) - len(scores)
         span = f"{min(scores):.4g} – {max(scores):.4g}" if scores else "none"
         chosen = " ".join(group["chosen"]) if group["chosen"] else "nothing (every point failed)"
+        if group.get("on_edge"):
+            chosen += " — **on the grid's edge**: " + ", ".join(group["on_edge"])
         runs = len([p for p in group["confirm"] if p["value"] is not None])
         mean = ("" if group["mean"] is None else f"{group['mean']:.4g}"
                 + (f" ± {group['std']:.2g}" if group["std"] is not None else "") + f" ({runs})")

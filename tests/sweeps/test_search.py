@@ -53,6 +53,29 @@ def test_the_choice_is_the_best_point_that_returned_a_number_and_confirm_seeds_r
     assert summary["optimizer=lion"]["chosen"] is None and summary["optimizer=lion"]["confirm"] == []
 
 
+def test_a_choice_on_the_edge_of_its_grid_is_warned_and_marked(caplog):
+    """The lowest learning rate of three chosen: a warning and a mark in selection.md; a choice inside the grid, or a
+    key that is not a number, is not (red when the edge is read from the whole search instead of the compared
+    value's own grid: lion's 1e-5 is inside the union of both grids)."""
+    from rlhf.sweeps.search import markdown
+
+    study = Study.plan("optimizer=sgd,lion", {"sgd": "optimizer.lr=0.01,0.1,1 scheduler=cosine",
+                                              "lion": "optimizer.lr=1e-6,1e-5,1e-4 scheduler=cosine"},
+                       {"metric": "eval/loss", "direction": "minimize"})
+    for point, value in zip(study.search, [0.2, 0.3, 0.4, 0.5, 0.1, 0.6]):  # sgd: its lowest; lion: its middle
+        point.value = value
+    assert study.on_edge(["optimizer=sgd"]) == ["optimizer.lr=0.01 (the lowest of 3)"]
+    assert study.on_edge(["optimizer=lion"]) == []
+    with caplog.at_level("WARNING", logger="rlhf.sweeps.search"):
+        study.plan_confirm("seed=1")
+    assert [r.getMessage() for r in caplog.records] == [
+        "optimizer=sgd: the chosen optimizer.lr=0.01 (the lowest of 3) is on the edge of its grid: the best value "
+        "may lie beyond it; widen the grid (hydra.sweeper.search) and search again"]
+    table = markdown(study.summary())
+    assert "optimizer.lr=0.01 scheduler=cosine — **on the grid's edge**: optimizer.lr=0.01 (the lowest of 3)" in table
+    assert table.count("on the grid's edge") == 1
+
+
 def final(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())["final"]
 
