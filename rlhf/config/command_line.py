@@ -56,6 +56,10 @@ def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
         top = re.split(r"[./@]", key, maxsplit=1)[0]
         if top == "hydra":
             continue
+        if top in ("search", "sweeper", "params", "select_on", "confirm_on") and top not in known:  # a sweeper's
+            target = f"hydra.{key}" if top == "sweeper" else f"hydra.sweeper.{key}"  # settings: under hydra.sweeper
+            return (f"{arg}: a sweep's grids and settings live under hydra.sweeper. Fix: \"{target}='{value}'\" "
+                    "(quoted: a grid is one string; README, A fair optimizer comparison)")
         if top not in known:
             trl = trl_names.trl_fix(top) if top == key else None
             if trl:

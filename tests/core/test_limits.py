@@ -404,7 +404,10 @@ def test_a_missing_local_model_is_refused_before_anything_loads(tmp_path):
                                               "(logger.<option>.<field>), so that several can be chosen at once "
                                               "(logger=[a,b]). Fix: logger.wandb.mode=offline."),
     (["logger=[wandb,tensorboard]", "logger.wandb.mode=offline", "optimizer.lr=0.1"], None),
-    (["algo=simpo", "eval=generate", "algo/reward_funcs@eval=exact_match"], None),  # a group placed under eval
+    (["algo=simpo", "eval=generate", "algo/reward_funcs@eval=exact_match"], None),
+    (["experiment=optimizer_comparison", "search.adamw=optimizer.lr=1e-5,1e-4"],
+     "search.adamw=optimizer.lr=1e-5,1e-4: a sweep's grids and settings live under hydra.sweeper. Fix: "
+     "\"hydra.sweeper.search.adamw='optimizer.lr=1e-5,1e-4'\""),  # a group placed under eval
     (["eval=generate", "algo/reward_funcs@eval=exact_matc"], "algo/reward_funcs=exact_matc: conf/algo/reward_funcs/ "
                                                              "has no option 'exact_matc'"),
 ])
