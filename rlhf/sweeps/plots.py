@@ -15,10 +15,20 @@ def label(row) -> str:
     return ", ".join(f"{key}={value}" for key, value in row.values.items() if value != "") or row.name
 
 
+def mean_curve(histories: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float, float]]:
+    """``(step, mean, standard deviation)`` over the runs' histories at the steps every one of them logged with a
+    finite value (the seeds of one setting); the deviation is 0 for one run."""
+    finite = [{step: value for step, value in history if math.isfinite(value)} for history in histories]
+    if not finite or not all(finite):
+        return []
+    steps = sorted(set.intersection(*(set(h) for h in finite)))
+    return [(step, sum(h[step] for h in finite) / len(finite), _sd([h[step] for h in finite])) for step in steps]
+
+
 def plot_curves(report, metrics: Sequence[str], path: Path) -> None:
     """One panel per metric name (``loss``, ``exact_match``...): its training curve solid and its held-out curve
-    dashed, one colour per row (an aggregated row: each of its seeds in its colour), the legend from the values
-    that differ."""
+    dashed, one colour per row (an aggregated row: the mean over its seeds with a band of one standard deviation),
+    the legend from the values that differ."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,13 +43,18 @@ def plot_curves(report, metrics: Sequence[str], path: Path) -> None:
     for panel, name in zip(axes.flat, names):
         for index, row in enumerate(report.rows):
             colour, labelled = colours[index % len(colours)], False
-            for run in row.runs:
-                for split, style in (("train", "-"), ("eval", "--")):
-                    points = run.history(f"{split}/{name}")
-                    if points:
-                        panel.plot(*zip(*points), style, color=colour, marker="." if len(points) < 30 else None,
-                                   label=None if labelled else label(row))
-                        labelled = True
+            for split, style in (("train", "-"), ("eval", "--")):
+                histories = [run.history(f"{split}/{name}") for run in row.runs]
+                curve = mean_curve(histories) if len(row.runs) > 1 else [(s, v, 0.0) for s, v in histories[0]]
+                if curve:
+                    steps, means, spreads = zip(*curve)
+                    panel.plot(steps, means, style, color=colour, marker="." if len(steps) < 30 else None,
+                               label=None if labelled else label(row))
+                    if len(row.runs) > 1:
+                        panel.fill_between(steps, [m - d for m, d in zip(means, spreads)],
+                                           [m + d for m, d in zip(means, spreads)], color=colour, alpha=0.2,
+                                           linewidth=0)
+                    labelled = True
         panel.set_title(f"{name} (solid: train, dashed: held-out)", fontsize=9)
         panel.set_xlabel("step")
     for panel in list(axes.flat)[len(names):]:

@@ -25,6 +25,7 @@ from typing import Any
 from rlhf.sweeps.plots import (  # noqa: F401  (the report's figures)
     KL,
     REWARD,
+    mean_curve,
     plot_curves,
     plot_frontier,
     plot_objective,
@@ -223,7 +224,9 @@ def build(runs: Sequence[Run], metrics: Sequence[str] | None = None, now: float 
 def aggregate_seeds(report: Report) -> Report:
     """Runs whose differing values are the same but for ``seed`` folded into one row each: every figure's mean over
     the group's finished runs that have it (over all its runs where none finished), and its standard deviation
-    (:attr:`Row.spread`, over two or more); the status counts the runs by status."""
+    (:attr:`Row.spread`, over two or more), except a metric's best and best step: those of the seeds' mean curve
+    (:func:`~rlhf.sweeps.plots.mean_curve`, at the steps every seed logged), without a spread; the status counts
+    the runs by status."""
     keys = [key for key in report.keys if key != "seed"]
     groups: dict[tuple, list[Row]] = {}
     for row in report.rows:
@@ -238,6 +241,13 @@ def aggregate_seeds(report: Report) -> Report:
             figures_[column] = statistics.fmean(values) if values else None
             if len(values) > 1:
                 spread[column] = statistics.stdev(values)
+        for metric in report.metrics:  # the best of the seeds' mean curve: a best step's mean over seeds means nothing
+            curve = mean_curve([run.history(metric) for row in counted for run in row.runs])
+            if curve:
+                step, value, _ = (min if lower_is_better(metric) else max)(curve, key=lambda point: point[1])
+                figures_.update({f"{metric} best": value, f"{metric} best step": step})
+                spread.pop(f"{metric} best", None)
+                spread.pop(f"{metric} best step", None)
         counts = {state: sum(row.status == state for row in members) for state in (FINISHED, RUNNING, CRASHED)}
         state = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
         seeds = ",".join(str(row.values.get(report.names.get("seed", "seed"), "?")) for row in members)

@@ -119,6 +119,12 @@ def test_report_files_and_seed_aggregation(sweep, tmp_path, monkeypatch, capsys)
         assert row.figures["eval/rewards/accuracies end"] == statistics.fmean(ends)
         assert math.isclose(row.spread["eval/rewards/accuracies end"], statistics.stdev(ends))
     assert "eval/loss best step" not in running.spread
+    for row, members in ((sgd, runs[:2]), (lion, runs[2:4])):  # best and its step: of the seeds' mean curve
+        curves = [dict(run.history("eval/loss")) for run in members]
+        steps = sorted(set(curves[0]) & set(curves[1]))
+        step = min(steps, key=lambda s: curves[0][s] + curves[1][s])
+        assert row.figures["eval/loss best step"] == step and "eval/loss best step" not in row.spread
+        assert math.isclose(row.figures["eval/loss best"], (curves[0][step] + curves[1][step]) / 2)
     out = tmp_path / "seeds"
     code, printed, err = script("compare_runs", sweep, "--seeds", "--out", out, "--metrics", "eval/loss", "--plot",
                                 "train/loss", monkeypatch=monkeypatch, capsys=capsys)
