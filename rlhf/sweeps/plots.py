@@ -45,7 +45,7 @@ def plot_curves(report, metrics: Sequence[str], path: Path) -> None:
             colour, labelled = colours[index % len(colours)], False
             for split, style in (("train", "-"), ("eval", "--")):
                 histories = [run.history(f"{split}/{name}") for run in row.runs]
-                curve = mean_curve(histories) if len(row.runs) > 1 else [(s, v, 0.0) for s, v in histories[0]]
+                curve = mean_curve(histories) if len(histories) > 1 else [(s, v, 0.0) for h in histories for s, v in h]
                 if curve:
                     steps, means, spreads = zip(*curve)
                     panel.plot(steps, means, style, color=colour, marker="." if len(steps) < 30 else None,

@@ -208,17 +208,46 @@ def build(runs: Sequence[Run], metrics: Sequence[str] | None = None, now: float 
     """The report of ``runs``: one row each. ``metrics``: the held-out metrics to show (default
     :func:`default_metrics`)."""
     metrics = list(metrics) if metrics else default_metrics(runs)
-    keys = differing([run.config for run in runs]) if len(runs) > 1 else []
-    names = short_names(keys)
+    groups = chosen_groups(runs) if len(runs) > 1 else []
+    keys = [*groups, *(key for key in (differing([run.config for run in runs]) if len(runs) > 1 else [])
+                       if not implied(key, groups, runs))]
+    names = {**{group: group for group in groups}, **short_names([key for key in keys if key not in groups])}
     short = [run_name(run) for run in runs]
     unique = len(set(short)) == len(short)
     rows = []
     for run, name in zip(runs, short):
-        flat, lines = flatten(run.config), log_lines(run)
+        flat, lines = {**flatten(run.config), **run.choices}, log_lines(run)
         state = status(run, lines, now)
         rows.append(Row(name if unique else run.path.name, {names[key]: flat.get(key, "") for key in keys}, state,
                         figures(run, metrics, lines), [run], why(lines, run.path) if state == CRASHED else ""))
     return Report(rows, keys, names, metrics)
+
+
+def chosen_groups(runs: Sequence[Run]) -> list[str]:
+    """The config groups whose option differs between the runs (``algo``: ``dpo`` against ``ipo``), outermost only
+    (``algo/loss`` goes with ``algo``): the report names the option the user chose, not what it expands to."""
+    recorded = [run.choices for run in runs if run.choices]
+    names = list(dict.fromkeys(group for choices in recorded for group in choices))
+    differ = [g for g in names if len({choices.get(g, "") for choices in recorded}) > 1]
+    return [g for g in differ if not any(g.startswith(f"{outer}/") for outer in differ)]
+
+
+def implied(key: str, groups: Sequence[str], runs: Sequence[Run]) -> bool:
+    """Whether the flattened ``key`` is fixed by the option of a group that is a column already: it lies in that
+    group (``algo.loss`` in ``algo``), every run with the same option has the same value, and no run set it on its
+    command line (``algo.beta=0.1`` stays a column of its own, and so does a value that varies under one option)."""
+    for group in groups:
+        prefix = group.replace("/", ".")
+        if key != prefix and not key.startswith(prefix + "."):
+            continue
+        values: dict[str, set[str]] = {}
+        for run in runs:
+            if run.config:
+                values.setdefault(run.choices.get(group, ""), set()).add(repr(flatten(run.config).get(key)))
+        typed = key != prefix and any(key in run.override_values or f"+{key}" in run.override_values for run in runs)
+        if all(len(v) == 1 for v in values.values()) and not typed:  # (the group's own key: its class name)
+            return True
+    return False
 
 
 def aggregate_seeds(report: Report) -> Report:

@@ -93,6 +93,14 @@ class Run:
         ``[]``."""
         return [str(o) for o in self._yaml("overrides.yaml") or []]
 
+    @cached_property
+    def choices(self) -> dict[str, str]:
+        """The option of each config group as chosen (``{"algo": "ipo", "algo/loss": "ipo", "optimizer": "lion"}``:
+        Hydra's record of the run, ``.hydra/hydra.yaml``), without Hydra's own groups; ``{}`` without a record."""
+        record = self._yaml("hydra.yaml") or {}
+        choices = ((record.get("hydra") or {}).get("runtime") or {}).get("choices") or {}
+        return {str(k): str(v) for k, v in choices.items() if not str(k).startswith("hydra/") and v is not None}
+
     @property
     def override_values(self) -> dict[str, str]:
         """The overrides of the form ``key=value`` as {key: value} (``+key=v`` keeps its ``+``)."""

@@ -62,12 +62,13 @@ def lines(run: Path) -> list[dict]:
 def test_each_row_holds_the_runs_own_metrics_and_the_values_that_differ(sweep):
     made = report.build(find([sweep]))
     assert made.metrics == ["eval/loss", "eval/exact_match", "eval/rewards/accuracies"]  # DPO's, found in the files
-    assert made.value_columns[:3] == ["seed", "optimizer", "lr"]  # from config.yaml: the group's lr shows too
-    assert "momentum" in made.value_columns and "betas" in made.value_columns  # SGD's and Lion's own options
+    # the option as chosen (Hydra's record), then what differs in config.yaml: lr varies under one option (the
+    # running run's), while SGD's momentum and Lion's betas come with their option and are left out
+    assert made.value_columns == ["optimizer", "seed", "lr"]
     rows = {row.name: row for row in made.rows}
     assert list(rows) == ["0", "1", "2", "3", "crashed", "crashed_now", "running"]
     assert rows.pop("crashed_now").status == "crashed"
-    assert [rows[n].values["optimizer"] for n in "0123"] == ["SGD", "SGD", "Lion", "Lion"]
+    assert [rows[n].values["optimizer"] for n in "0123"] == ["sgd", "sgd", "lion", "lion"]
     assert [rows[n].values["seed"] for n in "0123"] == [0, 1, 0, 1] and rows["crashed"].values["seed"] == 2
     assert rows["running"].values["lr"] == 0.01
     for run in find([sweep])[:4]:
@@ -100,16 +101,16 @@ def test_report_files_and_seed_aggregation(sweep, tmp_path, monkeypatch, capsys)
     md, table_csv, png = report.write(made, tmp_path / "each")
     assert png.read_bytes().startswith(PNG) and png.stat().st_size > 10_000
     header, *rows = list(csv.reader(table_csv.open()))
-    assert header[:4] == ["run", "seed", "optimizer", "lr"] and header[-2:] == ["status", "note"]
+    assert header[:4] == ["run", "optimizer", "seed", "lr"] and header[-2:] == ["status", "note"]
     assert [row[0] for row in rows] == ["0", "1", "2", "3", "crashed", "crashed_now", "running"]
     column = header.index("eval/loss end")
     assert [float(row[column]) for row in rows[:4]] == [run.last("eval/loss") for run in runs[:4]]  # exact
     text = md.read_text()
-    assert text.startswith("| run | seed | optimizer | lr |") and "| --- |" in text
+    assert text.startswith("| run | optimizer | seed | lr |") and "| --- |" in text
     assert "out of memory \\| try a smaller batch |\n" in text and text.count("\n") == 2 + len(rows)
 
     folded = report.aggregate_seeds(made)
-    assert [row.values["optimizer"] for row in folded.rows] == ["SGD", "Lion", "", "SGD"]  # "": no config
+    assert [row.values["optimizer"] for row in folded.rows] == ["sgd", "lion", "", "sgd"]  # "": no config
     assert "seed" not in folded.value_columns
     sgd, lion, no_config, running = folded.rows
     assert (sgd.name, sgd.status, lion.status, no_config.status, running.status) == (
@@ -210,6 +211,8 @@ def _frontier_run(folder, objective: str, seed: int, trajectory: list[tuple[floa
     (folder / ".hydra").mkdir(parents=True)
     (folder / ".hydra" / "config.yaml").write_text(f"algo:\n  _target_: rlhf.algos.dpo.DPO\n  loss: {objective}\nseed: {seed}\n")
     (folder / ".hydra" / "overrides.yaml").write_text(f"- algo={objective}\n- seed={seed}\n")
+    (folder / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": {
+        "algo": objective, "algo/loss": objective, "optimizer": "adamw", "hydra/sweeper": "basic"}}}}))
     lines = [{"step": 10 * i, "eval/gen/kl": kl, "eval/gen/reward": reward} for i, (kl, reward) in enumerate(trajectory)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (folder / "summary.json").write_text(json.dumps({"final": lines[-1], "seed": seed}))
@@ -229,7 +232,9 @@ def test_the_frontier_is_the_runs_own_final_points_with_the_dominated_ones_marke
     _frontier_run(tmp_path / "2_algo=ipo,seed=0", "ipo", 0, [(0.0, 0.5), (3.0, 0.75)])  # more KL, less reward
     _frontier_run(tmp_path / "3_algo=ipo,seed=1", "ipo", 1, [(0.0, 0.5), (3.2, 0.77)])
     runs = find([tmp_path])
-    report = aggregate_seeds(build(runs))
+    each = build(runs)  # the option as chosen (algo=ipo), not what it expands to (algo.loss: ipo under DPO)
+    assert each.value_columns == ["algo", "seed"] and [r.values["algo"] for r in each.rows] == ["dpo"] * 2 + ["ipo"] * 2
+    report = aggregate_seeds(each)
     points = {p["objective"]: p for p in plots.frontier_points(report)}
     assert set(points) == {"dpo", "ipo"}
     assert points["dpo"]["kl"] == pytest.approx(2.1) and points["dpo"]["reward"] == pytest.approx(0.82)
