@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.core.errors import UserError
 from rlhf.core.limits import show
+from rlhf.old_paths import MOVED
 from rlhf.run.checkpoint import CONFIG as FILE  # in each checkpoint folder, beside meta.json
 
 log = logging.getLogger(__name__)
@@ -36,11 +37,12 @@ log = logging.getLogger(__name__)
 DATA = "tokenized_data"  # the fingerprint's name in the record, in messages and in resume_changes
 
 # What cannot change the optimization, so a resume may change it freely: where the run writes and reports
-# (output_dir, logger, hydra, launcher, objective), how it was started (resume, resume_changes), when it logs, evaluates and
-# saves (evaluation runs in eval mode and draws no random number), and where its processes run. A key below one of
+# (output_dir, logger, hydra, launcher, objective), how it was started (resume, resume_changes), when and how it logs,
+# evaluates and saves (evaluation, eval=generate's too, runs in eval mode in a forked random state), and where its
+# processes run. A key below one of
 # these is excluded with it.
 NOT_OPTIMIZING = (
-    "output_dir", "resume", "resume_changes", "logger", "hydra", "launcher", "objective",
+    "output_dir", "resume", "resume_changes", "logger", "hydra", "launcher", "objective", "eval",
     "train.log_every_steps", "train.eval_every_steps", "train.eval_at_start", "train.eval_batch_size",
     "train.save_every_steps", "train.save_every_minutes", "train.keep_last", "train.save_final",
     "train.empty_cache_every_steps", "train.profile_steps", "train.profile_memory",
@@ -113,7 +115,9 @@ def check_config(cfg: DictConfig, strategy, folder: Path) -> None:
         log.warning("%s records no config (written by an older version of rlhf): this resume is not checked "
                     "against the run's config", folder)
         return
-    before, now, listed = recorded["config"], recorded_config(cfg, strategy), listed_changes(cfg)
+    before = {k: v for k, v in recorded["config"].items() if optimizing(k)}  # a key a newer version ignores
+    before = {k: current_path(v) if k.endswith("_target_") else v for k, v in before.items()}
+    now, listed = recorded_config(cfg, strategy), listed_changes(cfg)
     _check_listed(folder, listed, [*before, *flatten(OmegaConf.to_container(cfg, resolve=True))])
     missing = object()
     changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k, missing) != now.get(k, missing)]
@@ -131,6 +135,17 @@ def check_config(cfg: DictConfig, strategy, folder: Path) -> None:
     if changed:
         log.info("resume from %s with the changes listed in resume_changes: %s", folder,
                  "; ".join(f"{k} {_shown(before, k)} -> {_shown(now, k)}" for k in changed))
+
+
+def current_path(target: Any) -> Any:
+    """A ``_target_`` recorded before the layer packages under its module's path now (``rlhf.models.tiny.TinySpec``
+    -> ``rlhf.embedded.tiny_model.TinySpec``: :mod:`rlhf.old_paths`), so that the move is no change of config."""
+    if not isinstance(target, str):
+        return target
+    for old in sorted(MOVED, key=len, reverse=True):
+        if target.startswith(old + "."):
+            return MOVED[old] + target[len(old):]
+    return target
 
 
 def check_data(cfg: DictConfig, fingerprint: str, folder: Path) -> None:

@@ -133,3 +133,25 @@ def test_resume_changes_is_a_list_of_keys(value):
     with pytest.raises(UserError, match=r"resume_changes=.* is not a list of config keys\. Fix: e\.g\. "):
         check_config(compose_config(f"resume_changes={value}", output_dir=ROOT / "outputs" / "unused"))
     check_config(compose_config("resume_changes=[train.max_steps,tokenized_data]", output_dir=ROOT / "outputs" / "x"))
+
+
+def test_a_checkpoint_recorded_before_the_layer_packages_resumes_and_eval_may_change(tmp_path):
+    """A record written before the modules moved names the tiny model and the reward functions by their old paths
+    and has no eval key: the same run resumes from it, with eval=generate turned on (red without the old paths'
+    translation, and with eval among the compared keys)."""
+    import json
+
+    from rlhf.run.resume_check import check_config as check_resume
+
+    overrides = ["algo=grpo", "seed=3"]
+    recorded = recorded_config(compose_config(*overrides), _Strategy())
+    assert recorded["model.tiny._target_"] == "rlhf.embedded.tiny_model.TinySpec" and not any(
+        k.startswith("eval") for k in recorded)
+    old = {k: (v.replace("rlhf.embedded.tiny_model.", "rlhf.models.tiny.").replace("rlhf.algos.reward_funcs.",
+                                                                                       "rlhf.rewards.")
+               if k.endswith("_target_") else v) for k, v in recorded.items()}
+    assert old != recorded and "rlhf.rewards.exact_match" in old.values()
+    (tmp_path / checkpoint.CONFIG).write_text(json.dumps({"config": old, "tokenized_data": "x"}))
+    check_resume(compose_config(*overrides, "eval=generate"), _Strategy(), tmp_path)
+    with pytest.raises(UserError, match=r"seed \(checkpoint: 3, now: 4\)"):  # a real change is still refused
+        check_resume(compose_config("algo=grpo", "seed=4"), _Strategy(), tmp_path)
