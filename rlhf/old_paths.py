@@ -60,11 +60,11 @@ BECAME_PACKAGES = {
 _warned: set[str] = set()
 
 
-def _warn(old: str, new: str) -> None:
+def _warn(old: str, new: str, stacklevel: int) -> None:
     if old not in _warned:
         _warned.add(old)
         warnings.warn(f"{old} is now {new}; the old path works for now and goes in a later release",
-                      FutureWarning, stacklevel=4)
+                      FutureWarning, stacklevel=stacklevel)
 
 
 class _Alias(importlib.abc.Loader):
@@ -87,7 +87,7 @@ class OldPaths(importlib.abc.MetaPathFinder):
         new = MOVED.get(fullname)
         if new is None:
             return None
-        _warn(fullname, new)
+        _warn(fullname, new, stacklevel=3)
         return importlib.machinery.ModuleSpec(fullname, _Alias(new))
 
 
@@ -97,7 +97,7 @@ def attribute(package: str, name: str):
     for module in BECAME_PACKAGES.get(package, ()):
         value = getattr(importlib.import_module(module), name, _missing)
         if value is not _missing:
-            _warn(f"{package}.{name}", f"{module}.{name}")
+            _warn(f"{package}.{name}", f"{module}.{name}", stacklevel=4)
             return value
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
 

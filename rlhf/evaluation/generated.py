@@ -5,15 +5,17 @@ different things. :class:`GenerationEval` puts every objective on one axis, the 
 divergence from the reference (the reward-KL frontier of Rafailov et al. 2023, "Direct Preference Optimization",
 Figure 2). At each evaluation of the run, on the first ``prompts`` distinct prompts of the held-out split:
 
-- ``samples`` completions per prompt sampled from the policy at ``temperature`` (``top_k``/``top_p`` off), scored by
-  the reward functions (the same callables as online RL: ``conf/eval/reward_funcs/`` takes the options of
-  ``conf/algo/reward_funcs/``): ``eval/gen/reward`` (the weighted sum), ``eval/gen/rewards/<name>``, and
-  ``eval/gen/length`` (completion tokens, EOS included);
+- ``samples`` completions per prompt sampled from the policy at ``temperature`` (``top_k``/``top_p`` off, and none
+  of the model's own generation defaults, such as a repetition penalty: the policy's distribution as it is), scored
+  by the reward functions (the same callables as online RL: the options of ``conf/algo/reward_funcs/``, placed under
+  ``eval`` with ``algo/reward_funcs@eval=<option>``): ``eval/gen/reward`` (the weighted sum),
+  ``eval/gen/rewards/<name>``, and ``eval/gen/length`` (completion tokens, EOS included);
 - ``eval/gen/kl``: KL(policy || reference) per sequence, estimated from the policy's own samples at temperature 1
   (the samples above when ``temperature`` is 1, else as many more): the mean over samples of
   ``log pi(y|x) - log pi_ref(y|x)``, each the sum of the completion's token log-ratios, an unbiased estimate of
-  the KL of the sequence distributions; ``eval/gen/kl_stderr`` is its standard error (the samples' standard
-  deviation over the square root of their number);
+  the KL between the distributions of completions of at most ``max_new_tokens`` tokens (those cut there count as
+  they are: a lower bound of the KL of unbounded completions); ``eval/gen/kl_stderr`` is its standard error (the
+  samples' standard deviation over the square root of their number);
 - with ``greedy``: the greedy completion per prompt, scored (``eval/gen/greedy_reward``), and with ``win_rate``
   its win rate against the reference's greedy completion of the same prompt (``eval/gen/win_rate``: by the
   weighted reward, or by ``judge(prompts, completions, reference_completions) -> [1, 0 or 0.5 per prompt]``;
@@ -154,8 +156,11 @@ class GenerationEval:
                 seen[prompt] = tokenize_prompt({**row, "prompt": prompt}, tokenizer, self.max_prompt_length,
                                                self.reward_columns)
         self.rows = list(seen.values())
+        # A sharded model that fits only sharded generates sharded here too (the online algorithm's own setting)
         self.settings = Sampling(temperature=self.temperature, top_p=1.0, top_k=0, max_new_tokens=self.max_new_tokens,
-                                 pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, tokenizer=tokenizer)
+                                 pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, tokenizer=tokenizer,
+                                 cache_implementation=getattr(algo, "cache_implementation", None),
+                                 gather=getattr(algo, "gather_for_generation", True))
         self.algo = algo
         strategy = getattr(algo, "reference", None)
         has_model = isinstance(getattr(algo, "frozen", {}).get("reference"), torch.nn.Module)

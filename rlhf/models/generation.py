@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from accelerate.utils import extract_model_from_parallel
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ def sample(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
         "do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
     if settings.cache_implementation is not None:  # "static": one cache of the longest length, which lets
         options["cache_implementation"] = settings.cache_implementation  # transformers compile decoding on a GPU
+    # A fresh generation config: none of the model's own defaults (a repetition penalty, a minimum length, ...)
+    # bends the sampling away from the policy's distribution, which the log-probabilities of the samples assume.
+    config = transformers.GenerationConfig(max_new_tokens=settings.max_new_tokens, pad_token_id=settings.pad_id,
+                                           eos_token_id=settings.eos_id, **options)
     devices = [ids.device] if ids.device.type == "cuda" else []
     try:  # FSDP2's and ZeRO-3's parameters gathered once for the whole rollout, not at every token
         with torch.random.fork_rng(devices=devices), gathered_for_generation(model, settings.gather) as still_sharded:
@@ -63,9 +68,8 @@ def sample(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
                 torch.manual_seed(seed)
             # synced_gpus where the forward passes are still collectives: a process whose completions ended
             # keeps stepping until every process is done
-            out = policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.max_new_tokens,
-                                  pad_token_id=settings.pad_id, eos_token_id=settings.eos_id,
-                                  synced_gpus=still_sharded, **options)
+            out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                  synced_gpus=still_sharded)
     finally:
         policy.train(training)
     completion = out[:, ids.shape[1]:]

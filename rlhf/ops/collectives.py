@@ -1,8 +1,9 @@
 """Every cross-process operation of the package: sums, flags, maxima and gathers over the processes of a run.
 
 Each process sees its own shard of the batches, so what a run reports or decides from data is a sum (or a gather)
-over the processes first. Nothing else in the package calls ``torch.distributed``'s collectives (a test holds the
-package to it; the hardware strategies' sharding, which torch's FSDP2 and DeepSpeed run themselves, aside):
+over the processes first. Nothing else in the package calls ``torch.distributed``'s or the accelerator's collectives
+that move data (a test holds the package to it; the hardware strategies' sharding, which torch's FSDP2 and
+DeepSpeed run themselves, and the accelerator's barriers, ``wait_for_everyone``, aside):
 
 - with the accelerator to hand (the loop, evaluation, checkpoints): :func:`sum_over_processes` (one all-reduce of
   one float64 tensor; processes that hold different keys first agree on their union), :func:`any_process`,

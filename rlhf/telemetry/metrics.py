@@ -14,7 +14,14 @@ from accelerate.utils import send_to_device
 from tqdm.auto import tqdm
 
 from rlhf.core.train_state import read_at_once
-from rlhf.ops.collectives import sum_over_processes
+from rlhf.ops.collectives import (  # noqa: F401  (the names rlhf.metrics, this module's old path, also had)
+    any_process,
+    flag_on_any_process,
+    max_over_processes,
+    processes,
+    sum_over_every_process,
+    sum_over_processes,
+)
 
 if TYPE_CHECKING:
     from rlhf.core.train_state import TrainState
