@@ -141,6 +141,11 @@ class GenerationEval:
         """Before the hardware strategy wraps ``policy`` (the initial one): the prompts of the held-out ``rows``
         tokenized, the sampling settings, and a frozen copy of ``policy`` in :attr:`frozen` when the algorithm's
         reference cannot score and generate (see the module docstring)."""
+        can_generate = getattr(policy, "can_generate", None)
+        if callable(can_generate) and not can_generate():
+            raise UserError(f"eval=generate samples completions from the policy, but this policy "
+                            f"({type(policy).__name__}) has no language-model head to generate with (algo=reward "
+                            "trains a scorer). Fix: eval=none")
         if "prompt" not in rows.column_names:
             raise UserError(f"eval=generate samples completions of the held-out rows' prompts, but these rows have "
                             f"the columns {rows.column_names}. Fix: data with a prompt column (prompt/completion, "

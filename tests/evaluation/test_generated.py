@@ -185,3 +185,16 @@ def test_the_evaluations_own_reference_copy_shows_in_the_memory_preflight(tmp_pa
         frozen[option] = json.loads((tmp_path / option / "summary.json").read_text())["memory_predicted_mb"]["frozen"]
     assert frozen["none"] == 0 and frozen["generate"] > 0
     assert "(frozen: eval=generate's copy of the initial policy)" in (tmp_path / "generate" / "train.log").read_text()
+
+
+def test_a_policy_that_cannot_generate_is_refused_before_anything_is_copied():
+    from rlhf.core.errors import UserError
+    from rlhf.embedded.tiny_model import TinySpec
+
+    scorer = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
+                      warm_start_steps=0).build("sequence_classification")
+    evaluator = GenerationEval()
+    with pytest.raises(UserError, match="no language-model head to generate with .* Fix: eval=none"):
+        evaluator.setup(scorer.model, scorer.tokenizer, SimpleNamespace(frozen={}),
+                        datasets.Dataset.from_list([{"prompt": "ab"}]))
+    assert evaluator.frozen == {}
