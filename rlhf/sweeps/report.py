@@ -225,7 +225,8 @@ def build(runs: Sequence[Run], metrics: Sequence[str] | None = None, now: float 
 
 def chosen_groups(runs: Sequence[Run]) -> list[str]:
     """The config groups whose option differs between the runs (``algo``: ``dpo`` against ``ipo``), outermost only
-    (``algo/loss`` goes with ``algo``): the report names the option the user chose, not what it expands to."""
+    (``algo/loss`` goes with ``algo``): the report names the option the user chose, not the classes it expands to
+    (:func:`implied`); the parameters that differ stay columns beside it."""
     recorded = [run.choices for run in runs if run.choices]
     names = list(dict.fromkeys(group for choices in recorded for group in choices))
     differ = [g for g in names if len({choices.get(g, "") for choices in recorded}) > 1]
@@ -233,9 +234,12 @@ def chosen_groups(runs: Sequence[Run]) -> list[str]:
 
 
 def implied(key: str, groups: Sequence[str], runs: Sequence[Run]) -> bool:
-    """Whether the flattened ``key`` is fixed by the option of a group that is a column already: it lies in that
-    group (``algo.loss`` in ``algo``), every run with the same option has the same value, and no run set it on its
-    command line (``algo.beta=0.1`` stays a column of its own, and so does a value that varies under one option)."""
+    """Whether the flattened ``key`` is a config group's node (its class or function name: ``algo: DPO``,
+    ``algo.loss: ipo_loss``) inside a group whose chosen option is a column already, and every run with the same
+    option has the same value there: the option names it. Parameters (``lr``, ``beta``) always stay columns."""
+    nodes = {name.replace("/", ".") for run in runs for name in run.choices}
+    if key not in nodes:
+        return False
     for group in groups:
         prefix = group.replace("/", ".")
         if key != prefix and not key.startswith(prefix + "."):
@@ -244,8 +248,7 @@ def implied(key: str, groups: Sequence[str], runs: Sequence[Run]) -> bool:
         for run in runs:
             if run.config:
                 values.setdefault(run.choices.get(group, ""), set()).add(repr(flatten(run.config).get(key)))
-        typed = key != prefix and any(key in run.override_values or f"+{key}" in run.override_values for run in runs)
-        if all(len(v) == 1 for v in values.values()) and not typed:  # (the group's own key: its class name)
+        if all(len(v) == 1 for v in values.values()):
             return True
     return False
 

@@ -167,7 +167,7 @@ def test_a_mistyped_group_added_with_plus_is_refused_with_the_closest_name():
     assert refused("+sed=3").endswith("Did you mean seed=3?")
     message = refused("+foo=1")
     assert message.startswith("foo is not a config group or key") and "Fix: drop +foo=1." in message
-    assert "Config groups: algo, data, experiment, hardware" in message
+    assert "Config groups: algo, data, eval, experiment, hardware" in message
 
 
 def test_known_top_level_names_are_read_from_the_primary_config(tmp_path):

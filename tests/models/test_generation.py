@@ -69,8 +69,8 @@ def test_gather_for_generation_false_gathers_nothing_and_says_whether_to_sync(mo
     touches nothing and yields whether the parameters are sharded: synced generation for a partitioned model."""
     import torch
 
-    from rlhf.algos import online
     from rlhf.algos.grpo import GRPO
+    from rlhf.models import generation
     from rlhf.models.generation import gathered_for_generation
     from tests.algos.test_grpo import _source
 
@@ -81,8 +81,8 @@ def test_gather_for_generation_false_gathers_nothing_and_says_whether_to_sync(mo
     with gathered_for_generation(plain, enabled=False) as still_sharded:
         assert still_sharded is True
     seen = []
-    real = online.gathered_for_generation
-    monkeypatch.setattr(online, "gathered_for_generation", lambda model, enabled=True: seen.append(enabled) or
+    real = generation.gathered_for_generation
+    monkeypatch.setattr(generation, "gathered_for_generation", lambda model, enabled=True: seen.append(enabled) or
                         real(model, enabled))
     for option in (False, True):
         algo = GRPO(num_generations=2, max_completion_length=3, gather_for_generation=option)
