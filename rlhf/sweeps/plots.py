@@ -25,16 +25,31 @@ def mean_curve(histories: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[i
     return [(step, sum(h[step] for h in finite) / len(finite), _sd([h[step] for h in finite])) for step in steps]
 
 
-def plot_curves(report, metrics: Sequence[str], path: Path) -> None:
+LOSS_CHOICES = ("algo", "algo/loss", "algo/loss_type")  # the groups that decide what a run's loss measures
+
+
+def one_loss_scale(report) -> bool:
+    """Whether the rows' losses are one quantity: every run that recorded its choices chose the same objective
+    (``algo``, ``algo/loss``, ``algo/loss_type``). IPO's loss starts near 2.8 where DPO's starts at 0.69: on one
+    axis their curves say nothing about which objective learns better."""
+    chosen = {tuple(run.choices.get(g) for g in LOSS_CHOICES) for row in report.rows for run in row.runs
+              if getattr(run, "choices", None)}
+    return len(chosen) <= 1
+
+
+def plot_curves(report, metrics: Sequence[str], path: Path) -> list[str]:
     """One panel per metric name (``loss``, ``exact_match``...): its training curve solid and its held-out curve
     dashed, one colour per row (an aggregated row: the mean over its seeds with a band of one standard deviation),
-    the legend from the values that differ."""
+    the legend from the values that differ. The loss panel only where the losses are one quantity
+    (:func:`one_loss_scale`). Returns the panels' names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(metric.partition("/")[2] or metric for metric in metrics))
+    if not one_loss_scale(report):
+        names = [name for name in names if name != "loss"] or names
     columns = min(len(names), 3)
     grid = (math.ceil(len(names) / columns), columns)
     figure, axes = plt.subplots(*grid, figsize=(5.5 * grid[1], 3.2 * grid[0] + 0.3 * len(report.rows) + 0.5),
@@ -66,6 +81,7 @@ def plot_curves(report, metrics: Sequence[str], path: Path) -> None:
         figure.legend(legend.values(), legend.keys(), loc="outside lower center", fontsize=8)
     figure.savefig(path, dpi=110)
     plt.close(figure)
+    return names
 
 
 def is_number(value: Any) -> bool:

@@ -234,6 +234,10 @@ def test_the_frontier_is_the_runs_own_final_points_with_the_dominated_ones_marke
     runs = find([tmp_path])
     each = build(runs)  # the option as chosen (algo=ipo), not what it expands to (algo.loss: ipo under DPO)
     assert each.value_columns == ["algo", "seed"] and [r.values["algo"] for r in each.rows] == ["dpo"] * 2 + ["ipo"] * 2
+    # losses of two objectives are not one quantity: no loss panel; one objective's runs keep it
+    assert plots.plot_curves(each, ["train/loss", "eval/gen/reward"], tmp_path / "mixed.png") == ["gen/reward"]
+    assert plots.plot_curves(build(runs[:2]), ["train/loss", "eval/gen/reward"], tmp_path / "dpo.png") == [
+        "loss", "gen/reward"]
     report = aggregate_seeds(each)
     points = {p["objective"]: p for p in plots.frontier_points(report)}
     assert set(points) == {"dpo", "ipo"}
