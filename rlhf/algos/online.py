@@ -107,12 +107,7 @@ class OnlineAlgorithm(Algorithm):
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
         self.num_generations, self.num_iterations = num_generations, num_iterations
         self.steps_per_generation, self.seed = steps_per_generation, seed
-        self.reward_funcs = dict(reward_funcs or {"exact_match": reward_lib.exact_match})
-        self.reward_weights = None if reward_weights is None else [float(w) for w in reward_weights]
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise UserError(f"algo.reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
-                            f"reward functions ({', '.join(self.reward_funcs)}). Fix: one weight per function, in "
-                            "their order, or algo.reward_weights=null (all 1)")
+        self.reward_funcs, self.reward_weights = reward_lib.functions_and_weights(reward_funcs, reward_weights, "algo")
         self.reward_columns = tuple(reward_columns)
         self.optional_columns = self.reward_columns
         self.pad_id, self.eos_id, self.tokenizer = 0, None, None

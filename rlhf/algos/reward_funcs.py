@@ -43,6 +43,19 @@ def char_similarity(prompts: Sequence[str], completions: Sequence[str], **column
             for p, c in zip(prompts, completions)]
 
 
+def functions_and_weights(functions: Mapping[str, Callable] | None, weights: Sequence[float] | None, where: str
+                          ) -> tuple[dict[str, Callable], list[float] | None]:
+    """``(name -> function, weights)`` as configured under ``where`` (``algo``, ``eval``): the embedded task's exact
+    match when none is given; one weight per function, or None (all 1), else a UserError naming the fix."""
+    functions = dict(functions or {"exact_match": exact_match})
+    weights = None if weights is None else [float(w) for w in weights]
+    if weights is not None and len(weights) != len(functions):
+        raise UserError(f"{where}.reward_weights has {len(weights)} values for {len(functions)} reward functions "
+                        f"({', '.join(functions)}). Fix: one weight per function, in their order, or "
+                        f"{where}.reward_weights=null (all 1)")
+    return functions, weights
+
+
 def score(functions: Mapping[str, RewardFunction], weights: Sequence[float] | None, prompts: Sequence[str],
           completions: Sequence[str], columns: Mapping[str, Sequence[Any]] | None = None) -> tuple[Tensor, Tensor]:
     """Every function on every sample: ``(reward [B], per_function [B, F])`` in float32. ``reward`` is the weighted

@@ -113,12 +113,7 @@ class GenerationEval:
         self.num_prompts, self.samples, self.temperature = prompts, samples, temperature
         self.greedy, self.win_rate, self.max_new_tokens = greedy, win_rate, max_new_tokens
         self.max_prompt_length, self.batch_size, self.seed = max_prompt_length, batch_size, seed
-        self.reward_funcs = dict(reward_funcs or {"exact_match": reward_lib.exact_match})
-        self.reward_weights = None if reward_weights is None else [float(w) for w in reward_weights]
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise UserError(f"eval.reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
-                            f"reward functions ({', '.join(self.reward_funcs)}). Fix: one weight per function, in "
-                            "their order, or eval.reward_weights=null (all 1)")
+        self.reward_funcs, self.reward_weights = reward_lib.functions_and_weights(reward_funcs, reward_weights, "eval")
         self.reward_columns, self.judge = tuple(reward_columns), judge
         self.frozen: dict[str, torch.nn.Module] = {}
         self.rows: list[dict[str, Any]] = []

@@ -146,3 +146,18 @@ def test_declared_limits_name_real_arguments(module):
     for name, obj in vars(mod).items():
         if getattr(obj, "__module__", None) == mod.__name__ and hasattr(obj, "__limits__"):
             assert set(obj.__limits__) <= set(inspect.signature(obj).parameters), name
+
+
+def test_reward_functions_and_weights_default_and_refuse_a_count_that_does_not_match():
+    """One helper for online algorithms (algo.) and eval=generate (eval.): the task's exact match by default, one
+    weight per function, the key named as the user types it."""
+    from rlhf.algos import reward_funcs
+    from rlhf.core.errors import UserError
+
+    functions, weights = reward_funcs.functions_and_weights(None, None, "algo")
+    assert list(functions) == ["exact_match"] and functions["exact_match"] is reward_funcs.exact_match
+    assert weights is None
+    assert reward_funcs.functions_and_weights({"a": len, "b": len}, [1, 0], "eval")[1] == [1.0, 0.0]
+    with pytest.raises(UserError, match=r"^eval.reward_weights has 1 values for 2 reward functions \(a, b\). Fix: .*"
+                                        r"eval.reward_weights=null"):
+        reward_funcs.functions_and_weights({"a": len, "b": len}, [1], "eval")
