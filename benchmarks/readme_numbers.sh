@@ -142,6 +142,12 @@ for folder in sys.argv[1:]:
 none, generate = statistics.median(seconds["none"]), statistics.median(seconds["generate"])
 print(f"median wall time: {none:.1f} s without, {generate:.1f} s with eval=generate: "
       f"the evaluation takes {(generate - none) / generate:.0%} of the run")
+print("\n| step | greedy reward | win rate | sampled reward | length | KL (nats) |\n|---:|---:|---:|---:|---:|---:|")
+for line in Run(sorted(f for f in sys.argv[1:] if "generate" in f)[0]).metrics:  # what it shows, over training
+    if "eval/gen/kl" in line:
+        print(f"| {line['step']} | {line['eval/gen/greedy_reward']:.3f} | {line['eval/gen/win_rate']:.3f} | "
+              f"{line['eval/gen/reward']:.3f} | {line['eval/gen/length']:.1f} | {line['eval/gen/kl']:.2f} "
+              f"± {line['eval/gen/kl_stderr']:.2f} |")
 PY
       echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)" ;;
     ddp_speed)  # "Speed": steady-state samples/s of the main job on 1 process x 2 threads and 2 processes x 1 thread,
