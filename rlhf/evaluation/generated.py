@@ -59,7 +59,8 @@ EVAL_REFERENCE = "eval_reference"  # the name of the evaluation's own frozen cop
 class NoGenerationEval:
     """``eval=none``: the algorithm's own evaluation only."""
 
-    frozen: dict[str, torch.nn.Module] = {}
+    def __init__(self) -> None:
+        self.frozen: dict[str, torch.nn.Module] = {}  # no model of its own
 
     @staticmethod
     def produced(options: Mapping[str, Any]) -> tuple[str, ...]:
