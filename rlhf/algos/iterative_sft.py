@@ -99,7 +99,7 @@ class IterativeSFT(OnlineAlgorithm):
     def rollout(self, model, prompts: dict[str, Any], seed: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         group = self.num_generations
         sampled = self.sample(model, prompts, group, seed)
-        reward, per_function = self.score(prompts, sampled["completions"], group)
+        reward, per_function = self.score(prompts, sampled, group)
         keep = keep_best(reward, group, self.keep_top_k, self.keep_threshold)
         metrics = self.reward_metrics(reward, per_function, sampled)
         metrics["kept_fraction"] = keep.float().mean()

@@ -196,20 +196,23 @@ class OnlineAlgorithm(Algorithm):
                         tokenizer=self.tokenizer, cache_implementation=self.cache_implementation,
                         gather=self.gather_for_generation)
 
-    def score(self, prompts: dict[str, Any], completions: list[str], num_generations: int, keep: bool = True
+    def score(self, prompts: dict[str, Any], sampled: dict[str, Any], num_generations: int, keep: bool = True
               ) -> tuple[Tensor, Tensor]:
-        """``(reward [N], per_function [N, F])`` of the completions (:func:`rlhf.algos.reward_funcs.score`); ``keep``: they are
-        the latest rollout's, which :meth:`tables` logs."""
+        """``(reward [N], per_function [N, F])`` of the sampled completions (:meth:`sample`'s output) by
+        :func:`rlhf.algos.reward_funcs.score`, on the samples' device (a GPU's: the advantages and the loss combine them
+        with the log-probabilities there); ``keep``: they are the latest rollout's, which :meth:`tables` logs."""
+        completions = sampled["completions"]
         texts = [p for p in prompts["prompts"] for _ in range(num_generations)]
         columns = {c: [v for v in prompts[c] for _ in range(num_generations)] for c in self.reward_columns
                    if c in prompts}
         reward, per_function = reward_lib.score(self.reward_funcs, self.reward_weights, texts, completions, columns)
-        if not keep:
-            return reward, per_function
-        self.last_completions = [{"prompt": p, "completion": c, "reward": float(r),
-                                  **{f"rewards/{name}": float(v) for name, v in zip(self.reward_funcs, values)}}
-                                 for p, c, r, values in zip(texts, completions, reward.tolist(), per_function.tolist())]
-        return reward, per_function
+        if keep:  # read on the CPU, where they were scored
+            self.last_completions = [
+                {"prompt": p, "completion": c, "reward": float(r),
+                 **{f"rewards/{name}": float(v) for name, v in zip(self.reward_funcs, values)}}
+                for p, c, r, values in zip(texts, completions, reward.tolist(), per_function.tolist())]
+        device = sampled["completion_ids"].device
+        return reward.to(device), per_function.to(device)
 
     def tables(self, step: int) -> dict[str, list[dict[str, Any]]]:
         """``{"samples": rows}``: the first ``num_completions_to_print`` completions of the latest rollout (this
@@ -235,7 +238,7 @@ class OnlineAlgorithm(Algorithm):
         """Greedy completions of the held-out prompts, scored: ``reward`` (the weighted reward that trains),
         ``rewards/<name>/mean`` and ``completions/mean_length``."""
         sampled = self.sample(model, batch, 1, seed=None)
-        reward, per_function = self.score(batch, sampled["completions"], 1, keep=False)
+        reward, per_function = self.score(batch, sampled, 1, keep=False)
         metrics = self.reward_metrics(reward, per_function, sampled)
         return {k: v for k, v in metrics.items() if k not in ("reward_std", "completions/clipped_ratio")}
 

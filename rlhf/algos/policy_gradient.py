@@ -169,7 +169,7 @@ class PolicyGradient(OnlineAlgorithm):
     def rollout(self, model, prompts: dict[str, Any], seed: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         group = self.num_generations
         sampled = self.sample(model, prompts, group, seed)
-        reward, per_function = self.score(prompts, sampled["completions"], group)
+        reward, per_function = self.score(prompts, sampled, group)
         metrics = self.reward_metrics(reward, per_function, sampled)
         metrics["frac_reward_zero_std"] = frac_reward_zero_std(reward, group)
         samples = {k: sampled[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
@@ -206,7 +206,7 @@ class PolicyGradient(OnlineAlgorithm):
         count = mask.sum().float()  # may be 0 (every completion truncated): floored below, as dapo_loss's own count
         if processes() > 1:
             count = sum_over_every_process(count.to(_device(model)))
-        per_micro_batch = count.cpu().clamp(min=1) / (processes() * self.steps_per_generation)
+        per_micro_batch = count.clamp(min=1) / (processes() * self.steps_per_generation)
         samples["loss_tokens"] = per_micro_batch.expand(samples["rewards"].shape[0]).clone()
         return samples, metrics
 

@@ -115,7 +115,7 @@ class PPO(PolicyGradient):
 
     def rollout(self, model, prompts: dict[str, Any], seed: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         sampled = self.sample(model, prompts, self.num_generations, seed)
-        reward, per_function = self.score(prompts, sampled["completions"], self.num_generations)
+        reward, per_function = self.score(prompts, sampled, self.num_generations)
         metrics = self.reward_metrics(reward, per_function, sampled)
         scores = self.shape_scores(reward, model)
         samples = {k: sampled[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",

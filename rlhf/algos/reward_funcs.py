@@ -57,10 +57,12 @@ def functions_and_weights(functions: Mapping[str, Callable] | None, weights: Seq
 
 
 def score(functions: Mapping[str, RewardFunction], weights: Sequence[float] | None, prompts: Sequence[str],
-          completions: Sequence[str], columns: Mapping[str, Sequence[Any]] | None = None) -> tuple[Tensor, Tensor]:
-    """Every function on every sample: ``(reward [B], per_function [B, F])`` in float32. ``reward`` is the weighted
-    sum that trains (:func:`rlhf.algos.reward_shaping.weighted_rewards`); ``per_function`` holds each function's own
-    values (NaN where one does not apply), whose column means are logged as ``rewards/<name>/mean``."""
+          completions: Sequence[str], columns: Mapping[str, Sequence[Any]] | None = None,
+          device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Every function on every sample: ``(reward [B], per_function [B, F])`` in float32 on ``device`` (the samples'
+    device: what the rewards are combined with lives there). ``reward`` is the weighted sum that trains
+    (:func:`rlhf.algos.reward_shaping.weighted_rewards`); ``per_function`` holds each function's own values (NaN where
+    one does not apply), whose column means are logged as ``rewards/<name>/mean``."""
     columns = dict(columns or {})
     values = []
     for name, function in functions.items():
@@ -79,7 +81,7 @@ def score(functions: Mapping[str, RewardFunction], weights: Sequence[float] | No
     per_function = torch.tensor(values, dtype=torch.float32).T.reshape(len(completions), len(values))
     weight = None if weights is None else torch.tensor(list(weights), dtype=torch.float32)
     reward, _ = weighted_rewards(per_function, weight)
-    return reward, per_function
+    return reward.to(device), per_function.to(device)
 
 
 def _raised(name: str, function: Callable, error: Exception, columns: list[str]) -> str:

@@ -213,7 +213,7 @@ class GenerationEval:
         settings = self.settings
         sampled = sample(model, batch["input_ids"], batch["attention_mask"], self.samples,
                          generation_seed(self.seed, 0, index), settings)
-        reward, per_function = self._score(batch, sampled["completions"], self.samples)
+        reward, per_function = self._score(batch, sampled, self.samples)
         lengths = sampled["completion_mask"].sum(-1).double()
         sums = {"reward": reward.double().sum(), "samples": float(reward.numel()), "length": lengths.sum()}
         for column, name in enumerate(self.reward_funcs):
@@ -232,7 +232,7 @@ class GenerationEval:
             self.last["rewards"] += reward.tolist()
         if self.greedy:
             greedy = sample(model, batch["input_ids"], batch["attention_mask"], 1, None, settings)
-            greedy_reward, _ = self._score(batch, greedy["completions"], 1)
+            greedy_reward, _ = self._score(batch, greedy, 1)
             sums.update({"greedy_reward": greedy_reward.double().sum(), "prompts": float(greedy_reward.numel())})
             if keep:
                 self.last["greedy"] += greedy["completions"]
@@ -243,17 +243,18 @@ class GenerationEval:
                     wins = torch.tensor([float(w) for w in self.judge(batch["prompts"], greedy["completions"],
                                                                       theirs["completions"])], dtype=torch.float64)
                 else:
-                    their_reward, _ = self._score(batch, theirs["completions"], 1)
+                    their_reward, _ = self._score(batch, theirs, 1)
                     wins = (greedy_reward > their_reward).double() + 0.5 * (greedy_reward == their_reward).double()
                 sums["wins"] = wins.sum()
                 if keep:
                     self.last["reference"] += theirs["completions"]
         return sums
 
-    def _score(self, batch: dict[str, Any], completions: list[str], per_prompt: int) -> tuple[Tensor, Tensor]:
+    def _score(self, batch: dict[str, Any], sampled: dict[str, Any], per_prompt: int) -> tuple[Tensor, Tensor]:
         texts = [p for p in batch["prompts"] for _ in range(per_prompt)]
         columns = {c: [v for v in batch[c] for _ in range(per_prompt)] for c in self.reward_columns if c in batch}
-        return reward_lib.score(self.reward_funcs, self.reward_weights, texts, completions, columns)
+        return reward_lib.score(self.reward_funcs, self.reward_weights, texts, sampled["completions"], columns,
+                                sampled["completion_ids"].device)
 
     def _metrics(self, totals: dict[str, float]) -> dict[str, float]:
         n = totals["samples"]

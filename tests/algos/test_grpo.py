@@ -3,6 +3,7 @@ samples.jsonl, dynamic sampling, the reward functions, and that it learns on the
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from rlhf import train
 from rlhf.algos.grpo import GRPO
 from rlhf.algos.online import Rollouts, generation_seed, split_groups
 from rlhf.algos.reward_funcs import char_similarity, exact_match, score
+from rlhf.algos.rloo import RLOO
 from rlhf.core.errors import UserError
 from rlhf.core.train_state import TrainState
 from rlhf.data.loaders import Batches
@@ -141,8 +143,28 @@ def test_reward_functions_receive_the_datasets_other_columns():
     policy = _policy()
     algo.setup(policy.model, policy.tokenizer)
     row = algo.tokenize({"prompt": "abc=", "answer": "cba"}, policy.tokenizer)
-    reward, _ = algo.score(algo.collate([row]), ["cba", "x"], 2)
+    reward, _ = algo.score(algo.collate([row]), {"completions": ["cba", "x"], "completion_ids": torch.zeros(2, 1)}, 2)
     assert seen["answer"] == ["cba", "cba"] and reward.tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("algo_class", [GRPO, RLOO])
+def test_a_rollout_serves_every_tensor_on_the_samples_device(algo_class):
+    """On a GPU the samples live there and the rewards (scored from text) must join them: a reward left on the CPU
+    stopped the first GRPO step on an H200 (ratio on cuda:0, advantages on cpu). The "meta" device stands in for the
+    GPU here: the samples are moved there and every tensor the rollout serves must be there too."""
+    algo = algo_class(num_generations=2, max_completion_length=4, reward_funcs={"similarity": char_similarity})
+    source, _ = _source(algo)
+    cpu_model, sample = copy.deepcopy(source.model), algo.sample
+
+    def sampled_on_meta(model, prompts, n, seed):
+        out = sample(cpu_model, prompts, n, seed)
+        return {k: v.to("meta") if torch.is_tensor(v) else v for k, v in out.items()}
+
+    algo.sample = sampled_on_meta
+    batch = source.next()
+    devices = {k: v.device.type for k, v in batch.items() if torch.is_tensor(v) and v.dim() > 0}
+    assert {"rewards", "advantages", "loss_tokens", "input_ids"} <= set(devices)
+    assert set(devices.values()) == {"meta"}, devices
 
 
 # --- runs -----------------------------------------------------------------------------------------------------------
