@@ -4,6 +4,7 @@ page (``docs/gpu/<date>-<device>.md``) and a summary table of the goals on stdou
     bash benchmarks/gpu_check.sh                      # on the GPU machine (installs the carried wheels first)
     python benchmarks/gpu_check.py --device cuda --out /tmp/gpu-check [--budget-s 420]
     python benchmarks/gpu_check.py --device cpu --out /tmp/rehearsal   # the rehearsal: tiny sizes, the same code
+    bash benchmarks/gpu_check.sh --skip layouts,kernels   # a later call: the budget goes to what an earlier one missed
 
 Sections, in order (each result is written to ``<out>/gpu_check.json`` as soon as it exists, so a run stopped at
 its limit still leaves what it measured):
@@ -60,6 +61,19 @@ CHECKPOINT_STEPS = 100  # a step interval reported beside the default (a time in
 GRACE_S = 90  # seconds past --budget-s after which a run still going is stopped (the device call's limit is 600)
 
 
+SECTIONS = ("losses", "layouts", "resume", "kernels", "speed", "levers", "memory")
+
+
+def skipped_sections(text: str) -> frozenset[str]:
+    """``--skip``'s value: section names, comma-separated, each one of :data:`SECTIONS`."""
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(names - set(SECTIONS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {', '.join(unknown)}; the sections are "
+                                         f"{', '.join(SECTIONS)}")
+    return names
+
+
 def default_save_minutes() -> float:
     """``train.save_every_minutes``' default, read from ``conf/config.yaml``."""
     import yaml
@@ -67,8 +81,8 @@ def default_save_minutes() -> float:
     return float(yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["train"]["save_every_minutes"])
 
 # (size, batch, case) in the order they run: what the goals need first, the rest while the budget lasts.
-PLAN = [("100m", 8, "dpo_bf16"), ("100m", 64, "dpo_bf16"), ("100m", 8, "sft_bf16"), ("100m", 64, "sft_bf16"),
-        ("100m", 64, "grpo_bf16"), ("100m", 8, "dpo_shipped"), ("1b", 64, "dpo_bf16"), ("1b", 64, "sft_bf16"),
+PLAN = [("100m", 64, "dpo_bf16"), ("100m", 64, "sft_bf16"), ("100m", 64, "grpo_bf16"), ("1b", 64, "dpo_bf16"),
+        ("100m", 8, "dpo_shipped"), ("100m", 8, "dpo_bf16"), ("100m", 8, "sft_bf16"), ("1b", 64, "sft_bf16"),
         ("100m", 8, "grpo_bf16"), ("100m", 64, "dpo_shipped"), ("1b", 8, "dpo_bf16"), ("1b", 8, "sft_bf16"),
         ("1b", 64, "grpo_bf16"), ("1b", 8, "dpo_shipped")]
 # The rehearsal on a CPU: a GRPO pair at the smallest size, in float32 (bf16 is emulated on a CPU without
@@ -472,6 +486,10 @@ def main() -> int:
     parser.add_argument("--budget-s", type=int, default=420,
                         help="seconds the whole check may take: speed pairs start only while they fit")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: the CPUs)")
+    parser.add_argument("--skip", default="", type=skipped_sections,
+                        help=f"sections to leave out, comma-separated ({', '.join(SECTIONS)}): a later call spends its "
+                             "budget on what an earlier one did not reach (the H200's first run spent 230 s of its 420 "
+                             "on the correctness rows, so only DPO's speed pairs ran)")
     args = parser.parse_args()
     started = time.perf_counter()
     try:  # what the GPU machine may lack or hold in another version: fail in seconds, naming it
@@ -543,28 +561,33 @@ def main() -> int:
 
         size = CORRECTNESS_SIZE[device]
         model_dir, _ = model(size)
-        losses = guarded("losses against TRL", lambda: bench.check_losses(model_dir, "short", device=device))
+        skip = args.skip
+        if skip:
+            note(f"left out (--skip): {', '.join(sorted(skip))}")
+        losses = None if "losses" in skip else guarded(
+            "losses against TRL", lambda: bench.check_losses(model_dir, "short", device=device))
         for algo, (ours, theirs) in (losses or {}).items():
             report.add("correctness", {"check": f"{algo.upper()} first-step loss = TRL's ({size}, float32)",
                                        "value": f"{ours:.6f} vs {theirs:.6f}, |Δ| {abs(ours - theirs):.1e}",
                                        "ok": abs(ours - theirs) < LOSS_TOLERANCE})
         note("losses against TRL checked")
-        for row in guarded("layouts", lambda: layouts(model_dir, device)) or []:
+        for row in ([] if "layouts" in skip else guarded("layouts", lambda: layouts(model_dir, device)) or []):
             report.add("correctness", row)
         note("layouts checked")
-        resumed = guarded("resume and checkpoint cost",
-                          lambda: resume_and_checkpoints(model_dir, work, device, RESUME_STEPS[device]))
+        resumed = None if "resume" in skip else guarded(
+            "resume and checkpoint cost", lambda: resume_and_checkpoints(model_dir, work, device, RESUME_STEPS[device]))
         if resumed:
             resume, cost = resumed
             report.add("correctness", resume)
             report.add("checkpoint", cost)
             note(f"resume: {resume['value']}; a checkpoint costs {cost['share']:.2%} of training")
-        for row in guarded("output layer kernels", lambda: output_layer_kernels(device)) or []:
+        for row in ([] if "kernels" in skip else guarded("output layer kernels", lambda: output_layer_kernels(device))
+                    or []):
             report.add("kernels", row)
         note("output layer kernels timed")
         durations: dict[str, float] = {}  # seconds the last pair of each size took
         pair_s: dict[tuple, float] = {}  # and each pair
-        for size, batch, case in plan:
+        for size, batch, case in ([] if "speed" in skip else plan):
             steps = (GRPO_STEPS if case.startswith("grpo") else STEPS)[size]
             # a size not timed yet: three times the slowest pair so far (its model is built first, too)
             guess = durations.get(size, 3.0 * max(durations.values(), default=0.0)) * (2.0 if size == "1b" else 1.5)
@@ -587,7 +610,7 @@ def main() -> int:
             report.add("speed", row)
             note(f"{size} b{batch} {case}: {row['ratio']:.2f}x; peak MB {row['ours']['peak_mem_mb']:.0f} vs "
                  f"{row['trl']['peak_mem_mb']:.0f} [{durations[size]:.0f} s]")
-        for size, batch, case, name, overrides in levers:
+        for size, batch, case, name, overrides in ([] if "levers" in skip else levers):
             baseline = next((r for r in report.data["speed"] if (r["size"], r["batch"], r["case"]) ==
                              (size, batch, case)), None)
             guess = durations.get(size, 0.0) * 0.75  # one side of a pair
@@ -609,7 +632,9 @@ def main() -> int:
             note(f"lever {name} on {size} b{batch} {case}: {row['speed']:.2f}x speed, {row['memory']:.2f}x memory")
         size = MEMORY_CASE[0]
         bench.TIMEOUT_S = max(60.0, args.budget_s + GRACE_S - elapsed())
-        if device != "cuda":
+        if "memory" in skip:
+            pass
+        elif device != "cuda":
             report.add("skipped", {"size": size, "batch": MEMORY_CASE[1], "case": MEMORY_CASE[2],
                                    "why": "the memory record needs a GPU"})
         elif MEMORY_CASE in pair_s and elapsed() + 1.5 * pair_s[MEMORY_CASE] <= args.budget_s:
