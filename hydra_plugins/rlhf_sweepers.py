@@ -18,6 +18,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
+NAME_LIMIT = 96  # characters of a job folder's name after its number (longer ones end in a hash)
 
 
 class SelectThenConfirm(Sweeper):
@@ -29,16 +30,21 @@ class SelectThenConfirm(Sweeper):
         confirm_on: ``{key: value}`` of the confirm jobs; a sweep value gives one job each (``{data.evaluate_on:
             held_out, seed: "1,2,3"}``).
         max_batch_size: jobs launched at once at most (null: each stage in one batch).
+        confirm: ``chosen`` (search, then confirm each compared value's choice) or ``every`` (no search: every point
+            of the grids confirmed, e.g. each objective at each strength for a reward-KL frontier).
+        widen_edges: when a choice sits on the edge of its grid, search one more point beyond it, once, and choose
+            again.
     """
 
     def __init__(self, compare: str | None = None, search: Any = None, select_on: Any = None, confirm_on: Any = None,
-                 max_batch_size: int | None = None) -> None:
+                 max_batch_size: int | None = None, confirm: str = "chosen", widen_edges: bool = False) -> None:
         from rlhf.sweeps.search import as_overrides
 
         super().__init__()
         self.compare, self.search = compare, search
         self.select_on, self.confirm_on = as_overrides(select_on), as_overrides(confirm_on)
         self.max_batch_size = max_batch_size
+        self.confirm, self.widen_edges = confirm, widen_edges
         self.config: DictConfig | None = None
         self.launcher = None
         self.hydra_context: HydraContext | None = None
@@ -58,9 +64,18 @@ class SelectThenConfirm(Sweeper):
         from rlhf.sweeps.search import outcome
 
         constant = {o for o in [*self.select_on, *self.confirm_on] if "," not in o}  # the same in a whole stage
+        shared: dict[tuple, set[str]] = {}  # and the same in every point of one compared value (its batch size)
+        for p in points:
+            own = set(p.overrides)
+            key = tuple(p.compared)
+            shared[key] = shared[key] & own if key in shared else own
 
         def place(point) -> str:  # <stage>/<job number>_<its own values>: e.g. search/3_optimizer=sgd,optimizer.lr=0.1
-            name = short_name(",".join(o for o in [*point.compared, *point.overrides] if o not in constant) or stage)
+            name = ",".join(o for o in [*point.compared, *point.overrides] if o not in constant) or stage
+            if len(name) > NAME_LIMIT:  # too long for a folder: what varies within the compared value, and the seed
+                same = shared.get(tuple(point.compared), set()) - set(point.compared)
+                name = ",".join(o for o in [*point.compared, *point.overrides] if o not in constant | same)
+            name = short_name(name, NAME_LIMIT)
             return f"hydra.sweep.subdir='{stage}/${{hydra.job.num}}_{name}'"
 
         jobs = [[*arguments, *p.compared, *p.overrides, *extra, place(p)] for p in points]
@@ -84,14 +99,21 @@ class SelectThenConfirm(Sweeper):
         assert self.config is not None and self.launcher is not None
         try:
             check_arguments(arguments)
-            study = Study.plan(self.compare, self.search, OmegaConf.to_container(self.config.objective, resolve=True))
+            study = Study.plan(self.compare, self.search, OmegaConf.to_container(self.config.objective, resolve=True),
+                               confirm=self.confirm)
         except UserError as error:  # one message before anything runs, as for any bad input
             print(f"error: {error}", file=sys.stderr)
             raise SystemExit(1) from None
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        results = self._launch("search", study.search, arguments, self.select_on)
+        results = [] if study.every else self._launch("search", study.search, arguments, self.select_on)
+        if self.widen_edges and not study.every:
+            added = study.widen()
+            if added:
+                log.info("widening the grid once beyond its chosen edge: %s",
+                         "; ".join(" ".join([*p.compared, *p.overrides]) for p in added))
+                results += self._launch("search", added, arguments, self.select_on)
         results += self._launch("confirm", study.plan_confirm(self.confirm_on), arguments, [])
         written = write(study, sweep_dir)
         log.info("selection: %s", ", ".join(str(p) for p in written[:2]))

@@ -177,12 +177,19 @@ def frontier_points(report) -> list[dict[str, Any]]:
         kls, rewards = [k for k, _ in ends], [r for _, r in ends]
         points.append({"kl": sum(kls) / len(kls), "reward": sum(rewards) / len(rewards),
                        "kl_sd": _sd(kls), "reward_sd": _sd(rewards), "objective": objective_name(row.runs[0]),
-                       "label": label(row), "trajectories": trajectories})
+                       "label": _point_label(row), "trajectories": trajectories})
     for point in points:
         point["front"] = not any(
             other is not point and other["kl"] <= point["kl"] and other["reward"] >= point["reward"]
             and (other["kl"] < point["kl"] or other["reward"] > point["reward"]) for other in points)
     return points
+
+
+def _point_label(row) -> str:
+    """A frontier point's annotation: the row's differing values but the objective (its colour says it), e.g.
+    ``beta=0.1``; the whole :func:`label` where nothing else differs."""
+    rest = {key: value for key, value in row.values.items() if value != "" and key != "algo"}
+    return ", ".join(f"{key}={value}" for key, value in rest.items()) or label(row)
 
 
 def _sd(values: list[float]) -> float:

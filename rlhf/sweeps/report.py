@@ -234,12 +234,10 @@ def chosen_groups(runs: Sequence[Run]) -> list[str]:
 
 
 def implied(key: str, groups: Sequence[str], runs: Sequence[Run]) -> bool:
-    """Whether the flattened ``key`` is a config group's node (its class or function name: ``algo: DPO``,
-    ``algo.loss: ipo_loss``) inside a group whose chosen option is a column already, and every run with the same
-    option has the same value there: the option names it. Parameters (``lr``, ``beta``) always stay columns."""
-    nodes = {name.replace("/", ".") for run in runs for name in run.choices}
-    if key not in nodes:
-        return False
+    """Whether the flattened ``key`` lies inside a config group whose chosen option is a column already and every
+    run with the same option has the same value there (the option's own class or loss, ``algo.loss: ipo_loss``; a
+    default of the option, IPO's ``label_smoothing``; a key only some options have, GRPO's ``num_generations``): the
+    option names it. A value that varies between runs of one option (β over a grid of DPO runs) stays a column."""
     for group in groups:
         prefix = group.replace("/", ".")
         if key != prefix and not key.startswith(prefix + "."):

@@ -14,6 +14,11 @@ This sweeper keeps the two apart, in one multirun under any launcher:
 3. **confirm**: each choice again, from scratch, with the ``confirm_on`` overrides (``data.evaluate_on=held_out``
    and other seeds, ``seed=1,2,3``: one job each), in a second batch. These are the figures to report.
 
+With ``confirm=every`` nothing is chosen: no search runs, and every point of each compared value's grid is run
+with the ``confirm_on`` overrides (each objective at each strength over seeds: ``experiment=objective_frontier``).
+With ``widen_edges=true``, a choice on the edge of its grid gets one more point searched beyond that edge, once,
+before the choice is made again (:meth:`Study.widen`).
+
 The sweep folder holds ``search/`` and ``confirm/`` (one run folder per job), ``selection.json`` and
 ``selection.md`` (each compared value: its searched points and scores, the choice, the confirmed figures as mean ±
 std), and the reports of :mod:`rlhf.sweeps.report` (``search/report.*`` with ``objective.png``, the objective against each
@@ -38,6 +43,7 @@ log = logging.getLogger(__name__)
 
 SELECTION = "selection.json"
 STAGES = ("search", "confirm")
+CONFIRM = ("chosen", "every")  # hydra.sweeper.confirm: what the confirm stage runs
 
 
 def grid(overrides: str | Sequence[str] | None) -> list[list[str]]:
@@ -99,6 +105,7 @@ class Point:
     folder: str = ""
     value: float | None = None
     reason: str = ""
+    source: list[str] | None = None  # a confirm job's search point (its overrides)
 
 
 @dataclasses.dataclass
@@ -109,12 +116,18 @@ class Study:
     direction: str
     search: list[Point]
     confirm: list[Point] = dataclasses.field(default_factory=list)
+    every: bool = False  # confirm every point of the grids (nothing is chosen; no search runs)
+    widened: list[Point] = dataclasses.field(default_factory=list)  # points added beyond a chosen edge (:meth:`widen`)
 
     @classmethod
-    def plan(cls, compare: str | None, search: Any, objective: Mapping[str, str]) -> Study:
+    def plan(cls, compare: str | None, search: Any, objective: Mapping[str, str], confirm: str = "chosen") -> Study:
+        if confirm not in CONFIRM:
+            raise UserError(f"hydra.sweeper.confirm={confirm!r} is not one of {', '.join(CONFIRM)}. Fix: "
+                            "hydra.sweeper.confirm=chosen (search, then confirm each choice) or every (confirm every "
+                            "point of the grids: a frontier or a curve over a parameter)")
         points = [Point(list(compared), point) for compared in compared_values(compare)
                   for point in search_space(search, compared)]
-        return cls(objective["metric"], objective["direction"], points)
+        return cls(objective["metric"], objective["direction"], points, every=confirm == "every")
 
     def better(self, a: float, b: float) -> bool:
         return a > b if self.direction == "maximize" else a < b
@@ -147,23 +160,51 @@ class Study:
                 edges.append(f"{override} (the {side} of {len(values)})")
         return edges
 
-    def plan_confirm(self, confirm_on: str | Sequence[str] | None) -> list[Point]:
-        """The confirm jobs: each compared value's choice with each combination of ``confirm_on`` (a key in both:
-        ``confirm_on``'s value, so that a searched ``seed`` gives way to the confirm seeds). A choice on the edge of
-        its grid is logged as a warning (:meth:`on_edge`)."""
-        self.confirm = []
+    def widen(self) -> list[Point]:
+        """One more search point per compared value whose choice sits on the edge of its grid: the chosen point with
+        that number moved one step further out (the grid's own step beyond the edge: ×(edge/neighbour) where both
+        are positive, else +(edge − neighbour)). Added to the search and returned, for the sweeper to run before it
+        chooses again (``hydra.sweeper.widen_edges``: once, so a sweep cannot walk off without end)."""
+        added = []
         for compared in self.groups():
             choice = self.chosen(compared)
-            if choice is None:
-                continue
             for edge in self.on_edge(compared):
-                log.warning("%s: the chosen %s is on the edge of its grid: the best value may lie beyond it; "
-                            "widen the grid (hydra.sweeper.search) and search again", " ".join(compared) or "search",
-                            edge)
-            for extra in grid(confirm_on):
-                keys = {override.partition("=")[0] for override in extra}
-                kept = [o for o in choice.overrides if o.partition("=")[0] not in keys]
-                self.confirm.append(Point(list(compared), [*kept, *extra]))
+                key, _, value = edge.split(" ")[0].partition("=")
+                values = sorted({float(v) for p in self.search if p.compared == compared
+                                 for k, _, v in (o.partition("=") for o in p.overrides) if k == key and _number(v)})
+                edge_value = float(value)
+                neighbour = values[1] if edge_value == values[0] else values[-2]
+                beyond = (edge_value * edge_value / neighbour if edge_value > 0 and neighbour > 0
+                          else edge_value + (edge_value - neighbour))
+                overrides = [f"{key}={beyond:.6g}" if o.partition("=")[0] == key else o for o in choice.overrides]
+                added.append(Point(list(compared), overrides))
+        self.search += added
+        self.widened += added
+        return added
+
+    def plan_confirm(self, confirm_on: str | Sequence[str] | None) -> list[Point]:
+        """The confirm jobs: each compared value's choice (with ``every``: each point of its grid) with each
+        combination of ``confirm_on`` (a key in both: ``confirm_on``'s value, so that a searched ``seed`` gives way
+        to the confirm seeds). A choice on the edge of its grid is logged as a warning (:meth:`on_edge`)."""
+        self.confirm = []
+        for compared in self.groups():
+            if self.every:
+                sources = [p for p in self.search if p.compared == compared]
+            else:
+                choice = self.chosen(compared)
+                if choice is None:
+                    continue
+                for edge in self.on_edge(compared):
+                    log.warning("%s: the chosen %s is on the edge of its grid: the best value may lie beyond it; "
+                                "widen the grid (hydra.sweeper.search, or once by itself: "
+                                "hydra.sweeper.widen_edges=true) and search again", " ".join(compared) or "search",
+                                edge)
+                sources = [choice]
+            for source in sources:
+                for extra in grid(confirm_on):
+                    keys = {override.partition("=")[0] for override in extra}
+                    kept = [o for o in source.overrides if o.partition("=")[0] not in keys]
+                    self.confirm.append(Point(list(compared), [*kept, *extra], source=source.overrides))
         return self.confirm
 
     def summary(self) -> dict[str, Any]:
@@ -175,13 +216,25 @@ class Study:
             values = [p.value for p in confirmed if p.value is not None]
             groups[" ".join(compared) or "all"] = {
                 "search": [dataclasses.asdict(p) for p in self.search if p.compared == compared],
-                "chosen": choice.overrides if choice else None,
-                "on_edge": self.on_edge(compared),
+                "chosen": None if self.every or choice is None else choice.overrides,
+                "on_edge": [] if self.every else self.on_edge(compared),
+                "widened": [p.overrides for p in self.widened if p.compared == compared],
                 "confirm": [dataclasses.asdict(p) for p in confirmed],
-                "mean": statistics.fmean(values) if values else None,
-                "std": statistics.stdev(values) if len(values) > 1 else None,
+                "mean": statistics.fmean(values) if values and not self.every else None,
+                "std": statistics.stdev(values) if len(values) > 1 and not self.every else None,
+                "points": [_spread(point.overrides, [p.value for p in confirmed if p.source == point.overrides])
+                           for point in self.search if point.compared == compared] if self.every else [],
             }
-        return {"objective": {"metric": self.metric, "direction": self.direction}, "compared": groups}
+        return {"objective": {"metric": self.metric, "direction": self.direction},
+                "confirm": "every" if self.every else "chosen", "compared": groups}
+
+
+def _spread(overrides: list[str], values: list[float | None]) -> dict[str, Any]:
+    """A grid point's confirmed figures: its overrides, the mean and standard deviation of the runs that returned
+    a number, and how many did of how many."""
+    got = [v for v in values if v is not None]
+    return {"overrides": overrides, "mean": statistics.fmean(got) if got else None,
+            "std": statistics.stdev(got) if len(got) > 1 else None, "runs": len(got), "jobs": len(values)}
 
 
 def _number(text: str) -> bool:
@@ -208,6 +261,16 @@ def markdown(summary: Mapping[str, Any]) -> str:
     """``selection.md``: one row per compared value: the search's range of scores, the choice, the confirmed
     figure."""
     metric = summary["objective"]["metric"]
+    if summary.get("confirm") == "every":
+        lines = [f"Every point of the grids, run on the held-out rows over fresh seeds (nothing chosen). {metric}:",
+                 "", f"| compared | point | {metric}: mean ± std (runs of jobs) |", "|---|---|---|"]
+        for name, group in summary["compared"].items():
+            for point in group["points"]:
+                mean = "failed" if point["mean"] is None else f"{point['mean']:.4g}" + (
+                    f" ± {point['std']:.2g}" if point["std"] is not None else "")
+                lines.append(f"| {name} | {' '.join(point['overrides']) or '-'} | {mean} "
+                             f"({point['runs']} of {point['jobs']}) |")
+        return "\n".join(lines) + "\n"
     lines = [f"Objective: {metric} ({summary['objective']['direction']}). Search: validation rows; confirm: fresh "
              "runs of the choice on the held-out rows.", "",
              f"| compared | searched points (failed) | search {metric}: range | chosen | confirm {metric}: mean ± std "
@@ -217,6 +280,8 @@ def markdown(summary: Mapping[str, Any]) -> str:
         failed = len(group["search"]) - len(scores)
         span = f"{min(scores):.4g} – {max(scores):.4g}" if scores else "none"
         chosen = " ".join(group["chosen"]) if group["chosen"] else "nothing (every point failed)"
+        if group.get("widened"):
+            chosen += " (the grid widened once: " + "; ".join(" ".join(w) for w in group["widened"]) + ")"
         if group.get("on_edge"):
             chosen += " — **on the grid's edge**: " + ", ".join(group["on_edge"])
         runs = len([p for p in group["confirm"] if p["value"] is not None])

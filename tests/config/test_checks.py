@@ -318,10 +318,17 @@ def test_launcher_builds_its_hydra_launcher_which_takes_every_field(option, tmp_
 
 
 def _selection_points(sweeper: dict, objective) -> list[dict[str, str]]:
-    """Every search job of a select-then-confirm sweep, and the confirm jobs of its first searched point."""
+    """Every search job of a select-then-confirm sweep, and the confirm jobs of its first searched point; with
+    ``confirm: every``, every confirm job of the first confirm seed (the others differ by their seed alone)."""
     from rlhf.sweeps.search import Study, as_overrides, grid
 
-    study = Study.plan(sweeper["compare"], sweeper["search"], objective)
+    study = Study.plan(sweeper["compare"], sweeper["search"], objective, confirm=sweeper.get("confirm", "chosen"))
+    if study.every:
+        confirmed = study.plan_confirm(as_overrides(sweeper["confirm_on"]))
+        assert len(confirmed) == len(study.search) * len(grid(as_overrides(sweeper["confirm_on"])))
+        first_seed = confirmed[0].overrides[-1]
+        return [{o.partition("=")[0]: o for o in [*p.compared, *p.overrides]} for p in confirmed
+                if p.overrides[-1] == first_seed]
     searched = [[*p.compared, *p.overrides, *as_overrides(sweeper["select_on"])] for p in study.search]
     study.search[0].value = 0.0
     confirmed = [[*p.compared, *p.overrides] for p in study.plan_confirm(as_overrides(sweeper["confirm_on"]))]

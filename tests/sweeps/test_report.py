@@ -64,7 +64,8 @@ def test_each_row_holds_the_runs_own_metrics_and_the_values_that_differ(sweep):
     assert made.metrics == ["eval/loss", "eval/exact_match", "eval/rewards/accuracies"]  # DPO's, found in the files
     # the option as chosen (Hydra's record) in place of its class, then the parameters that differ in config.yaml
     assert made.value_columns[:3] == ["optimizer", "seed", "lr"] and made.value_columns.count("optimizer") == 1
-    assert "momentum" in made.value_columns and "betas" in made.value_columns  # SGD's and Lion's own options
+    # SGD's and Lion's own options (momentum, betas), the same in every run of the option: the option names them
+    assert "momentum" not in made.value_columns and "betas" not in made.value_columns
     rows = {row.name: row for row in made.rows}
     assert list(rows) == ["0", "1", "2", "3", "crashed", "crashed_now", "running"]
     assert rows.pop("crashed_now").status == "crashed"
@@ -206,10 +207,12 @@ def test_the_objective_of_runs_is_read_resolved_from_their_saved_config():
     assert report.objective_of([dpo, named]) is None  # runs that optimized different things
 
 
-def _frontier_run(folder, objective: str, seed: int, trajectory: list[tuple[float, float]]):
-    """A finished run of ``objective`` whose evaluations logged (KL, reward) pairs at steps 0, 10, 20..."""
+def _frontier_run(folder, objective: str, seed: int, trajectory: list[tuple[float, float]], algo_keys: str = ""):
+    """A finished run of ``objective`` whose evaluations logged (KL, reward) pairs at steps 0, 10, 20...;
+    ``algo_keys``: more YAML lines under ``algo``."""
     (folder / ".hydra").mkdir(parents=True)
-    (folder / ".hydra" / "config.yaml").write_text(f"algo:\n  _target_: rlhf.algos.dpo.DPO\n  loss: {objective}\nseed: {seed}\n")
+    (folder / ".hydra" / "config.yaml").write_text(f"algo:\n  _target_: rlhf.algos.dpo.DPO\n  loss: {objective}\n"
+                                                   f"{algo_keys}seed: {seed}\n")
     (folder / ".hydra" / "overrides.yaml").write_text(f"- algo={objective}\n- seed={seed}\n")
     (folder / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": {
         "algo": objective, "algo/loss": objective, "optimizer": "adamw", "hydra/sweeper": "basic"}}}}))
@@ -250,3 +253,24 @@ def test_the_frontier_is_the_runs_own_final_points_with_the_dominated_ones_marke
     written = write(report, tmp_path / "report")
     assert tmp_path / "report" / "frontier.png" in written and (tmp_path / "report" / "frontier.png").stat().st_size
     assert not (tmp_path / "plain").exists() and plots.plot_frontier(build([]), tmp_path / "plain.png") is False
+
+
+def test_objectives_over_their_strengths_show_the_option_and_the_strength_alone(tmp_path):
+    """DPO at two betas beside GRPO at two: the columns are the chosen option and beta (what varies within an
+    option), not the keys one option has and the other lacks (num_generations) nor an option's own defaults
+    (label_smoothing); the frontier's annotations say the strength alone (the colour says the objective). Red with
+    every parameter kept as a column."""
+    from rlhf.sweeps import plots
+    from rlhf.sweeps.report import aggregate_seeds, build
+    from rlhf.sweeps.results import find
+
+    for i, (objective, beta, extra) in enumerate([("dpo", 0.1, "  label_smoothing: 0.0\n"),
+                                                  ("dpo", 0.3, "  label_smoothing: 0.0\n"),
+                                                  ("grpo", 0.0, "  num_generations: 8\n"),
+                                                  ("grpo", 0.2, "  num_generations: 8\n")]):
+        _frontier_run(tmp_path / f"{i}_algo={objective},algo.beta={beta}", objective, 1,
+                      [(0.0, 0.5), (1.0 + i, 0.6 + i / 10)], f"  beta: {beta}\n{extra}")
+    report = aggregate_seeds(build(find([tmp_path])))
+    assert report.value_columns == ["algo", "beta"]
+    assert sorted(p["label"] for p in plots.frontier_points(report)) == ["beta=0.0", "beta=0.1", "beta=0.2",
+                                                                         "beta=0.3"]

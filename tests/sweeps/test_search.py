@@ -70,10 +70,61 @@ def test_a_choice_on_the_edge_of_its_grid_is_warned_and_marked(caplog):
         study.plan_confirm("seed=1")
     assert [r.getMessage() for r in caplog.records] == [
         "optimizer=sgd: the chosen optimizer.lr=0.01 (the lowest of 3) is on the edge of its grid: the best value "
-        "may lie beyond it; widen the grid (hydra.sweeper.search) and search again"]
+        "may lie beyond it; widen the grid (hydra.sweeper.search, or once by itself: hydra.sweeper.widen_edges=true) "
+        "and search again"]
     table = markdown(study.summary())
     assert "optimizer.lr=0.01 scheduler=cosine — **on the grid's edge**: optimizer.lr=0.01 (the lowest of 3)" in table
     assert table.count("on the grid's edge") == 1
+
+
+def test_widening_adds_one_point_beyond_each_chosen_edge_by_the_grids_own_step():
+    """sgd chose its lowest learning rate (0.01 of 0.01, 0.1, 1): one more point at 0.001 (×0.1, the grid's step),
+    the other overrides kept; lion chose inside: nothing added; a linear grid through 0 steps by its difference. Red
+    when the step is taken from the far end of the grid, or when an inside choice is widened."""
+    study = Study.plan("optimizer=sgd,lion", {"sgd": "optimizer.lr=0.01,0.1,1 scheduler=cosine",
+                                              "lion": "optimizer.lr=1e-6,1e-5,1e-4 algo.beta=0,0.5"},
+                       {"metric": "eval/loss", "direction": "minimize"})
+    for point, value in zip(study.search, [0.2, 0.3, 0.4, 0.5, 0.6, 0.1, 0.7, 0.8, 0.9]):
+        point.value = value  # lion: 1e-5 (inside), beta=0 (the lowest of 0, 0.5)
+    added = study.widen()
+    assert [(p.compared, p.overrides) for p in added] == [
+        (["optimizer=sgd"], ["optimizer.lr=0.001", "scheduler=cosine"]),
+        (["optimizer=lion"], ["optimizer.lr=1e-05", "algo.beta=-0.5"])]
+    assert study.search[-2:] == added and study.widened == added
+    added[0].value = 0.05  # the widened point wins: it is the choice now, and still on the (new) edge
+    assert study.chosen(["optimizer=sgd"]).overrides == ["optimizer.lr=0.001", "scheduler=cosine"]
+    assert study.on_edge(["optimizer=sgd"]) == ["optimizer.lr=0.001 (the lowest of 4)"]
+    summary = study.summary()["compared"]["optimizer=sgd"]
+    assert summary["widened"] == [["optimizer.lr=0.001", "scheduler=cosine"]]
+
+
+def test_confirm_every_runs_each_grid_point_over_the_seeds_and_reports_each_point():
+    """confirm=every: no choice; each point of each compared value's grid over the confirm seeds, and selection.md
+    one row per point with its mean over the seeds that returned a number (red if only a choice is confirmed)."""
+    from rlhf.sweeps.search import markdown
+
+    study = Study.plan("algo=dpo,grpo", {"dpo": "algo.beta=0.1,0.3", "grpo": "algo.beta=0"},
+                       {"metric": "eval/gen/reward", "direction": "maximize"}, confirm="every")
+    confirm = study.plan_confirm(["data.evaluate_on=held_out", "seed=1,2"])
+    assert [(p.compared, p.overrides) for p in confirm] == [
+        (["algo=dpo"], ["algo.beta=0.1", "data.evaluate_on=held_out", "seed=1"]),
+        (["algo=dpo"], ["algo.beta=0.1", "data.evaluate_on=held_out", "seed=2"]),
+        (["algo=dpo"], ["algo.beta=0.3", "data.evaluate_on=held_out", "seed=1"]),
+        (["algo=dpo"], ["algo.beta=0.3", "data.evaluate_on=held_out", "seed=2"]),
+        (["algo=grpo"], ["algo.beta=0", "data.evaluate_on=held_out", "seed=1"]),
+        (["algo=grpo"], ["algo.beta=0", "data.evaluate_on=held_out", "seed=2"])]
+    for point, value in zip(confirm, [0.5, 0.7, 0.2, 0.2, 0.9, None]):
+        point.value = value
+    summary = study.summary()
+    assert summary["confirm"] == "every" and summary["compared"]["algo=dpo"]["chosen"] is None
+    points = summary["compared"]["algo=dpo"]["points"]
+    assert [p["overrides"] for p in points] == [["algo.beta=0.1"], ["algo.beta=0.3"]]
+    assert points[0]["mean"] == pytest.approx(0.6) and points[1]["std"] == 0.0
+    table = markdown(summary)
+    assert "| algo=dpo | algo.beta=0.1 | 0.6 ± 0.14 (2 of 2) |" in table
+    assert "| algo=grpo | algo.beta=0 | 0.9 (1 of 2) |" in table
+    with pytest.raises(UserError, match="hydra.sweeper.confirm='all' is not one of chosen, every"):
+        Study.plan("algo=dpo", "algo.beta=1", {"metric": "m", "direction": "maximize"}, confirm="all")
 
 
 def final(run_dir: Path) -> dict:
