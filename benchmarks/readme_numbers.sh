@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the measured numbers in README.md (a few minutes on 2 CPU cores). Each part prints its table.
-#   bash benchmarks/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [objectives] [reward] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation] [ddp_speed] [eval_cost]
-#   (default: all fifteen; the online ones run experiment=<part>_reverse over seeds 0-2)
+#   bash benchmarks/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [objectives] [reward] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation] [ddp_speed] [eval_cost] [frontier]
+#   (default: all sixteen; the online ones run experiment=<part>_reverse over seeds 0-2)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
 # EXTRA adds overrides to every run (outputs then go to outputs/readme-extra/, docs/ is left alone), e.g. the
 # float32 figures on a CPU with bf16 instructions: EXTRA=hardware.mixed_precision=no bash benchmarks/readme_numbers.sh main
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 EXTRA=${EXTRA:-}
 OUT=outputs/readme${EXTRA:+-extra}
-parts=${*:-main optimizers dpo_search sft_dpo objectives reward hardware grpo rloo reinforce_pp ppo iterative_sft generation ddp_speed eval_cost}
+parts=${*:-main optimizers dpo_search sft_dpo objectives reward hardware grpo rloo reinforce_pp ppo iterative_sft generation ddp_speed eval_cost frontier}
 for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
@@ -117,6 +117,15 @@ print(f"{run.path.name:22s} sampling {gen:.3f} s of a {step:.3f} s step ({gen / 
 PY
       done
       echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)" ;;
+    frontier)  # "Which objective?": experiment=objective_frontier (7 objectives x 3 strengths x 2 seeds, ~25 min), its
+      # figure into docs/evaluation/, and the table of each point's reward and KL with their ranges over the seeds
+      rm -rf $OUT/frontier
+      /usr/bin/time -f "wall %e s" $PY train.py $EXTRA experiment=objective_frontier hydra.sweep.dir=$OUT/frontier 2>&1 \
+        | grep -E "^wall|points (failed|finished)" || true
+      $PY benchmarks/frontier_numbers.py $OUT/frontier --json $OUT/frontier/frontier.json
+      if [ -z "$EXTRA" ]; then
+        mkdir -p docs/evaluation && cp $OUT/frontier/confirm/frontier.png docs/evaluation/objective_frontier.png
+      fi ;;
     eval_cost)  # "One evaluation for every objective": the main job's wall time without and with eval=generate
       # (its defaults: 64 prompts x 4 samples, greedy and the reference's greedy, at each of the 7 evaluations),
       # interleaved for ROUNDS rounds (default 2), seed 0

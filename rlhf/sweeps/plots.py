@@ -177,7 +177,12 @@ def frontier_points(report) -> list[dict[str, Any]]:
         kls, rewards = [k for k, _ in ends], [r for _, r in ends]
         points.append({"kl": sum(kls) / len(kls), "reward": sum(rewards) / len(rewards),
                        "kl_sd": _sd(kls), "reward_sd": _sd(rewards), "objective": objective_name(row.runs[0]),
-                       "label": _point_label(row), "trajectories": trajectories})
+                       "label": "", "trajectories": trajectories, "values": row.values})
+    for point in points:
+        siblings = [other["values"] for other in points if other["objective"] == point["objective"]]
+        point["label"] = _point_label(point["values"], siblings)
+    for point in points:
+        del point["values"]
     for point in points:
         point["front"] = not any(
             other is not point and other["kl"] <= point["kl"] and other["reward"] >= point["reward"]
@@ -185,11 +190,11 @@ def frontier_points(report) -> list[dict[str, Any]]:
     return points
 
 
-def _point_label(row) -> str:
-    """A frontier point's annotation: the row's differing values but the objective (its colour says it), e.g.
-    ``beta=0.1``; the whole :func:`label` where nothing else differs."""
-    rest = {key: value for key, value in row.values.items() if value != "" and key != "algo"}
-    return ", ".join(f"{key}={value}" for key, value in rest.items()) or label(row)
+def _point_label(values: dict[str, Any], siblings: list[dict[str, Any]]) -> str:
+    """A frontier point's annotation: the values that differ between the rows of its objective (``beta=0.1``), not
+    the objective itself (its colour says it) nor what is the same for all of its rows (its batch size)."""
+    varying = [key for key in values if key != "algo" and len({repr(s.get(key)) for s in siblings}) > 1]
+    return ", ".join(f"{key}={values[key]}" for key in varying if values[key] != "")
 
 
 def _sd(values: list[float]) -> float:
