@@ -1,4 +1,4 @@
-.PHONY: help setup train seeds test test-fast lint clean
+.PHONY: help setup train seeds test test-fast lint docs docs-build clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -21,6 +21,12 @@ test-fast: setup  ## the suite without the slow "it learns" tests
 lint: setup  ## ruff, and the package's layers (lint-imports)
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
+
+docs: setup  ## serve the documentation site at http://127.0.0.1:8000 (rebuilt on every change)
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs serve
+
+docs-build: setup  ## build the site into site/ as CI does (strict: a broken link fails it)
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
 clean:  ## remove run outputs (keeps .venv)
 	rm -rf outputs/2* outputs/multirun .ci-cache

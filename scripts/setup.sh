@@ -17,5 +17,5 @@ cd "$(dirname "$0")/.."
 }
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,search,bench]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,search,bench,docs]"
 echo "ready: $(.venv/bin/python -c 'import torch, transformers, accelerate, datasets; print(f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, datasets {datasets.__version__}")')"

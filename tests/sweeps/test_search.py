@@ -173,3 +173,36 @@ def test_a_grid_on_the_command_line_is_refused_with_the_place_it_goes():
     with pytest.raises(UserError, match=r"^algo.beta=0.1,0.2 seed=range\(3\): this sweeper takes its grid from "
                                         r"hydra.sweeper.search, not from the command line. Fix: "):
         check_arguments(["algo.beta=0.1,0.2", "seed=range(3)", "train.max_steps=3"])
+
+
+@pytest.mark.slow
+def test_the_objective_frontier_preset_runs_end_to_end_and_its_figure_is_the_runs_own(tmp_path):
+    """experiment=objective_frontier cut to two objectives at one strength each, one seed (~30 s): every grid point
+    runs on the held-out rows with eval=generate, selection.json holds each point's final sampled reward, and the
+    frontier's points are the runs' own final (KL, reward)."""
+    from rlhf.sweeps import plots
+    from rlhf.sweeps.report import aggregate_seeds, build
+    from rlhf.sweeps.results import find
+
+    out = run("experiment=objective_frontier", *FAST, "train.max_steps=2", "train.eval_every_steps=1",
+              "eval.prompts=4", "hydra.sweeper.compare='algo=dpo,grpo'",
+              "hydra.sweeper.search.dpo='algo.beta=0.1'",
+              "hydra.sweeper.search.grpo='algo.beta=0 algo/reward_funcs=similarity train.per_device_batch_size=4'",
+              "hydra.sweeper.confirm_on.seed='1'", f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    selection = json.loads((tmp_path / "selection.json").read_text())
+    assert selection["confirm"] == "every" and set(selection["compared"]) == {"algo=dpo", "algo=grpo"}
+    assert not (tmp_path / "search").exists()  # nothing is chosen: no search ran
+    for group in selection["compared"].values():
+        (point,) = group["confirm"]
+        config = yaml.safe_load((tmp_path / point["folder"] / ".hydra" / "config.yaml").read_text())
+        assert config["data"]["evaluate_on"] == "held_out" and config["seed"] == 1
+        assert config["eval"]["_target_"] == "rlhf.evaluation.generated.GenerationEval"
+        assert group["points"][0]["mean"] == point["value"] == final(tmp_path / point["folder"])["eval/gen/reward"]
+    runs = find([tmp_path / "confirm"])
+    points = {p["objective"]: p for p in plots.frontier_points(aggregate_seeds(build(runs)))}
+    assert set(points) == {"dpo", "grpo"}
+    for run_ in runs:
+        point = points[run_.override_values["algo"]]
+        assert (point["kl"], point["reward"]) == (run_.final["eval/gen/kl"], run_.final["eval/gen/reward"])
+    assert (tmp_path / "confirm" / "frontier.png").stat().st_size > 10_000
