@@ -176,6 +176,7 @@ def test_a_grid_on_the_command_line_is_refused_with_the_place_it_goes():
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # submitit starts its jobs' processes, two at a time
 def test_the_objective_frontier_preset_runs_end_to_end_and_its_figure_is_the_runs_own(tmp_path):
     """experiment=objective_frontier cut to two objectives at one strength each, one seed (~30 s): every grid point
     runs on the held-out rows with eval=generate, selection.json holds each point's final sampled reward, and the
