@@ -22,10 +22,12 @@ Figure 2). At each evaluation of the run, on the first ``prompts`` distinct prom
   ties count half).
 
 The reference is the algorithm's reference model (``algo.frozen["reference"]``, scored through its strategy's
-``logps``); an objective without one (SFT, SimPO's ``reference=none``, GRPO with ``beta=0``, a reference that only
-scores its own precomputed rows, or one without a model of its own such as the policy's disabled adapter) gets a
-frozen copy of the initial policy built for the evaluation alone, held in :attr:`GenerationEval.frozen` (placed by
-the hardware strategy and counted by the memory preflight like the algorithm's frozen models).
+``logps``); with a LoRA policy's adapter references (``algo/reference=adapter``: the adapter off; ``ref_adapter``:
+the reference adapter active) the policy itself, switched for the length of the reference's forward passes and
+generation (the strategy's ``as_reference``), with no copy. An objective without a reference (SFT, SimPO's
+``reference=none``, GRPO with ``beta=0``, a reference that only scores its own precomputed rows) gets a frozen copy
+of the initial policy built for the evaluation alone, held in :attr:`GenerationEval.frozen` (placed by the hardware
+strategy and counted by the memory preflight like the algorithm's frozen models).
 
 Sampling reuses :func:`rlhf.models.generation.sample` (what online algorithms' rollouts use) and scoring
 :func:`rlhf.algos.reward_funcs.score`. Prompts are dealt to processes in batches of ``batch_size``, each batch
@@ -36,6 +38,7 @@ forward passes are collectives), and the sums meet in :mod:`rlhf.ops.collectives
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -165,17 +168,24 @@ class GenerationEval:
         self.algo = algo
         strategy = getattr(algo, "reference", None)
         has_model = isinstance(getattr(algo, "frozen", {}).get("reference"), torch.nn.Module)
-        if not (has_model and getattr(strategy, "scores_any_batch", True)):
+        switches = callable(getattr(strategy, "as_reference", None))  # the policy's own adapter off (or swapped)
+        if not (has_model and getattr(strategy, "scores_any_batch", True)) and not switches:
             self.frozen = {EVAL_REFERENCE: copy.deepcopy(policy).eval().requires_grad_(False)}
 
     # ---- at each evaluation --------------------------------------------------------------------------------------
-    def reference(self) -> tuple[torch.nn.Module, Callable[[dict[str, Tensor], torch.nn.Module], Tensor]]:
-        """The reference model (generates the win rate's completions) and how it scores a batch."""
+    def reference(self, policy: torch.nn.Module) -> tuple[contextlib.AbstractContextManager[torch.nn.Module],
+                                                          Callable[[dict[str, Tensor], torch.nn.Module], Tensor]]:
+        """A block within which the reference model generates (the win rate's completions): its own frozen model,
+        or ``policy`` itself with its adapter off or swapped (``algo/reference=adapter``, ``ref_adapter``: no copy);
+        and how the reference scores a batch."""
         if EVAL_REFERENCE in self.frozen:
             model = self.frozen[EVAL_REFERENCE]
-            return model, lambda batch, policy: completion_stats(model, batch).logps
-        model, strategy = self.algo.frozen["reference"], self.algo.reference
-        return model, lambda batch, policy: strategy.logps(batch, model, policy)
+            return contextlib.nullcontext(model), lambda batch, policy: completion_stats(model, batch).logps
+        strategy = self.algo.reference
+        model = self.algo.frozen.get("reference")
+        if model is None:  # an adapter strategy: the policy is the reference within its block
+            return strategy.as_reference(policy), lambda batch, policy: strategy.logps(batch, None, policy)
+        return contextlib.nullcontext(model), lambda batch, policy: strategy.logps(batch, model, policy)
 
     def __call__(self, model: torch.nn.Module, accelerator: Any) -> dict[str, float]:
         """The metrics of the module docstring (keys ``eval/gen/...``), summed over every process. Leaves the
@@ -209,7 +219,7 @@ class GenerationEval:
     def _batch(self, model: torch.nn.Module, batch: dict[str, Any], index: int, keep: bool) -> dict[str, Tensor]:
         """The sums of one prompt batch's metrics (and their counts)."""
         policy = extract_model_from_parallel(model)
-        ref_model, ref_logps = self.reference()
+        as_reference, ref_logps = self.reference(model)
         settings = self.settings
         sampled = sample(model, batch["input_ids"], batch["attention_mask"], self.samples,
                          generation_seed(self.seed, 0, index), settings)
@@ -237,8 +247,10 @@ class GenerationEval:
             if keep:
                 self.last["greedy"] += greedy["completions"]
             if self.win_rate:
-                theirs = sample(ref_model, batch["input_ids"], batch["attention_mask"], 1, None,
-                                Sampling(**{**settings.__dict__, "gather": False}))
+                with as_reference as ref_model:  # a frozen copy is whole: no gathering; the policy as it is
+                    gather = settings.gather if ref_model is model else False
+                    theirs = sample(ref_model, batch["input_ids"], batch["attention_mask"], 1, None,
+                                    Sampling(**{**settings.__dict__, "gather": gather}))
                 if self.judge is not None:
                     wins = torch.tensor([float(w) for w in self.judge(batch["prompts"], greedy["completions"],
                                                                       theirs["completions"])], dtype=torch.float64)

@@ -55,9 +55,16 @@ class AdapterOff(Reference):
         peft_model(policy, "adapter")  # refuse a policy without an adapter now, not at the first step
         return None
 
-    def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
+    @contextlib.contextmanager
+    def as_reference(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """Within the block, ``policy`` (or the wrapper holding it) is the reference: its adapter switched off. For
+        whatever scores or generates as the reference without a second model (eval=generate's win rate)."""
         with peft_model(policy, "adapter").disable_adapter():
-            return completion_stats(policy, batch).logps
+            yield policy
+
+    def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
+        with self.as_reference(policy) as reference:
+            return completion_stats(reference, batch).logps
 
     def memory_bytes(self, policy: torch.nn.Module) -> int:
         return 0
@@ -96,9 +103,15 @@ class SecondAdapter(Reference):
         model.set_adapter(trained)  # load_adapter leaves the trained adapter active; said again, to be sure
         return None
 
-    def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
+    @contextlib.contextmanager
+    def as_reference(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """Within the block, ``policy`` (or the wrapper holding it) is the reference: the reference adapter active."""
         with active_adapter(peft_model(policy, "ref_adapter"), REFERENCE_ADAPTER):
-            return completion_stats(policy, batch).logps
+            yield policy
+
+    def logps(self, batch: dict[str, Tensor], model: torch.nn.Module | None, policy: torch.nn.Module) -> Tensor:
+        with self.as_reference(policy) as reference:
+            return completion_stats(reference, batch).logps
 
     def memory_bytes(self, policy: torch.nn.Module) -> int:
         """The adapter's file size (its weights as saved)."""

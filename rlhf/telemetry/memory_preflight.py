@@ -12,7 +12,10 @@ that do not fit this machine.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
+import gc
 import resource
 import sys
 from collections.abc import Callable, Iterable
@@ -176,6 +179,22 @@ def resident_bytes() -> int:
     return now * 1024 if now is not None else peak_resident_bytes()
 
 
+def release_freed_memory() -> bool:
+    """Collect garbage and hand the heap's free memory back to the system (glibc's ``malloc_trim``), so that a run's
+    peak above its starting size does not depend on what an earlier run of the process left free in the heap (a
+    sweep's in-process points). False where there is no glibc."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
 def reset_peak_resident() -> bool:
     """Start the peak resident set size over from now (Linux: ``/proc/self/clear_refs``); False where the system
     does not allow it, and the peak then counts from the process's start."""
@@ -209,6 +228,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(device)
             self.start = 0
         else:
+            release_freed_memory()
             reset_peak_resident()
             self.start = resident_bytes()
 

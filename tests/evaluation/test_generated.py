@@ -198,3 +198,28 @@ def test_a_policy_that_cannot_generate_is_refused_before_anything_is_copied():
         evaluator.setup(scorer.model, scorer.tokenizer, SimpleNamespace(frozen={}),
                         datasets.Dataset.from_list([{"prompt": "ab"}]))
     assert evaluator.frozen == {}
+
+
+def test_an_adapter_reference_is_the_policy_with_its_adapter_off_and_no_copy():
+    """algo/reference=adapter: the evaluation holds no copy of the LoRA policy; the reference is the policy with its
+    adapter switched off, for the KL and for the win rate's completions. A fresh adapter (B = 0) is the base: KL 0
+    and win rate 0.5; a trained adapter (B perturbed) has a KL > 0 (red with the adapter left on for the reference,
+    and with a copy made)."""
+    import peft
+
+    from rlhf.models.reference_adapters import AdapterOff
+
+    policy = peft.get_peft_model(tiny_lm(0), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"]))
+    algo = SimpleNamespace(frozen={}, reference=AdapterOff())
+    evaluator = evaluation(policy, algo, prompts=("ab", "ba", "a"), samples=8, greedy=True, win_rate=True,
+                           batch_size=2)
+    assert evaluator.frozen == {}
+    metrics = evaluator(policy, ONE_PROCESS)
+    assert metrics["eval/gen/kl"] == 0 and metrics["eval/gen/win_rate"] == 0.5
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 2)
+    metrics = evaluator(policy, ONE_PROCESS)
+    assert metrics["eval/gen/kl"] > 10 * metrics["eval/gen/kl_stderr"] > 0
+    assert [m.disable_adapters for m in policy.modules() if hasattr(m, "disable_adapters")][0] is False  # on again
