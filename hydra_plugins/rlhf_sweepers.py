@@ -75,7 +75,7 @@ class SelectThenConfirm(Sweeper):
             if len(name) > NAME_LIMIT:  # too long for a folder: what varies within the compared value, and the seed
                 same = shared.get(tuple(point.compared), set()) - set(point.compared)
                 name = ",".join(o for o in [*point.compared, *point.overrides] if o not in constant | same)
-            name = short_name(name, NAME_LIMIT)
+            name = short_name(name.replace("/", "."), NAME_LIMIT)  # algo/reward_funcs=...: one folder, not two
             return f"hydra.sweep.subdir='{stage}/${{hydra.job.num}}_{name}'"
 
         jobs = [[*arguments, *p.compared, *p.overrides, *extra, place(p)] for p in points]

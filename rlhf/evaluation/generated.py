@@ -53,6 +53,7 @@ from rlhf.algos.online import collate_prompts, generation_seed, tokenize_prompt
 from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
 from rlhf.models.generation import Sampling, sample
+from rlhf.models.value_head import without_value_head
 from rlhf.ops.collectives import sum_over_processes
 from rlhf.ops.completion_logps import completion_stats
 
@@ -170,7 +171,8 @@ class GenerationEval:
         has_model = isinstance(getattr(algo, "frozen", {}).get("reference"), torch.nn.Module)
         switches = callable(getattr(strategy, "as_reference", None))  # the policy's own adapter off (or swapped)
         if not (has_model and getattr(strategy, "scores_any_batch", True)) and not switches:
-            self.frozen = {EVAL_REFERENCE: copy.deepcopy(policy).eval().requires_grad_(False)}
+            initial = without_value_head(copy.deepcopy(policy))  # PPO's critic is no part of the reference
+            self.frozen = {EVAL_REFERENCE: initial.eval().requires_grad_(False)}
 
     # ---- at each evaluation --------------------------------------------------------------------------------------
     def reference(self, policy: torch.nn.Module) -> tuple[contextlib.AbstractContextManager[torch.nn.Module],

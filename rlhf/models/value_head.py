@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -75,24 +76,46 @@ def attach_value_head(policy: nn.Module, separate: bool, seed: int = 0) -> Value
     head = ValueHead(hidden_size, backbone, seed).to(next(policy.parameters()).device)
     policy.add_module("value_head", head)
 
-    original = policy.forward
+    inner = getattr(policy.forward, "__func__", type(policy).forward)  # the forward as a function of the module
 
-    @functools.wraps(original)  # the same signature for generate's inspection of the forward's arguments
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not head.active:
-            return original(*args, **kwargs)
-        if head.backbone is None:
-            kwargs["output_hidden_states"] = True
-        output = original(*args, **kwargs)
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        hidden = None if head.backbone is not None else output.hidden_states[-1]
-        output["token_values"] = head.values(hidden, input_ids, kwargs.get("attention_mask"))
-        return output
+    @functools.wraps(inner)  # the same signature for generate's inspection of the forward's arguments
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _forward_with_values(inner, self, *args, **kwargs)
 
     # Inside forward, not in a forward hook: a strategy's own hooks (FSDP2 gathers the root's parameters before the
     # call, frees them after it and hooks the backward pass on the call's outputs) then cover the critic as well.
-    policy.forward = forward
+    # A method bound to the policy, not a closure over it: a deep copy of the policy (eval=generate's frozen copy of
+    # the initial policy) gets a forward bound to the copy, where a closure would go on calling the original.
+    policy.forward = types.MethodType(forward, policy)
     return head
+
+
+def without_value_head(model: nn.Module) -> nn.Module:
+    """``model`` (a copy of a policy) without the critic :func:`attach_value_head` gave it: the head removed and the
+    forward the one it had before. Returns ``model``."""
+    if isinstance(getattr(model, "value_head", None), ValueHead):
+        inner = model.forward.__wrapped__
+        del model.value_head
+        if inner is type(model).forward:
+            model.__dict__.pop("forward", None)
+        else:
+            model.forward = types.MethodType(inner, model)
+    return model
+
+
+def _forward_with_values(original, self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``original(self, ...)``, the policy's forward, filling in ``token_values`` while its value head is on
+    (:func:`values_on`)."""
+    head = self.value_head
+    if not head.active:
+        return original(self, *args, **kwargs)
+    if head.backbone is None:
+        kwargs["output_hidden_states"] = True
+    output = original(self, *args, **kwargs)
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    hidden = None if head.backbone is not None else output.hidden_states[-1]
+    output["token_values"] = head.values(hidden, input_ids, kwargs.get("attention_mask"))
+    return output
 
 
 @contextmanager

@@ -47,6 +47,41 @@ def test_a_separate_critic_shares_no_parameter_with_the_policy():
     assert head.backbone.layers[0].mlp.up_proj.weight.grad is not None
 
 
+def test_a_deep_copy_of_a_policy_with_a_critic_computes_with_its_own_weights():
+    """eval=generate copies the initial policy when the objective holds no reference (PPO with kl_coef=0): the copy's
+    forward must be its own. Red when the forward is a closure over the original (the copy then answered with the
+    policy's changing weights: a KL of exactly 0 at every evaluation of a PPO run without a reference)."""
+    import copy
+    import inspect
+
+    policy = _policy().model
+    attach_value_head(policy, separate=False)
+    frozen = copy.deepcopy(policy)
+    before = frozen(input_ids=IDS).logits
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(3)
+    assert not torch.allclose(policy(input_ids=IDS).logits, before)
+    torch.testing.assert_close(frozen(input_ids=IDS).logits, before)  # the copy did not move with the policy
+    with values_on(frozen):
+        assert frozen(input_ids=IDS)["token_values"].shape == IDS.shape
+    assert "input_ids" in inspect.signature(policy.forward).parameters  # generate reads the forward's arguments
+
+
+def test_a_ppo_run_without_a_reference_measures_its_kl_against_a_copy_without_the_critic(tmp_path):
+    """PPO with kl_coef=0 and eval=generate: the evaluation's copy of the initial policy holds no critic, and the
+    KL moves off 0 as the policy trains (it read exactly 0 at every evaluation while the copy's forward called the
+    policy)."""
+    import json
+
+    cfg = compose_config(*FAST, *GRPO_FAST[1:], "algo=ppo", "algo.kl_controller.kl_coef=0", "eval=generate",
+                         "eval.prompts=8", "train.max_steps=4", "train.eval_every_steps=4", "optimizer.lr=3e-3",
+                         output_dir=tmp_path)
+    train(cfg)
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if "eval/gen/kl" in line]
+    assert evals[0]["eval/gen/kl"] == 0 and evals[-1]["eval/gen/kl"] > 0, evals
+
+
 # --- the rollout ----------------------------------------------------------------------------------------------------
 def test_the_advantages_are_gae_of_the_score_at_the_end_against_the_critics_values():
     """With no KL, gamma = lambda = 1 and no whitening, GAE gives each token ``score - V_t``; returns are the score."""

@@ -221,5 +221,8 @@ def test_an_adapter_reference_is_the_policy_with_its_adapter_off_and_no_copy():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 2)
     metrics = evaluator(policy, ONE_PROCESS)
-    assert metrics["eval/gen/kl"] > 10 * metrics["eval/gen/kl_stderr"] > 0
-    assert [m.disable_adapters for m in policy.modules() if hasattr(m, "disable_adapters")][0] is False  # on again
+    assert metrics["eval/gen/kl"] > 3 * metrics["eval/gen/kl_stderr"] > 0
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in policy.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers and not any(m.disable_adapters for m in layers)  # the adapter is on again after the evaluation
