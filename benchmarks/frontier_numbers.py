@@ -40,19 +40,26 @@ def main() -> int:
     points = plots.frontier_points(report)
     start = [(dict(run.history(plots.KL)).get(0), dict(run.history(plots.REWARD)).get(0)) for run in runs]
     start_rewards = [r for _, r in start if r is not None]
+    start_greedy = [v for v in (dict(run.history("eval/gen/greedy_reward")).get(0) for run in runs) if v is not None]
     seeds = sorted({run.config.get("seed") for run in runs})
     print(f"{len(runs)} runs, seeds {','.join(map(str, seeds))}; the warm start (step 0): sampled reward "
-          f"{spread(start_rewards, 3)}, KL 0\n")
-    print("| objective | strength | sampled reward: mean [range over seeds] | KL (nats): mean [range] | front |")
-    print("|---|---|---:|---:|:---:|")
+          f"{spread(start_rewards, 3)}, greedy reward {spread(start_greedy, 3) if start_greedy else '-'}, KL 0\n")
+    print("| objective | strength | sampled reward: mean [range over seeds] | KL (nats): mean [range] | greedy reward "
+          "| front |")
+    print("|---|---|---:|---:|---:|:---:|")
+    # frontier_points keeps report.rows' order, leaving out rows without both metrics: the same rows here
+    measured = [row for row in report.rows if any(run.history(plots.REWARD) and run.history(plots.KL)
+                                                  for run in row.runs)]
     rows = []
-    for point in sorted(points, key=lambda p: (p["objective"], p["label"])):
+    for point, row in sorted(zip(points, measured), key=lambda pair: (pair[0]["objective"], pair[0]["label"])):
         ends = [trajectory[-1] for trajectory in point["trajectories"]]
         kls, rewards = [k for k, _ in ends], [r for _, r in ends]
+        greedy = [run.final["eval/gen/greedy_reward"] for run in row.runs
+                  if "eval/gen/greedy_reward" in (run.final or {})]
         rows.append({"objective": point["objective"], "strength": point["label"], "reward": rewards, "kl": kls,
-                     "front": point["front"]})
+                     "greedy_reward": greedy, "front": point["front"]})
         print(f"| {point['objective']} | {point['label']} | {spread(rewards, 3)} | {spread(kls, 2)} | "
-              f"{'yes' if point['front'] else ''} |")
+              f"{spread(greedy, 3) if greedy else ''} | {'yes' if point['front'] else ''} |")
     best = max(rows, key=lambda r: statistics.fmean(r["reward"]))
     print(f"\nhighest mean reward: {best['objective']} {best['strength']} ({spread(best['reward'], 3)} at KL "
           f"{spread(best['kl'], 2)}); on the front: "
