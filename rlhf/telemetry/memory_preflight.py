@@ -215,13 +215,21 @@ def peak_resident_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
+_FIRST_SWEEP_POINT: list[int] = []  # the resident set size before this process's first sweep point was built
+
+
 class PeakMemory:
     """The peak memory a run added, for ``perf/peak_mem_mb``: on a GPU torch's peak allocated bytes; on a CPU the
     peak resident set size of the process above its size when this object was made (before the model was built),
-    the figure comparable with :class:`MemoryPlan`. Made again by each run of a process (a sweep's in-process
-    points), it measures that run alone."""
+    the figure comparable with :class:`MemoryPlan`. Made again by each run of a process, it measures that run alone
+    (the high-water mark starts over, after the heap's free memory went back to the system).
 
-    def __init__(self, device: torch.device) -> None:
+    ``sweep_point``: the run is one point of a sweep run in this process (Hydra's basic launcher), and is measured
+    against the process's size before its first point instead: a later point then counts what the first one paid
+    once for the process (library code paged in, the tokenized data's cache), as a point in a process of its own
+    does (submitit, Slurm), so that a point's figure does not depend on its place in the sweep."""
+
+    def __init__(self, device: torch.device, sweep_point: bool = False) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         if self.cuda:
@@ -231,6 +239,10 @@ class PeakMemory:
             release_freed_memory()
             reset_peak_resident()
             self.start = resident_bytes()
+            if sweep_point:
+                if not _FIRST_SWEEP_POINT:
+                    _FIRST_SWEEP_POINT.append(self.start)
+                self.start = _FIRST_SWEEP_POINT[0]
 
     def mb(self) -> float:
         peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else peak_resident_bytes()

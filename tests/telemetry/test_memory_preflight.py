@@ -127,6 +127,27 @@ def test_peak_memory_sees_a_large_allocation_and_starts_over_for_each_run():
     assert second.mb() < 30
 
 
+def test_a_later_sweep_point_counts_what_the_first_paid_once_for_the_process(monkeypatch):
+    """Points of an in-process sweep are measured against the size before the first point: memory the first point
+    left in the process (64 MB of pages still held, like library code paged in) counts for a later point as it did
+    for the first, where a plain run started now does not see it. Red when a sweep point starts from its own size
+    (the second point of an in-process sweep read a third of the first's peak)."""
+    import mmap
+
+    from rlhf.telemetry import memory_preflight
+
+    monkeypatch.setattr(memory_preflight, "_FIRST_SWEEP_POINT", [])
+    first = PeakMemory(torch.device("cpu"), sweep_point=True)
+    kept = mmap.mmap(-1, 64 * MB)
+    for offset in range(0, 64 * MB, mmap.PAGESIZE):
+        kept[offset] = 1
+    assert first.mb() > 60
+    later = PeakMemory(torch.device("cpu"), sweep_point=True)
+    alone = PeakMemory(torch.device("cpu"))
+    assert later.mb() > 60 and alone.mb() < 30
+    kept.close()
+
+
 def test_a_strategy_that_stores_bf16_weights_and_a_float32_master_copy_counts_them():
     from rlhf.hardware import ZeRO
     from rlhf.hardware.holding import StoredPrecision
