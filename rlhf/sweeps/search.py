@@ -194,11 +194,12 @@ class Study:
                 choice = self.chosen(compared)
                 if choice is None:
                     continue
+                widened = any(p.compared == compared for p in self.widened)
                 for edge in self.on_edge(compared):
-                    log.warning("%s: the chosen %s is on the edge of its grid: the best value may lie beyond it; "
-                                "widen the grid (hydra.sweeper.search, or once by itself: "
-                                "hydra.sweeper.widen_edges=true) and search again", " ".join(compared) or "search",
-                                edge)
+                    log.warning("%s: the chosen %s is on the edge of its grid%s: the best value may lie beyond it; "
+                                "widen the grid (hydra.sweeper.search%s) and search again", " ".join(compared)
+                                or "search", edge, " (widened once already)" if widened else "",
+                                "" if widened else ", or once by itself: hydra.sweeper.widen_edges=true")
                 sources = [choice]
             for source in sources:
                 for extra in grid(confirm_on):
