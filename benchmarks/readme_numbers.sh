@@ -117,7 +117,7 @@ print(f"{run.path.name:22s} sampling {gen:.3f} s of a {step:.3f} s step ({gen / 
 PY
       done
       echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)" ;;
-    frontier)  # "Which objective?": experiment=objective_frontier (7 objectives x 3 strengths x 2 seeds, ~25 min), its
+    frontier)  # "Which objective?": experiment=objective_frontier (7 objectives x 3 strengths x 2 seeds, 22.5 min), its
       # figure into docs/evaluation/, and the table of each point's reward and KL with their ranges over the seeds
       rm -rf $OUT/frontier
       /usr/bin/time -f "wall %e s" $PY train.py $EXTRA experiment=objective_frontier hydra.sweep.dir=$OUT/frontier 2>&1 \

@@ -48,11 +48,16 @@ class Option:
 
 def split_comment(text: str) -> tuple[str, str]:
     """``value  # comment`` -> (value, comment); a ``#`` inside quotes or braces is part of the value."""
-    quote, depth = None, 0
+    quote, depth, escaped = None, 0, False
     for i, char in enumerate(text):
         if quote:
-            quote = None if char == quote else quote
-        elif char in "'\"":
+            if escaped:
+                escaped = False
+            elif char == "\\" and quote == '"':
+                escaped = True
+            elif char == quote:
+                quote = None
+        elif char in "'\"" and text[:i].rstrip()[-1:] in ("", "[", "{", ",", ":"):  # a quoted scalar starts
             quote = char
         elif char in "{[":
             depth += 1
@@ -70,7 +75,7 @@ def parse(path: Path, group: str) -> Option:
     for line in lines[:body_start]:
         if not line.startswith("# @package"):
             about.append(line[1:].strip())
-    defaults, fields, stack, in_defaults, block_indent = [], [], [], False, None
+    defaults, fields, stack, in_defaults, block_indent, list_indent = [], [], [], False, None, None
     for line in lines[body_start:]:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
@@ -79,10 +84,16 @@ def parse(path: Path, group: str) -> Option:
             if indent > block_indent:
                 continue
             block_indent = None
+        if list_indent is not None:  # inside a list's items (read as the list's value, not as fields)
+            if indent > list_indent or (indent == list_indent and line.lstrip().startswith("- ")):
+                continue
+            list_indent = None
         if line.lstrip().startswith("- "):
             if in_defaults:
                 value, comment = split_comment(line.lstrip()[2:])
                 defaults.append(Field("defaults", value, comment))
+            else:
+                list_indent = indent
             continue
         match = KEY.match(line)
         if not match:
@@ -94,7 +105,7 @@ def parse(path: Path, group: str) -> Option:
         in_defaults = dotted == "defaults"
         if in_defaults:
             continue
-        if value in ("|", ">", "|-", ">-"):
+        if re.fullmatch(r"[|>][+-]?\d*[+-]?", value):
             block_indent, value = indent, "(text)"
         if value == "":
             stack.append((indent, key))

@@ -138,6 +138,15 @@ def predict_one(architecture: str, overrides: list[str], checkpointing: bool, ca
     optimizer_bytes = optimizer_bytes_per_parameter(build(cfg.optimizer, _convert_="all"), state_dtype)
     value_bytes = 2 if cfg.hardware.mixed_precision == "bf16" or dtype != torch.float32 else 4
     frozen = reference.memory_bytes(model) * strategy.frozen_share(quantized=reference.quantized)
+    target = (cfg.get("eval") or {}).get("_target_")
+    if target:  # eval=generate's own copy of the initial policy, where it holds one
+        from hydra.utils import get_class
+
+        from rlhf.evaluation.generated import GenerationEval, needs_own_copy
+
+        if issubclass(get_class(target), GenerationEval) and needs_own_copy(reference,
+                                                                            reference.memory_bytes(model) > 0):
+            frozen += adapter.memory_bytes(model) * strategy.frozen_share(quantized=adapter.quantizes)
     return plan(weights=adapter.memory_bytes(model), trainable=trainable, gradient_width=width, frozen=int(frozen),
                 optimizer_bytes=optimizer_bytes, sharded=strategy.sharded_state(), processes=strategy.processes(),
                 activations=activation_bytes(model.config, GPU_SEQUENCES, GPU_TOKENS, value_bytes, checkpointing),

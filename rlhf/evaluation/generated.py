@@ -169,8 +169,7 @@ class GenerationEval:
         self.algo = algo
         strategy = getattr(algo, "reference", None)
         has_model = isinstance(getattr(algo, "frozen", {}).get("reference"), torch.nn.Module)
-        switches = callable(getattr(strategy, "as_reference", None))  # the policy's own adapter off (or swapped)
-        if not (has_model and getattr(strategy, "scores_any_batch", True)) and not switches:
+        if needs_own_copy(strategy, has_model):
             initial = without_value_head(copy.deepcopy(policy))  # PPO's critic is no part of the reference
             self.frozen = {EVAL_REFERENCE: initial.eval().requires_grad_(False)}
 
@@ -285,6 +284,16 @@ class GenerationEval:
             if self.win_rate:
                 out["eval/gen/win_rate"] = totals["wins"] / totals["prompts"]
         return out
+
+
+def needs_own_copy(strategy: Any, has_model: bool) -> bool:
+    """Whether the evaluation holds a frozen copy of the initial policy, given the algorithm's reference strategy and
+    whether the algorithm holds that strategy's model: not where the strategy switches the policy's own adapter
+    (``as_reference``), nor where its model scores any sequence (``scores_any_batch``); ``scripts/memory.py``
+    counts the copy the same way."""
+    if callable(getattr(strategy, "as_reference", None)):
+        return False
+    return not has_model or not getattr(strategy, "scores_any_batch", True)
 
 
 def scoring_batch(sampled: dict[str, Any]) -> dict[str, Tensor]:

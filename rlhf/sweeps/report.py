@@ -237,7 +237,11 @@ def implied(key: str, groups: Sequence[str], runs: Sequence[Run]) -> bool:
     """Whether the flattened ``key`` lies inside a config group whose chosen option is a column already and every
     run with the same option has the same value there (the option's own class or loss, ``algo.loss: ipo_loss``; a
     default of the option, IPO's ``label_smoothing``; a key only some options have, GRPO's ``num_generations``): the
-    option names it. A value that varies between runs of one option (β over a grid of DPO runs) stays a column."""
+    option names it. A value that varies between runs of one option (β over a grid of DPO runs), or that a run set
+    on its command line (the learning rate a search chose for each optimizer), stays a column."""
+    nodes = {name.replace("/", ".") for run in runs for name in run.choices}  # a group's own node: its option
+    if key not in nodes and any(key in {k.lstrip("+") for k in run.override_values} for run in runs):
+        return False
     for group in groups:
         prefix = group.replace("/", ".")
         if key != prefix and not key.startswith(prefix + "."):

@@ -145,15 +145,16 @@ class Study:
         return best
 
     def on_edge(self, compared: Sequence[str]) -> list[str]:
-        """The searched numbers whose chosen value is the lowest or the highest of the compared value's grid, each
-        as ``"optimizer.lr=1e-4 (the lowest of 3)"``: the best may lie outside what was searched."""
+        """The searched numbers whose chosen value is the lowest or the highest of the compared value's grid (its
+        points that returned a number), each as ``"optimizer.lr=1e-4 (the lowest of 3)"``: the best may lie outside
+        what was searched."""
         choice = self.chosen(compared)
         if choice is None:
             return []
         edges = []
         for override in choice.overrides:
             key, _, value = override.partition("=")
-            values = {float(v) for p in self.search if p.compared == list(compared)
+            values = {float(v) for p in self.search if p.compared == list(compared) and p.value is not None
                       for k, _, v in (o.partition("=") for o in p.overrides) if k == key and _number(v)}
             if len(values) > 1 and _number(value) and float(value) in (min(values), max(values)):
                 side = "lowest" if float(value) == min(values) else "highest"
@@ -170,13 +171,27 @@ class Study:
             choice = self.chosen(compared)
             for edge in self.on_edge(compared):
                 key, _, value = edge.split(" ")[0].partition("=")
-                values = sorted({float(v) for p in self.search if p.compared == compared
-                                 for k, _, v in (o.partition("=") for o in p.overrides) if k == key and _number(v)})
+                texts = {v for p in self.search if p.compared == compared
+                         for k, _, v in (o.partition("=") for o in p.overrides) if k == key and _number(v)}
+                values = sorted(float(v) for v in texts)
                 edge_value = float(value)
                 neighbour = values[1] if edge_value == values[0] else values[-2]
-                beyond = (edge_value * edge_value / neighbour if edge_value > 0 and neighbour > 0
-                          else edge_value + (edge_value - neighbour))
-                overrides = [f"{key}={beyond:.6g}" if o.partition("=")[0] == key else o for o in choice.overrides]
+                if edge_value > 0 and neighbour > 0:  # a geometric grid: the same ratio once more
+                    beyond = edge_value * edge_value / neighbour
+                else:
+                    beyond = edge_value + (edge_value - neighbour)
+                integers = all(float(t).is_integer() and "." not in t and "e" not in t.lower() for t in texts)
+                if integers:  # a grid of counts stays one
+                    beyond = round(beyond)
+                    if beyond == edge_value:
+                        beyond = edge_value + (edge_value - neighbour)
+                if edge_value == 0 or (beyond > 0) != (edge_value > 0) or beyond == 0:
+                    log.warning("%s: %s is on the edge of its grid next to 0; not widened across or onto 0 (a "
+                                "strength or a rate beyond 0 is no setting): widen it by hand",
+                                " ".join(compared) or "search", edge)
+                    continue
+                text = str(int(beyond)) if integers else f"{beyond:.6g}"
+                overrides = [f"{key}={text}" if o.partition("=")[0] == key else o for o in choice.overrides]
                 added.append(Point(list(compared), overrides))
         self.search += added
         self.widened += added

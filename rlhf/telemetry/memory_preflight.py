@@ -215,7 +215,7 @@ def peak_resident_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
-_FIRST_SWEEP_POINT: list[int] = []  # the resident set size before this process's first sweep point was built
+_FIRST_SWEEP_POINT: list[int] = []  # [the size before this process's first sweep point, what that point left]
 
 
 class PeakMemory:
@@ -225,9 +225,10 @@ class PeakMemory:
     (the high-water mark starts over, after the heap's free memory went back to the system).
 
     ``sweep_point``: the run is one point of a sweep run in this process (Hydra's basic launcher), and is measured
-    against the process's size before its first point instead: a later point then counts what the first one paid
-    once for the process (library code paged in, the tokenized data's cache), as a point in a process of its own
-    does (submitit, Slurm), so that a point's figure does not depend on its place in the sweep."""
+    against its own size less what the first point left in the process for good (the second point's size less
+    the first's: library code paged in, the tokenized data's cache): a later point then counts that once-only part
+    as a point in a process of its own does (submitit, Slurm), and its figure does not depend on its place in the
+    sweep; what later points leave behind is not added to the points after them."""
 
     def __init__(self, device: torch.device, sweep_point: bool = False) -> None:
         self.cuda = device.type == "cuda"
@@ -239,10 +240,13 @@ class PeakMemory:
             release_freed_memory()
             reset_peak_resident()
             self.start = resident_bytes()
-            if sweep_point:
+            if sweep_point:  # [size before the first point, what the first point left for good]
                 if not _FIRST_SWEEP_POINT:
                     _FIRST_SWEEP_POINT.append(self.start)
-                self.start = _FIRST_SWEEP_POINT[0]
+                elif len(_FIRST_SWEEP_POINT) == 1:
+                    _FIRST_SWEEP_POINT.append(max(0, self.start - _FIRST_SWEEP_POINT[0]))
+                if len(_FIRST_SWEEP_POINT) == 2:
+                    self.start -= _FIRST_SWEEP_POINT[1]
 
     def mb(self) -> float:
         peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else peak_resident_bytes()

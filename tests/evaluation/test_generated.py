@@ -216,13 +216,52 @@ def test_an_adapter_reference_is_the_policy_with_its_adapter_off_and_no_copy():
     assert evaluator.frozen == {}
     metrics = evaluator(policy, ONE_PROCESS)
     assert metrics["eval/gen/kl"] == 0 and metrics["eval/gen/win_rate"] == 0.5
+    base_greedy = list(evaluator.last["reference"])
     with torch.no_grad():
         for name, param in policy.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 2)
     metrics = evaluator(policy, ONE_PROCESS)
     assert metrics["eval/gen/kl"] > 3 * metrics["eval/gen/kl_stderr"] > 0
+    # the reference's own completions still come from the base (the adapter off for the generation too)
+    assert evaluator.last["reference"] == base_greedy != evaluator.last["greedy"]
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in policy.modules() if isinstance(m, BaseTunerLayer)]
     assert layers and not any(m.disable_adapters for m in layers)  # the adapter is on again after the evaluation
+
+
+def test_which_references_need_the_evaluations_own_copy_and_the_memory_script_counts_it():
+    """A copy of the initial policy where the algorithm holds no model that scores any sequence (none, precomputed,
+    GRPO's copy strategy at beta=0); none where it does, or where the strategy switches the policy's own adapter.
+    scripts/memory.py predicts the same: eval=generate adds the policy's weights to the frozen part with a
+    precomputed reference, nothing with the adapter one (red when it ignores the evaluation)."""
+    import importlib.util
+    import sys
+
+    from rlhf.models.precomputed import Precomputed
+    from rlhf.models.reference import NoReference
+    from rlhf.models.reference_adapters import AdapterOff, SecondAdapter
+    from tests.conftest import ROOT
+
+    assert not generated.needs_own_copy(FrozenCopy(), has_model=True)
+    assert generated.needs_own_copy(FrozenCopy(), has_model=False)  # GRPO with beta=0 builds none
+    assert generated.needs_own_copy(NoReference(), has_model=False)
+    assert generated.needs_own_copy(Precomputed.__new__(Precomputed), has_model=False)
+    assert not generated.needs_own_copy(AdapterOff(), has_model=False)
+    assert not generated.needs_own_copy(SecondAdapter("unused"), has_model=False)
+
+    spec = importlib.util.spec_from_file_location("memory_script", ROOT / "scripts" / "memory.py")
+    memory = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = memory
+    spec.loader.exec_module(memory)
+    cache: dict = {}
+
+    def frozen(*overrides: str) -> float:
+        return memory.predict_one("Qwen2.5-0.5B", ["algo=dpo", *overrides], False, cache).frozen
+
+    weights = memory.predict_one("Qwen2.5-0.5B", ["algo=dpo"], False, cache).weights
+    assert frozen("algo/reference=precomputed", "eval=generate") == pytest.approx(
+        frozen("algo/reference=precomputed") + weights)
+    assert frozen("peft=lora", "algo/reference=adapter", "eval=generate") == frozen("peft=lora",
+                                                                                     "algo/reference=adapter")

@@ -77,25 +77,32 @@ def test_a_choice_on_the_edge_of_its_grid_is_warned_and_marked(caplog):
     assert table.count("on the grid's edge") == 1
 
 
-def test_widening_adds_one_point_beyond_each_chosen_edge_by_the_grids_own_step():
+def test_widening_adds_one_point_beyond_each_chosen_edge_by_the_grids_own_step(caplog):
     """sgd chose its lowest learning rate (0.01 of 0.01, 0.1, 1): one more point at 0.001 (×0.1, the grid's step),
-    the other overrides kept; lion chose inside: nothing added; a linear grid through 0 steps by its difference. Red
-    when the step is taken from the far end of the grid, or when an inside choice is widened."""
-    study = Study.plan("optimizer=sgd,lion", {"sgd": "optimizer.lr=0.01,0.1,1 scheduler=cosine",
-                                              "lion": "optimizer.lr=1e-6,1e-5,1e-4 algo.beta=0,0.5"},
+    the other overrides kept; lion chose inside its learning rates: nothing added there, but its beta=0 (the lowest
+    of 0, 0.5) is not widened across 0 (said in the log); a grid of counts widens to a count (3 of 3, 4: 2, not
+    2.25). Red when the step is taken from the far end of the grid, when an inside choice is widened, or when 0 is
+    stepped across."""
+    study = Study.plan("optimizer=sgd,lion,adamw", {"sgd": "optimizer.lr=0.01,0.1,1 scheduler=cosine",
+                                                    "lion": "optimizer.lr=1e-6,1e-5,1e-4 algo.beta=0,0.5",
+                                                    "adamw": "algo.num_generations=3,4"},
                        {"metric": "eval/loss", "direction": "minimize"})
-    for point, value in zip(study.search, [0.2, 0.3, 0.4, 0.5, 0.6, 0.1, 0.7, 0.8, 0.9]):
-        point.value = value  # lion: 1e-5 (inside), beta=0 (the lowest of 0, 0.5)
-    added = study.widen()
+    for point, value in zip(study.search, [0.2, 0.3, 0.4, 0.5, 0.6, 0.1, 0.7, 0.8, 0.9, 0.3, 0.4]):
+        point.value = value  # lion: 1e-5 (inside), beta=0 (the lowest of 0, 0.5); adamw: 3 (the lowest)
+    with caplog.at_level("WARNING", logger="rlhf.sweeps.search"):
+        added = study.widen()
     assert [(p.compared, p.overrides) for p in added] == [
         (["optimizer=sgd"], ["optimizer.lr=0.001", "scheduler=cosine"]),
-        (["optimizer=lion"], ["optimizer.lr=1e-05", "algo.beta=-0.5"])]
+        (["optimizer=adamw"], ["algo.num_generations=2"])]
+    assert "algo.beta=0 (the lowest of 2) is on the edge of its grid next to 0; not widened" in caplog.text
     assert study.search[-2:] == added and study.widened == added
     added[0].value = 0.05  # the widened point wins: it is the choice now, and still on the (new) edge
     assert study.chosen(["optimizer=sgd"]).overrides == ["optimizer.lr=0.001", "scheduler=cosine"]
     assert study.on_edge(["optimizer=sgd"]) == ["optimizer.lr=0.001 (the lowest of 4)"]
     summary = study.summary()["compared"]["optimizer=sgd"]
     assert summary["widened"] == [["optimizer.lr=0.001", "scheduler=cosine"]]
+    added[1].value = None  # a widened point that failed is no part of the grid's edges
+    assert study.on_edge(["optimizer=adamw"]) == ["algo.num_generations=3 (the lowest of 2)"]
 
 
 def test_confirm_every_runs_each_grid_point_over_the_seeds_and_reports_each_point():

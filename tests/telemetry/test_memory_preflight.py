@@ -145,7 +145,13 @@ def test_a_later_sweep_point_counts_what_the_first_paid_once_for_the_process(mon
     later = PeakMemory(torch.device("cpu"), sweep_point=True)
     alone = PeakMemory(torch.device("cpu"))
     assert later.mb() > 60 and alone.mb() < 30
+    leaked = mmap.mmap(-1, 64 * MB)  # what a later point leaves is not added to the points after it
+    for offset in range(0, 64 * MB, mmap.PAGESIZE):
+        leaked[offset] = 1
+    third = PeakMemory(torch.device("cpu"), sweep_point=True)
+    assert 60 < third.mb() < 100
     kept.close()
+    leaked.close()
 
 
 def test_a_strategy_that_stores_bf16_weights_and_a_float32_master_copy_counts_them():
