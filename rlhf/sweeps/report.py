@@ -234,14 +234,17 @@ def chosen_groups(runs: Sequence[Run]) -> list[str]:
 
 
 def implied(key: str, groups: Sequence[str], runs: Sequence[Run]) -> bool:
-    """Whether the flattened ``key`` lies inside a config group whose chosen option is a column already and every
-    run with the same option has the same value there (the option's own class or loss, ``algo.loss: ipo_loss``; a
-    default of the option, IPO's ``label_smoothing``; a key only some options have, GRPO's ``num_generations``): the
-    option names it. A value that varies between runs of one option (β over a grid of DPO runs), or that a run set
-    on its command line (the learning rate a search chose for each optimizer), stays a column."""
+    """Whether the flattened ``key`` lies inside a config group whose chosen option is a column already, every run
+    with the same option has the same value there, and it is the option's own node (its class or loss,
+    ``algo.loss: ipo_loss``) or a key only some options have (GRPO's ``num_generations``, SGD's ``momentum``): the
+    option names it. A parameter every option has (each optimizer's ``lr``), a value that varies between runs of
+    one option (β over a grid of DPO runs), or one a run set on its command line stays a column."""
     nodes = {name.replace("/", ".") for run in runs for name in run.choices}  # a group's own node: its option
-    if key not in nodes and any(key in {k.lstrip("+") for k in run.override_values} for run in runs):
-        return False
+    if key not in nodes:
+        if any(key in {k.lstrip("+") for k in run.override_values} for run in runs):
+            return False
+        if all(key in flatten(run.config) for run in runs if run.config):  # a parameter every option has (lr)
+            return False
     for group in groups:
         prefix = group.replace("/", ".")
         if key != prefix and not key.startswith(prefix + "."):
