@@ -76,6 +76,16 @@ def test_goals_are_met_only_by_every_row_that_reads_them_and_unmeasured_ones_say
     assert gpu_check.goals(data)[-1][2] == "NOT met"
 
 
+def test_sections_left_out_are_named_and_an_unknown_one_is_refused():
+    """--skip layouts,kernels: a later device call spends its budget on what an earlier one did not reach."""
+    import argparse
+
+    assert gpu_check.skipped_sections("layouts, kernels") == {"layouts", "kernels"}
+    assert gpu_check.skipped_sections("") == set()
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown section.*layout; the sections are losses, layouts"):
+        gpu_check.skipped_sections("layout")
+
+
 def test_the_plan_names_what_the_benchmark_has():
     gpu_check.check_plan(gpu_check.PLAN)
     with pytest.raises(ValueError, match="unknown size or case"):
