@@ -54,11 +54,18 @@ def commands(text: str, page: str) -> list[Command]:
     """Each `train.py` invocation of the page's shell blocks, with its arguments."""
     found = []
     for first, code, reason in shell_blocks(text):
-        joined = code.replace("\\\n", " ")
-        for offset, line in enumerate(joined.splitlines()):
+        logical: list[tuple[int, str]] = []  # (the page's line number, a line with its continuations joined)
+        for offset, line in enumerate(code.splitlines()):
+            if logical and logical[-1][1].endswith("\\"):
+                logical[-1] = (logical[-1][0], logical[-1][1][:-1] + " " + line)
+            else:
+                logical.append((first + offset, line))
+        for number, line in logical:
             try:
                 words = shlex.split(line, comments=True)
-            except ValueError:
+            except ValueError as error:  # a command the check cannot read must not vanish from it
+                if "train.py" in line:
+                    raise ValueError(f"{page}:{number}: cannot split the command ({error}): {line}") from error
                 continue
             for part in " ".join(shlex.quote(w) if w not in ("&&", "||", ";", "|") else w for w in words).split(
                     " && "):
@@ -68,7 +75,7 @@ def commands(text: str, page: str) -> list[Command]:
                     continue
                 args = tokens[at + 1:]
                 skip = reason or ("a placeholder" if re.search(r"<[^<>]+>", part) else "")
-                found.append(Command(page, first + offset, args, skip))
+                found.append(Command(page, number, args, skip))
     return found
 
 
@@ -85,10 +92,11 @@ def first_point(args: list[str]) -> list[str]:
             out.append(arg)
             continue
         (override,) = OverridesParser.create().parse_overrides([arg])
+        key = override.get_key_element()  # with its + and its @package
         if isinstance(override.value(), IntervalSweep):  # a search's interval: its lower end
-            out.append(f"{override.key_or_group}={override.value().start}")
+            out.append(f"{key}={override.value().start}")
         elif override.is_sweep_override():
-            out.append(f"{override.key_or_group}={next(iter(override.sweep_string_iterator()))}")
+            out.append(f"{key}={next(iter(override.sweep_string_iterator()))}")
         else:
             out.append(arg)
     return out
@@ -101,7 +109,8 @@ def check(command: Command, tmp_path: Path) -> None:
 
     where = f"{command.page}:{command.line}: train.py {' '.join(command.args)}"
     args = [a for a in first_point(command.args) if not a.startswith("--")]
-    message = problem(args) or missing_extra(args)
+    raw = [a for a in command.args if not a.startswith("--")]  # every value of a sweep, as train.py checks them
+    message = problem(raw) or missing_extra(raw)
     assert message is None, f"{where}\n  the command-line check: {message}"
     overrides = [a for a in args if not a.startswith("hydra.")]
     try:
@@ -137,3 +146,9 @@ def test_a_broken_example_fails_with_its_page_and_line(tmp_path):
     skipped = commands("<!-- examples: not run (needs a GPU) -->\n```bash\npython train.py hardware=gpu\n```\n"
                        "```bash\npython train.py model.name_or_path=<run>/final\n```\n", "p.md")
     assert [c.skip for c in skipped] == ["needs a GPU", "a placeholder"]
+    continued = commands("```bash\npython train.py algo=dpo \\\n    optimizer=lion\npython train.py algo=ipo\n```\n", "c.md")
+    assert [(c.line, c.args) for c in continued] == [(2, ["algo=dpo", "optimizer=lion"]), (4, ["algo=ipo"])]
+    assert first_point(["-m", "algo/reward_funcs@eval=exact_match,similarity", "+x=1,2", "hydra.sweeper.n_trials=2"]) \
+        == ["algo/reward_funcs@eval=exact_match", "+x=1", "hydra.sweeper.n_trials=2"]
+    with pytest.raises(ValueError, match="q.md:2: cannot split the command"):
+        commands("```bash\npython train.py 'algo=dpo\n```\n", "q.md")

@@ -236,14 +236,16 @@ def chosen_groups(runs: Sequence[Run]) -> list[str]:
 def implied(key: str, groups: Sequence[str], runs: Sequence[Run]) -> bool:
     """Whether the flattened ``key`` lies inside a config group whose chosen option is a column already, every run
     with the same option has the same value there, and it is the option's own node (its class or loss,
-    ``algo.loss: ipo_loss``) or a key only some options have (GRPO's ``num_generations``, SGD's ``momentum``): the
-    option names it. A parameter every option has (each optimizer's ``lr``), a value that varies between runs of
-    one option (β over a grid of DPO runs), or one a run set on its command line stays a column."""
+    ``algo.loss: ipo_loss``) or a parameter with one value in every run that has it (IPO's and DPO's
+    ``label_smoothing``; GRPO's ``num_generations``, which DPO lacks): the option names it. A parameter whose value
+    differs between the runs that have it (each optimizer's ``lr``, DPO's and SimPO's β) or one a run set on its
+    command line stays a column."""
     nodes = {name.replace("/", ".") for run in runs for name in run.choices}  # a group's own node: its option
     if key not in nodes:
         if any(key in {k.lstrip("+") for k in run.override_values} for run in runs):
             return False
-        if all(key in flatten(run.config) for run in runs if run.config):  # a parameter every option has (lr)
+        having = [repr(flatten(run.config)[key]) for run in runs if run.config and key in flatten(run.config)]
+        if len(set(having)) > 1:  # it differs between the runs that have it (each optimizer's lr, DPO's and SimPO's β)
             return False
     for group in groups:
         prefix = group.replace("/", ".")

@@ -171,7 +171,9 @@ class Study:
             choice = self.chosen(compared)
             for edge in self.on_edge(compared):
                 key, _, value = edge.split(" ")[0].partition("=")
-                texts = {v for p in self.search if p.compared == compared
+                texts = {v for p in self.search if p.compared == compared and p.value is not None
+                         for k, _, v in (o.partition("=") for o in p.overrides) if k == key and _number(v)}
+                tried = {float(v) for p in self.search if p.compared == compared
                          for k, _, v in (o.partition("=") for o in p.overrides) if k == key and _number(v)}
                 values = sorted(float(v) for v in texts)
                 edge_value = float(value)
@@ -181,13 +183,13 @@ class Study:
                 else:
                     beyond = edge_value + (edge_value - neighbour)
                 integers = all(float(t).is_integer() and "." not in t and "e" not in t.lower() for t in texts)
-                if integers:  # a grid of counts stays one
-                    beyond = round(beyond)
-                    if beyond == edge_value:
-                        beyond = edge_value + (edge_value - neighbour)
-                if edge_value == 0 or (beyond > 0) != (edge_value > 0) or beyond == 0:
-                    log.warning("%s: %s is on the edge of its grid next to 0; not widened across or onto 0 (a "
-                                "strength or a rate beyond 0 is no setting): widen it by hand",
+                if integers and round(beyond) not in (0, edge_value) and (round(beyond) > 0) == (edge_value > 0):
+                    beyond = round(beyond)  # a grid written in whole numbers stays so where it can
+                else:
+                    integers = False
+                if edge_value == 0 or (beyond > 0) != (edge_value > 0) or beyond == 0 or beyond in tried:
+                    log.warning("%s: %s is on the edge of its grid next to 0 or a point already tried; not widened "
+                                "(across or onto 0 is no setting for a strength or a rate): widen it by hand",
                                 " ".join(compared) or "search", edge)
                     continue
                 text = str(int(beyond)) if integers else f"{beyond:.6g}"

@@ -277,20 +277,23 @@ def test_objectives_over_their_strengths_show_the_option_and_the_strength_alone(
 
 
 def test_a_value_set_on_the_command_line_stays_a_column_though_one_option_has_one(tmp_path):
-    """A confirm stage: each optimizer at the one learning rate its search chose. Each option has one value, yet the
-    value was the user's (on each run's command line): it stays a column (red when only what varies within an
-    option is kept)."""
+    """A confirm stage: each optimizer at the one learning rate its search chose, SGD with a momentum the user set.
+    SGD's momentum is one value in the one option that has it, yet it was the user's (on the command line): it
+    stays a column (red without the command-line rule)."""
     from rlhf.sweeps.report import build
     from rlhf.sweeps.results import find
 
     for i, (name, lr) in enumerate([("sgd", 0.05), ("sgd", 0.05), ("adamw", 0.001), ("adamw", 0.001)]):
         folder = tmp_path / f"{i}_optimizer={name}"
         (folder / ".hydra").mkdir(parents=True)
+        momentum = "  momentum: 0.5\n" if name == "sgd" else ""  # SGD's own key, set by the user
         (folder / ".hydra" / "config.yaml").write_text(
-            f"optimizer:\n  _target_: torch.optim.{name.upper()}\n  lr: {lr}\n  momentum: 0.0\nseed: {i % 2}\n")
-        (folder / ".hydra" / "overrides.yaml").write_text(f"- optimizer={name}\n- optimizer.lr={lr}\n- seed={i % 2}\n")
+            f"optimizer:\n  _target_: torch.optim.{name.upper()}\n  lr: {lr}\n{momentum}seed: {i % 2}\n")
+        extra = "- optimizer.momentum=0.5\n" if name == "sgd" else ""
+        (folder / ".hydra" / "overrides.yaml").write_text(
+            f"- optimizer={name}\n- optimizer.lr={lr}\n{extra}- seed={i % 2}\n")
         (folder / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": {
             "optimizer": name}}}}))
         (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "eval/loss": 0.5}) + "\n")
         (folder / "summary.json").write_text(json.dumps({"final": {"step": 1, "eval/loss": 0.5}}))
-    assert build(find([tmp_path])).value_columns == ["optimizer", "lr", "seed"]
+    assert build(find([tmp_path])).value_columns == ["optimizer", "lr", "momentum", "seed"]

@@ -94,7 +94,8 @@ def test_widening_adds_one_point_beyond_each_chosen_edge_by_the_grids_own_step(c
     assert [(p.compared, p.overrides) for p in added] == [
         (["optimizer=sgd"], ["optimizer.lr=0.001", "scheduler=cosine"]),
         (["optimizer=adamw"], ["algo.num_generations=2"])]
-    assert "algo.beta=0 (the lowest of 2) is on the edge of its grid next to 0; not widened" in caplog.text
+    assert "algo.beta=0 (the lowest of 2) is on the edge of its grid next to 0 or a point already tried; not widened" \
+        in caplog.text
     assert study.search[-2:] == added and study.widened == added
     added[0].value = 0.05  # the widened point wins: it is the choice now, and still on the (new) edge
     assert study.chosen(["optimizer=sgd"]).overrides == ["optimizer.lr=0.001", "scheduler=cosine"]
@@ -103,6 +104,16 @@ def test_widening_adds_one_point_beyond_each_chosen_edge_by_the_grids_own_step(c
     assert summary["widened"] == [["optimizer.lr=0.001", "scheduler=cosine"]]
     added[1].value = None  # a widened point that failed is no part of the grid's edges
     assert study.on_edge(["optimizer=adamw"]) == ["algo.num_generations=3 (the lowest of 2)"]
+
+
+def test_widening_reads_the_points_that_returned_and_keeps_a_whole_number_grid_off_0():
+    """A failed lowest point is no edge, and is not searched again; beta=1,2 with 1 chosen widens to 0.5, not to a
+    rounded 0 (red when failed points count, or whole numbers are always rounded)."""
+    study = Study.plan("optimizer=sgd,lion", {"sgd": "optimizer.lr=0.001,0.01,0.1", "lion": "algo.beta=1,2"},
+                       {"metric": "eval/loss", "direction": "minimize"})
+    for point, value in zip(study.search, [None, 0.2, 0.3, 0.1, 0.4]):  # sgd: 0.001 failed, 0.01 chosen
+        point.value = value
+    assert [(p.compared, p.overrides) for p in study.widen()] == [(["optimizer=lion"], ["algo.beta=0.5"])]
 
 
 def test_confirm_every_runs_each_grid_point_over_the_seeds_and_reports_each_point():
