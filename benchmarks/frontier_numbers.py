@@ -47,14 +47,11 @@ def main() -> int:
     print("| objective | strength | sampled reward: mean [range over seeds] | KL (nats): mean [range] | greedy reward "
           "| front |")
     print("|---|---|---:|---:|---:|:---:|")
-    # frontier_points keeps report.rows' order, leaving out rows without both metrics: the same rows here
-    measured = [row for row in report.rows if any(run.history(plots.REWARD) and run.history(plots.KL)
-                                                  for run in row.runs)]
     rows = []
-    for point, row in sorted(zip(points, measured), key=lambda pair: (pair[0]["objective"], pair[0]["label"])):
+    for point in sorted(points, key=lambda p: (p["objective"], p["label"])):
         ends = [trajectory[-1] for trajectory in point["trajectories"]]
         kls, rewards = [k for k, _ in ends], [r for _, r in ends]
-        greedy = [run.final["eval/gen/greedy_reward"] for run in row.runs
+        greedy = [run.final["eval/gen/greedy_reward"] for run in point["runs"]
                   if "eval/gen/greedy_reward" in (run.final or {})]
         rows.append({"objective": point["objective"], "strength": point["label"], "reward": rewards, "kl": kls,
                      "greedy_reward": greedy, "front": point["front"]})

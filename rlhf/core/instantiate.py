@@ -1,4 +1,5 @@
-"""Building a component from its config node: Hydra's ``instantiate``, with the project's errors kept whole."""
+"""Building a component from its config node: Hydra's ``instantiate``, with the project's errors kept whole; and
+whether Hydra runs this process as a sweep's job."""
 
 from __future__ import annotations
 
@@ -23,3 +24,12 @@ def build(node: DictConfig, *args: Any, **kwargs: Any) -> Any:
         if cause is not None:
             raise cause from None
         raise
+
+
+def in_a_sweep() -> bool:
+    """Whether this process runs a job of a sweep (``-m``; under any launcher), not a single run: Hydra's record of
+    the run mode (the sweep's report, its failed points and its memory figures read it)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

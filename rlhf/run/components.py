@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from rlhf.algos.base import Algorithm
 from rlhf.core.errors import UserError
-from rlhf.core.instantiate import build
+from rlhf.core.instantiate import build, in_a_sweep
 from rlhf.data.collate import truncated_rows
 from rlhf.data.fingerprint import data_fingerprint
 from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
@@ -110,18 +110,10 @@ class BuiltRun:
 TRUNCATION_WARNING = 0.05  # a larger share of training rows cut by truncation is a warning, not an info line
 
 
-def _in_process_sweep() -> bool:
-    """Whether this run is a point of a Hydra multirun (each point of the basic launcher runs in this process)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
 def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     """Build every component of ``cfg`` on the started ``strategy`` (its Accelerator exists)."""
     accelerator = strategy.accelerator
-    peak = PeakMemory(accelerator.device, sweep_point=_in_process_sweep())  # before anything of the run is built
+    peak = PeakMemory(accelerator.device, sweep_point=in_a_sweep())  # before anything of the run is built
     settings = TrainSettings(**cfg.train)  # checked with the rest of the config, before any process started
     accumulation = settings.accumulation_steps(accelerator.num_processes)
     set_seed(cfg.seed)

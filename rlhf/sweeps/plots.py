@@ -160,9 +160,9 @@ def objective_name(run) -> str:
 def frontier_points(report) -> list[dict[str, Any]]:
     """One point per row with both metrics at its end: ``kl`` and ``reward`` (means over the row's runs, the seeds
     of an aggregated row), their standard deviations over those runs (``kl_sd``, ``reward_sd``: 0 for one run),
-    ``objective`` (:func:`objective_name`), ``label`` (the row's differing values), ``trajectories`` (each run's
-    (KL, reward) at every evaluation that has both) and ``front`` (whether no other point has at least its reward
-    for at most its KL, one of them strictly)."""
+    ``objective`` (:func:`objective_name`), ``label`` (what varies within its objective), ``runs`` (the row's runs),
+    ``trajectories`` (each run's (KL, reward) at every evaluation that has both) and ``front`` (whether no other
+    point has at least its reward for at most its KL, one of them strictly)."""
     points = []
     for row in report.rows:
         ends, trajectories = [], []
@@ -177,7 +177,7 @@ def frontier_points(report) -> list[dict[str, Any]]:
         kls, rewards = [k for k, _ in ends], [r for _, r in ends]
         points.append({"kl": sum(kls) / len(kls), "reward": sum(rewards) / len(rewards),
                        "kl_sd": _sd(kls), "reward_sd": _sd(rewards), "objective": objective_name(row.runs[0]),
-                       "label": "", "trajectories": trajectories, "values": row.values})
+                       "label": "", "trajectories": trajectories, "values": row.values, "runs": row.runs})
     for point in points:
         siblings = [other["values"] for other in points if other["objective"] == point["objective"]]
         point["label"] = _point_label(point["values"], siblings)

@@ -31,6 +31,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlhf.core.errors import UserError
+from rlhf.core.instantiate import in_a_sweep  # noqa: F401  (train.py and the sweeps read it here)
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +95,6 @@ def check_objective(container: dict) -> None:
         raise UserError(f"objective.metric={metric}: runs of {algo['_target_']} do not report it, so a sweep could "
                         f"not optimize it. Fix: {fix}")
 
-
-def in_a_sweep() -> bool:
-    """Whether this process runs a job of a sweep (``-m``; under any launcher), not a single run."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def objective_value(cfg: Any, metrics: dict[str, float]) -> float | None:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from rlhf.core.errors import UserError
+from rlhf.core.instantiate import in_a_sweep
 
 
 @contextlib.contextmanager
@@ -253,7 +253,7 @@ def _has_netrc_key() -> bool:
 def sweep_group(limit: int = 128) -> str | None:
     """``${rlhf.sweep_group:}``: the sweep's folder (``hydra.sweep.dir`` as configured, at most ``limit``
     characters, W&B's limit for a group) in a point of a multirun sweep, under any launcher; else None."""
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+    if not in_a_sweep():
         return None
     folder = str(HydraConfig.get().sweep.dir)
     if len(folder) <= limit:
