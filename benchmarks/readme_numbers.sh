@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the measured numbers in README.md (a few minutes on 2 CPU cores). Each part prints its table.
+# Regenerate the measured numbers of the README and of the Results pages under docs/ (a few minutes on 2 CPU cores). Each part prints its table.
 #   bash benchmarks/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [objectives] [reward] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation] [ddp_speed] [eval_cost] [frontier]
 #   (default: all sixteen; the online ones run experiment=<part>_reverse over seeds 0-2)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
@@ -15,7 +15,11 @@ for part in $parts; do
   case $part in
     main)  # "What the main job shows": the README's main command over seeds 0-4
       rm -rf outputs/seeds/readme-main${EXTRA:+-extra}
-      $PY scripts/seeds.py --seeds 0-4 --markdown --name readme-main${EXTRA:+-extra} -- algo=dpo optimizer=lion $EXTRA ;;
+      $PY scripts/seeds.py --seeds 0-4 --markdown --name readme-main${EXTRA:+-extra} -- algo=dpo optimizer=lion $EXTRA
+      # the curves of the five seeds (mean and band): docs/results/main_job.png
+      $PY scripts/compare_runs.py outputs/seeds/readme-main${EXTRA:+-extra} --seeds \
+        --metrics eval/rewards/accuracies eval/exact_match --out $OUT/main >/dev/null
+      if [ -z "$EXTRA" ]; then cp $OUT/main/report.png docs/results/main_job.png; fi ;;
     optimizers)  # "A fair optimizer comparison": each optimizer at its searched learning rate, 3 seeds (~5 min)
       rm -rf $OUT/optimizers
       /usr/bin/time -f "wall %e s" $PY train.py $EXTRA experiment=optimizer_comparison hydra.sweep.dir=$OUT/optimizers 2>&1 \

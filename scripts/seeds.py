@@ -75,12 +75,12 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="train.py overrides (default: the main job's)")
     parser.add_argument("--seeds", default="0-4", help="e.g. 0-4 or 0,3,7 (default 0-4)")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="seeds run at once; each gets CPUs/jobs threads (default 1: the README's setting)")
+                        help="seeds run at once; each gets CPUs/jobs threads (default 1: the main job's table)")
     parser.add_argument("--name", default=None, help="folder under outputs/seeds (default: from the overrides)")
     parser.add_argument("--metrics", nargs="*", default=METRICS, help="held-out metrics to show")
     parser.add_argument("--gate", action="append", default=None, metavar="KEY=VALUE",
                         help="minimum final value (default eval/rewards/accuracies=0.85); repeatable")
-    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown (for the README)")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown (for the README and docs/results/main-job.md)")
     args = parser.parse_args()
     overrides = args.overrides or MAIN_JOB
     seeds = parse_seeds(args.seeds)

@@ -6,21 +6,51 @@ terminal. A sweep (`-m`) is checked at its first value of each swept key. A comm
 `<!-- examples: not run (reason) -->`. The count of commands checked is printed and asserted.
 
 Running every command for real would take minutes each; the main command runs in CI as it is (.ci/run), and the
-guides' runs are the tests of their own parts."""
+guides' runs are the tests of their own parts.
+
+Every fenced ```python block of the same pages is run, as a reader would paste it, each in a fresh interpreter
+(`sys.executable`, a 120 s limit, in parallel up to the CPU count), unless the line before it is the same
+`<!-- examples: not run (reason) -->` comment (counted as not run with its reason); the counts are printed and
+asserted. Where it runs:
+
+- its folder is a fresh temporary one that stands for the repository root: it holds a link `conf` to the repository's
+  conf/, so `Path("conf")` works as from a checkout, and the relative folders a block writes (`outputs/...`) land in
+  the temporary folder, never in the repository;
+- PYTHONPATH starts with the repository root (`import rlhf` works from a clone that is not installed), with
+  HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1, WANDB_MODE=offline, OMP_NUM_THREADS=1 and conftest's RLHF_CACHE (the
+  session's temporary cache of warm-started models);
+- tiny sizes: a prelude (PRELUDE), run before the block in the same interpreter, wraps `hydra.compose` so every
+  composition appends conftest's FAST overrides (the embedded model at its smallest, no warm start, 3 steps on 64
+  rows), then the block's own from a comment on the line before it,
+  `<!-- examples: python overrides train.max_steps=2 algo.beta=0.2 -->` (split as a shell would; the last value of a
+  key wins). `rlhf.StepTrainer([...])` composes through `hydra.compose` too. A block on another model than the
+  embedded one (FAST's `model.tiny.*` keys) needs the Hub and is marked not run.
+
+The block is compiled under its page's path, padded so that a traceback's line numbers are the page's own; a failing
+block fails the test with its page, its first line and the end of its stderr."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
-from dataclasses import dataclass
+import shutil
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, compose_config
+from tests.conftest import FAST, ROOT, compose_config
 
 PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md", *sorted((ROOT / "docs" / "how-to").glob("*.md"))]
 NOT_RUN = re.compile(r"<!--\s*examples:\s*not run\s*\((?P<reason>[^)]*)\)\s*-->")
+PY_OVERRIDES = re.compile(r"<!--\s*examples:\s*python overrides\s+(?P<overrides>.*?)\s*-->")
+PY_TIMEOUT_S = 120
+PROGRESS = re.compile(r"^\s*[\w ]*:\s+\d+%\|")  # a tqdm line: "training:  33%|███ | 1/3 [...]"
 TRAIN = re.compile(r"(?:^|/|\s)train\.py$")
 
 
@@ -32,8 +62,9 @@ class Command:
     skip: str = ""  # why it is not checked
 
 
-def shell_blocks(text: str) -> list[tuple[int, str, str]]:
-    """``(first line number, code, reason it is not run or "")`` of each fenced bash/sh/shell block."""
+def fenced_blocks(text: str, languages: tuple[str, ...]) -> list[tuple[int, str, str]]:
+    """``(first line number, code, the nearest non-blank line before the fence)`` of each fenced block in one of
+    ``languages``."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         fence = re.match(r"^(\s*)(```+|~~~+)\s*(\w*)", lines[i])
@@ -43,11 +74,16 @@ def shell_blocks(text: str) -> list[tuple[int, str, str]]:
         marker, language, start = fence.group(2), fence.group(3).lower(), i + 1
         end = next((j for j in range(start, len(lines)) if lines[j].strip().startswith(marker)), len(lines))
         before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-        skipped = NOT_RUN.search(before)
-        if language in ("bash", "sh", "shell", "console"):
-            blocks.append((start + 1, "\n".join(lines[start:end]), skipped["reason"] if skipped else ""))
+        if language in languages:
+            blocks.append((start + 1, "\n".join(lines[start:end]), before))
         i = end + 1
     return blocks
+
+
+def shell_blocks(text: str) -> list[tuple[int, str, str]]:
+    """``(first line number, code, reason it is not run or "")`` of each fenced bash/sh/shell block."""
+    return [(first, code, skipped["reason"] if (skipped := NOT_RUN.search(before)) else "")
+            for first, code, before in fenced_blocks(text, ("bash", "sh", "shell", "console"))]
 
 
 def commands(text: str, page: str) -> list[Command]:
@@ -122,6 +158,96 @@ def check(command: Command, tmp_path: Path) -> None:
 ALL = [c for page in PAGES if page.is_file() for c in commands(page.read_text(), str(page.relative_to(ROOT)))]
 
 
+@dataclass
+class PythonBlock:
+    page: str
+    line: int  # the page's line of the block's first line of code
+    code: str
+    skip: str = ""  # why it is not run
+    overrides: list[str] = field(default_factory=list)  # the block's own, after FAST
+
+
+def python_blocks(text: str, page: str) -> list[PythonBlock]:
+    """Each fenced python block of the page, with its not-run reason and its overrides from the line before it."""
+    found = []
+    for first, code, before in fenced_blocks(text, ("python", "py", "python3")):
+        skipped, extra = NOT_RUN.search(before), PY_OVERRIDES.search(before)
+        found.append(PythonBlock(page, first, textwrap.dedent(code), skipped["reason"] if skipped else "",
+                                 shlex.split(extra["overrides"]) if extra else []))
+    return found
+
+
+# Run by `python -c PRELUDE <script> <name to show> <override>...`: every hydra.compose call appends the overrides,
+# then the script runs as __main__, compiled under the page's name.
+PRELUDE = """\
+import sys
+import hydra
+
+_compose, _extra = hydra.compose, sys.argv[3:]
+
+
+def compose(config_name=None, overrides=None, **kwargs):
+    return _compose(config_name, [*(overrides or ()), *_extra], **kwargs)
+
+
+hydra.compose = sys.modules["hydra.compose"].compose = compose
+script, shown = sys.argv[1:3]
+sys.argv = [script]
+with open(script) as file:
+    code = compile(file.read(), shown, "exec")
+exec(code, {"__name__": "__main__", "__file__": script, "__builtins__": __builtins__})
+"""
+
+
+def run_python(block: PythonBlock, folder: Path, page_path: Path | None = None) -> None:
+    """Run the block as PRELUDE says, in ``folder`` (made, with its `conf` link); raises with the page, the line
+    and the end of stderr when it fails. ``page_path``: the file the traceback shows (default: the page)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        (folder / "conf").symlink_to(ROOT / "conf", target_is_directory=True)
+    except OSError:  # no symbolic links here (Windows without the privilege): a copy
+        shutil.copytree(ROOT / "conf", folder / "conf")
+    script = folder / "example.py"
+    script.write_text("\n" * (block.line - 1) + block.code + "\n")  # the page's line numbers in a traceback
+    shown = str(page_path or ROOT / block.page)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    where = f"{block.page}:{block.line}: the python block"
+    try:
+        done = subprocess.run([sys.executable, "-c", PRELUDE, str(script), shown, *FAST, *block.overrides],
+                              cwd=folder, env=env, capture_output=True, text=True, timeout=PY_TIMEOUT_S)
+    except subprocess.TimeoutExpired as error:
+        raise AssertionError(f"{where} ran past {PY_TIMEOUT_S} s\n{tail(error.stderr)}") from error
+    if done.returncode != 0:
+        raise AssertionError(f"{where} failed (exit code {done.returncode}); the end of its stderr:\n"
+                             f"{tail(done.stderr)}")
+
+
+def tail(stderr: str | bytes | None, lines: int = 30) -> str:
+    """The last lines of a stderr, without its progress bars."""
+    text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr or ""
+    kept = [line for line in text.replace("\r", "\n").splitlines() if line.strip() and not PROGRESS.search(line)]
+    return "\n".join("    " + line for line in kept[-lines:])
+
+
+def run_all(blocks: list[PythonBlock], folder: Path) -> list[str]:
+    """Run the blocks side by side (up to the CPU count): one entry per block run, in the pages' order, its failure's
+    message or ``""``."""
+    def one(index: int) -> str:
+        try:
+            run_python(blocks[index], folder / str(index))
+        except AssertionError as error:
+            return str(error)
+        return ""
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(blocks), os.cpu_count() or 1))) as pool:
+        return list(pool.map(one, range(len(blocks))))
+
+
+PYTHON = [b for page in PAGES if page.is_file() for b in python_blocks(page.read_text(), str(page.relative_to(ROOT)))]
+
+
 def test_every_train_command_of_the_readme_and_the_guides_is_checked_or_says_why_not(tmp_path, capsys):
     checked = [c for c in ALL if not c.skip]
     for index, command in enumerate(checked):
@@ -152,3 +278,43 @@ def test_a_broken_example_fails_with_its_page_and_line(tmp_path):
         == ["algo/reward_funcs@eval=exact_match", "+x=1", "hydra.sweeper.n_trials=2"]
     with pytest.raises(ValueError, match="q.md:2: cannot split the command"):
         commands("```bash\npython train.py 'algo=dpo\n```\n", "q.md")
+
+
+def test_every_python_block_of_the_readme_and_the_guides_runs_or_says_why_not(tmp_path, capsys):
+    skipped = [b for b in PYTHON if b.skip]
+    results = run_all([b for b in PYTHON if not b.skip], tmp_path)
+    failures = [message for message in results if message]
+    with capsys.disabled():
+        print(f"\n{len(results)} python blocks run in {len(PAGES)} pages ({len(failures)} failed); {len(skipped)} not "
+              "run" + "".join(f"; {b.page}:{b.line} ({b.skip})" for b in skipped))
+    assert not failures, "\n\n".join(failures)
+    assert 0 < len(results) == len(PYTHON) - len(skipped)
+
+
+def test_a_broken_python_block_fails_with_its_page_and_line(tmp_path):
+    """Red on a misspelt keyword, naming the page and the block's line; the block's overrides, the prelude's and
+    the `conf` link of its folder reach it; a marked block is not run."""
+    page = ("Compose:\n\n<!-- examples: python overrides train.max_steps=2 -->\n```python\n"
+            "from pathlib import Path\n"
+            "from hydra import compose, initialize_config_dir\n"
+            "\n"
+            "with initialize_config_dir(config_dir=str(Path('conf').resolve()), version_base='1.3'):\n"
+            "    cfg = compose('config', overrides=['algo=sft', 'train.max_steps=100', 'output_dir=outputs/x'])\n"
+            "assert (cfg.train.max_steps, cfg.model.tiny.num_layers) == (2, 1), cfg.train.max_steps\n"
+            "```\n\n```python\n"
+            "from hydra import compose\n"
+            "\n"
+            "# a misspelt keyword:\n"
+            "cfg = compose('config', overides=['algo=sft'])\n"
+            "```\n\n<!-- examples: not run (needs a GPU) -->\n```python\nimport nothing_here\n```\n")
+    good, misspelt, gpu = python_blocks(page, "page.md")
+    assert (good.line, good.overrides, misspelt.line, misspelt.overrides) == (5, ["train.max_steps=2"], 14, [])
+    assert (good.skip, misspelt.skip, gpu.skip) == ("", "", "needs a GPU")
+    source = tmp_path / "page.md"
+    source.write_text(page)
+    run_python(good, tmp_path / "good", source)
+    with pytest.raises(AssertionError) as failed:
+        run_python(misspelt, tmp_path / "misspelt", source)
+    assert re.search(r"(?s)^page\.md:14: the python block failed \(exit code 1\).*"
+                     rf'File "{re.escape(str(source))}", line 17.*compose\(.config., overides=.*'
+                     r"TypeError: .*unexpected keyword argument 'overides'", str(failed.value)), str(failed.value)

@@ -59,7 +59,7 @@ def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
         if top in ("search", "sweeper", "params", "select_on", "confirm_on") and top not in known:  # a sweeper's
             target = f"hydra.{key}" if top == "sweeper" else f"hydra.sweeper.{key}"  # settings: under hydra.sweeper
             return (f"{arg}: a sweep's grids and settings live under hydra.sweeper. Fix: \"{target}='{value}'\" "
-                    "(quoted: a grid is one string; README, A fair optimizer comparison)")
+                    "(quoted: a grid is one string; docs/how-to/compare-optimizers.md)")
         if top not in known:
             trl = trl_names.trl_fix(top) if top == key else None
             if trl:
@@ -166,7 +166,7 @@ def _algo_key_problem(arg: str, argv: Sequence[str], folder: Path, added: bool) 
         return (f"{arg}: algo.{field} is filled by its config group's options (algo/{field}=<option>, "
                 f"conf/algo/{field}/), so a whole new value cannot replace it from the command line. Fix: add one "
                 f"entry, '+algo.{field}.<name>=<value>', or put the entries in a YAML option of your own config folder: "
-                f"hydra.searchpath=[file://conf] algo/{field}=mine (README, Rewards)")
+                f"hydra.searchpath=[file://conf] algo/{field}=mine (docs/how-to/your-reward.md)")
     if re.search(r"[${}()\[\]*,]", value):
         return None
     if key.startswith("algo/") and (field in groups or added):  # a group it selects, or one a search path adds

@@ -2,7 +2,7 @@
 
 :data:`TRL_NAMES` is the one table: the command-line check (:mod:`rlhf.config.command_line`) reads it when an override
 names no key of ours (``learning_rate=1e-5``, ``algo.loss_type=ipo``, ``train.num_train_epochs=3``), and the
-README's "Coming from TRL" table is checked against it by a test. TRL's ``loss_type`` is two things here, told apart
+docs/coming_from_trl.md's table is checked against it by a test. TRL's ``loss_type`` is two things here, told apart
 by :func:`loss_type_fix`: a preference algorithm's per-pair loss is an algorithm of its own (``algo=ipo``) or the
 ``algo/loss`` group; an online algorithm's aggregation of token losses is the ``algo/loss_type`` group.
 """
@@ -66,7 +66,7 @@ TRL_NAMES: dict[str, str] = {
     "temperature": "algo.temperature=<value>",
     "completion_only_loss": "algo.completion_only_loss=<value>",
     "padding_free": "algo.padding_free=<value>",
-    "reward_funcs": "algo/reward_funcs=<option> (conf/algo/reward_funcs/; a function of your own: README, Rewards)",
+    "reward_funcs": "algo/reward_funcs=<option> (conf/algo/reward_funcs/; a function of your own: docs/how-to/your-reward.md)",
     "reward_weights": "algo.reward_weights=[<weights>]",
 }
 

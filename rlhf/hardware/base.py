@@ -77,7 +77,7 @@ def resolve_precision(mixed_precision: str, cuda: bool) -> str:
     CUDA GPU with bf16 matrix units (compute capability 8.0 on: as fast as fp16 there, and no loss scaler) or a CPU
     with bf16 matrix instructions (:func:`cpu_has_bf16_matmul`); else ``no``. Chosen by measurement: on a 2-core
     AVX-512 BF16 CPU bf16 autocast ran the main job (the embedded default) in 195 s over five seeds against 208 s in
-    float32, DPO at 3.7M-106M parameters 1.4-1.6x as fast (README "Levers"), and learned as well. ``hardware=cpu``
+    float32, DPO at 3.7M-106M parameters 1.4-1.6x as fast (docs/results/speed.md, Levers), and learned as well. ``hardware=cpu``
     pins float32 (``no``), the same precision on every CPU."""
     if mixed_precision != "auto":
         return mixed_precision

@@ -258,7 +258,7 @@ def check_combination(adapter: type | None, reference: type | None) -> None:
     """Refuse, before anything loads, what cannot work with the ``peft`` option the config names (``adapter``, its
     class; ``reference``, the ``algo/reference`` strategy's class): a reference strategy that needs the policy's
     adapter (:attr:`rlhf.models.reference.Reference.needs_adapter`) with ``peft=none``. Every ``hardware`` option
-    ran with ``lora`` and ``qlora`` on CPU processes (README, "LoRA and QLoRA"), so none is refused."""
+    ran with ``lora`` and ``qlora`` on CPU processes (docs/how-to/lora-qlora.md), so none is refused."""
     if getattr(reference, "needs_adapter", False) and not getattr(adapter, "adapts", False):
         option = getattr(reference, "option", reference.__name__)
         raise UserError(f"algo/reference={option} uses the policy's LoRA adapter, but peft=none: the policy has no "

@@ -203,7 +203,7 @@ class NoReference(Reference):
 class Int8(Reference):
     """The reference with its linear layers in 8 bits (bitsandbytes' LLM.int8(), Dettmers et al. 2022,
     arXiv:2208.07339): about a quarter of a float32 copy's bytes, at a small error in its log-probabilities
-    (measured in the README).
+    (measured: docs/concepts/references.md).
 
     Args:
         name_or_path: the model to load in 8 bits (a Hub id or folder; the policy's own ``model.name_or_path`` by

@@ -201,7 +201,7 @@ def test_a_different_seed_samples_differently(tmp_path):
 def test_grpo_learns_on_the_embedded_task(tmp_path):
     """From the embedded SFT warm start, the held-out greedy exact match (256 prompts) rises. Measured for this run
     (60 steps of 16 prompts x 8, ~17 s on 2 idle cores), seeds 0-4: 0.539 -> 0.633-0.695, a rise of 0.094 at
-    the least; the margin asked is 0.04. The longer runs of the README's Online RL section go further."""
+    the least; the margin asked is 0.04. The longer runs of docs/online_rl.md go further."""
     before, after = held_out_reward_before_and_after(tmp_path, *LEARNS)
     assert after >= before + LEARNS_MARGIN, (before, after)
 

@@ -48,7 +48,7 @@ def test_threads_never_exceed_the_cpus_of_the_job(monkeypatch):
 
 
 def test_cpus_busy_with_other_work_are_left_out_and_the_start_up_line_says_so(monkeypatch):
-    """2 CPUs of which other work keeps ~2 busy: 1 thread, not 2 (measured 9x faster there: README's "Threads");
+    """2 CPUs of which other work keeps ~2 busy: 1 thread, not 2 (measured 9x faster there: docs/threads/2026-11-27-busy-machine.md);
     16 CPUs, 2 processes, 4 busy: 6 each. An idle machine, an explicit choice, OMP_NUM_THREADS and a Slurm job are
     left as they were; the start-up line says what was left out (red before: 2 threads whatever the load)."""
     for name in ("OMP_NUM_THREADS", "SLURM_JOB_ID"):

@@ -150,7 +150,7 @@ def test_a_second_adapter_from_a_previous_run_is_the_reference(tmp_path):
     assert first["step"] == 1 and first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
-INT8_TOLERANCE = 1e-3  # |first-step loss of int8 - copy's| at beta=0.1, 5x the largest measured (2e-4; README)
+INT8_TOLERANCE = 1e-3  # |first-step loss of int8 - copy's| at beta=0.1, 5x the largest measured (2e-4; docs/concepts/references.md)
 
 
 def test_int8_reference_gives_copys_first_loss_within_the_stated_tolerance():
@@ -309,7 +309,7 @@ def test_a_4bit_base_stored_as_float32_trains_and_saves(tmp_path):
 def test_zero_loads_a_quantized_base_non_strictly(monkeypatch):
     """DeepSpeed's checkpoint holds bitsandbytes' quantization constants as entries of the module's state, which a
     freshly built 4-bit model does not list: the load is strict for every other model. (Runs of hardware=zero2/zero3
-    with peft=qlora resumed bit for bit by hand on 2 CPU processes: README.)"""
+    with peft=qlora resumed bit for bit by hand on 2 CPU processes: docs/how-to/lora-qlora.md.)"""
     from rlhf.hardware.zero import ZeRO
 
     calls = []
