@@ -260,25 +260,50 @@ def resume_and_checkpoints(model_dir: Path, work: Path, device: str, steps: int,
 
 # ---- speed --------------------------------------------------------------------------------------------------------
 def speed_pair(size: str, batch: int, case: str, model_dir: Path, params: int, work: Path, device: str,
-               peaks: dict, steps: int) -> dict:
-    """Ours and TRL's on one case (``benchmarks/bench.py``'s runners), with MFU as the benchmark computes it."""
+               peaks: dict, steps: int, rounds: int = 1) -> dict:
+    """Ours and TRL's on one case (``benchmarks/bench.py``'s runners), with MFU as the benchmark computes it.
+
+    ``rounds`` > 1 runs the two sides alternately that many times (ours, TRL, ours, TRL, ...), each run a process of
+    its own: the row is each side's median run (its samples/s, memory and MFU) and the ratio of the medians, with
+    every round's ratio beside it. One pair measured once per call moved by up to 50% between calls on an H200
+    (docs/gpu/2026-11-27-nvidia-h200-second-run.md); the rounds show that spread within one call."""
     algo = bench.CASES[case][0]
     rows = bench.make_rows(algo, "short", max(64 if device == "cpu" else 512, 4 * batch))
     data = work / f"{algo}-short.jsonl"
     bench.write_jsonl(rows, data)
-    case_dir = work / f"{size}-{batch}"
-    case_dir.mkdir(exist_ok=True)
-    ours = bench.run_ours(case, model_dir, data, case_dir, batch, steps, _threads(), [], device)
-    theirs = bench.run_trl(case, model_dir, data, case_dir, batch, steps, _threads(), device)
+    sides: dict[str, list[dict]] = {"ours": [], "trl": []}
+    for k in range(rounds):
+        case_dir = work / f"{size}-{batch}" / f"round{k}"
+        case_dir.mkdir(parents=True, exist_ok=True)
+        sides["ours"].append(bench.run_ours(case, model_dir, data, case_dir, batch, steps, _threads(), [], device))
+        sides["trl"].append(bench.run_trl(case, model_dir, data, case_dir, batch, steps, _threads(), device))
     per_sample = bench.tokens_per_sample(algo, rows)
     live = algo == "dpo"  # a live reference runs forward each step (no case here precomputes it)
     flops = 6.0 * params + (2.0 * params if live else 0.0)
-    for side in (ours, theirs):
+    for side in sides["ours"] + sides["trl"]:
         side["tokens_per_s"] = side["samples_per_s"] * per_sample
         computed = side.get("computed_tokens_per_s", side["tokens_per_s"])
         side["mfu"] = flops * computed / peaks.get("bfloat16", peaks["float32"])
+    ours, theirs = median_run(sides["ours"]), median_run(sides["trl"])
     return {"size": size, "batch": batch, "case": case, "params": params, "steps": steps, "ours": ours,
-            "trl": theirs, "ratio": ours["samples_per_s"] / theirs["samples_per_s"]}
+            "trl": theirs, "ratio": ours["samples_per_s"] / theirs["samples_per_s"], "rounds": rounds,
+            "round_ratios": [o["samples_per_s"] / t["samples_per_s"] for o, t in zip(sides["ours"], sides["trl"])],
+            "samples_per_s": {name: [s["samples_per_s"] for s in runs] for name, runs in sides.items()}}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run whose samples/s is the median of ``runs`` (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda run: run["samples_per_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def ratio_cell(row: dict) -> str:
+    """``**1.05×**``, and with several rounds the range of the rounds' ratios: ``**1.05×** (0.91–1.12, 3 rounds)``."""
+    cell = f"**{row['ratio']:.2f}×**"
+    ratios = row.get("round_ratios", [])
+    if len(ratios) > 1:
+        cell += f" ({min(ratios):.2f}–{max(ratios):.2f}, {len(ratios)} rounds)"
+    return cell
 
 
 def lever_run(size: str, batch: int, case: str, name: str, overrides: list[str], model_dir: Path, work: Path,
@@ -396,7 +421,7 @@ def goals(data: dict) -> list[tuple[str, str, str]]:
             shown = "; ".join(f"{r['size']} b{r['batch']} {r['case']} {r['ours']['peak_mem_mb']:.0f} vs "
                               f"{r['trl']['peak_mem_mb']:.0f} MB" for r in rows)
         else:
-            shown = "; ".join(f"{r['size']} b{r['batch']} {r['ratio']:.2f}×" for r in rows)
+            shown = "; ".join(f"{r['size']} b{r['batch']} {ratio_cell(r).replace('**', '')}" for r in rows)
         out.append((name, shown, "met" if all(test(r) for r in rows) else "NOT met"))
     mfu = [r for r in data["speed"] if r["case"] == "dpo_bf16" and r["size"] == "1b" and r["batch"] == 64]
     out.append(("bf16 MFU, DPO at ~1B, batch 64 ≥ 40%", f"{mfu[0]['ours']['mfu']:.1%}" if mfu else "not measured",
@@ -423,7 +448,7 @@ def page(data: dict) -> str:
               "peak MB rlhf | peak MB TRL |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["speed"]:
         lines.append(f"| {r['size']} ({r['params'] / 1e6:.0f}M) | {r['batch']} | {r['case']} | {r['steps']} | "
-                     f"{r['ours']['samples_per_s']:.1f} | {r['trl']['samples_per_s']:.1f} | **{r['ratio']:.2f}×** | "
+                     f"{r['ours']['samples_per_s']:.1f} | {r['trl']['samples_per_s']:.1f} | {ratio_cell(r)} | "
                      f"{r['ours']['mfu']:.1%} | {r['trl']['mfu']:.1%} | {r['ours']['peak_mem_mb']:.0f} | "
                      f"{r['trl']['peak_mem_mb']:.0f} |")
     for s in data["skipped"]:
@@ -455,7 +480,9 @@ def page(data: dict) -> str:
                   f"{cost['share_every_100_steps']:.2%} at one every {CHECKPOINT_STEPS} steps."]
     lines += ["", "GRPO's samples are completions (8 a prompt); its MFU counts the trained tokens only (6 x parameters "
               "each), not the generation's forward passes. Each case trains twice the timed steps and times the "
-              "second half; both sides in processes of their own, one after the other, on the same GPU."]
+              "second half; both sides in processes of their own, one after the other, on the same GPU; with "
+              "several rounds the two sides alternate and each side's median run is the row (its samples/s, MFU and "
+              "memory), the ratio being the medians' with the range of the rounds' ratios beside it."]
     return "\n".join(lines) + "\n"
 
 
@@ -490,7 +517,14 @@ def main() -> int:
                         help=f"sections to leave out, comma-separated ({', '.join(SECTIONS)}): a later call spends its "
                              "budget on what an earlier one did not reach (the H200's first run spent 230 s of its 420 "
                              "on the correctness rows, so only DPO's speed pairs ran)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="runs of each side of a speed pair, alternating (default: 3 on a GPU, where one run per "
+                             "side moved by up to 50%% between calls; 1 on the CPU rehearsal): the row is the medians")
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 1 if args.device == "cpu" else 3
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     started = time.perf_counter()
     try:  # what the GPU machine may lack or hold in another version: fail in seconds, naming it
         import importlib
@@ -599,7 +633,8 @@ def main() -> int:
             began = time.perf_counter()
             try:
                 model_dir, params = model(size)
-                row = speed_pair(size, batch, case, model_dir, params, work, device, report.data["peaks"], steps)
+                row = speed_pair(size, batch, case, model_dir, params, work, device, report.data["peaks"], steps,
+                                 args.rounds)
             except Exception as error:  # noqa: BLE001  (a case that fails on this GPU is a finding)
                 traceback.print_exc()
                 report.add("skipped", {"size": size, "batch": batch, "case": case,
@@ -608,7 +643,7 @@ def main() -> int:
                 continue
             durations[size] = pair_s[(size, batch, case)] = time.perf_counter() - began
             report.add("speed", row)
-            note(f"{size} b{batch} {case}: {row['ratio']:.2f}x; peak MB {row['ours']['peak_mem_mb']:.0f} vs "
+            note(f"{size} b{batch} {case}: {ratio_cell(row).replace('**', '')}; peak MB {row['ours']['peak_mem_mb']:.0f} vs "
                  f"{row['trl']['peak_mem_mb']:.0f} [{durations[size]:.0f} s]")
         for size, batch, case, name, overrides in ([] if "levers" in skip else levers):
             baseline = next((r for r in report.data["speed"] if (r["size"], r["batch"], r["case"]) ==

@@ -103,3 +103,28 @@ def test_each_lever_composes_and_passes_the_config_check(lever):
     size, batch, case, _, overrides = lever
     algo, case_overrides, _ = gpu_check.bench.CASES[case]
     check_config(compose_config(f"algo={algo}", *case_overrides, *overrides))
+
+
+def test_a_pair_of_several_rounds_alternates_the_sides_and_reports_the_medians(tmp_path, monkeypatch):
+    """Three rounds: ours, TRL, ours, TRL, ours, TRL (each a process of its own); the row is each side's median run
+    and the ratio of the medians, with every round's ratio (red if the sides run in blocks, or a mean is taken)."""
+    calls, ours_speeds, trl_speeds = [], iter([100.0, 300.0, 200.0]), iter([100.0, 150.0, 400.0])
+
+    def ours(case, model_dir, data, work, batch, steps, threads, extra, device):
+        calls.append("ours")
+        return {"samples_per_s": next(ours_speeds), "peak_mem_mb": 10.0}
+
+    def trl(case, model_dir, data, work, batch, steps, threads, device):
+        calls.append("trl")
+        return {"samples_per_s": next(trl_speeds), "peak_mem_mb": 20.0}
+
+    monkeypatch.setattr(gpu_check.bench, "run_ours", ours)
+    monkeypatch.setattr(gpu_check.bench, "run_trl", trl)
+    row = gpu_check.speed_pair("3m", 8, "dpo_fp32", tmp_path, 1000, tmp_path, "cpu", {"float32": 1e12}, 2, rounds=3)
+    assert calls == ["ours", "trl"] * 3
+    assert row["ours"]["samples_per_s"] == 200.0 and row["trl"]["samples_per_s"] == 150.0
+    assert row["ratio"] == pytest.approx(200 / 150)
+    assert row["round_ratios"] == pytest.approx([1.0, 2.0, 0.5])
+    assert gpu_check.ratio_cell(row) == "**1.33×** (0.50–2.00, 3 rounds)"
+    assert gpu_check.ratio_cell({"ratio": 1.2, "round_ratios": [1.2]}) == "**1.20×**"
+    assert gpu_check.median_run([{"samples_per_s": s} for s in (4.0, 1.0, 3.0, 2.0)]) == {"samples_per_s": 2.0}
