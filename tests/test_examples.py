@@ -5,8 +5,12 @@ terminal. A sweep (`-m`) is checked at its first value of each swept key. A comm
 (`<date>`, `<best>`) cannot be composed and is counted as not run, as is a block under an HTML comment
 `<!-- examples: not run (reason) -->`. The count of commands checked is printed and asserted.
 
-Running every command for real would take minutes each; the main command runs in CI as it is (.ci/run), and the
-guides' runs are the tests of their own parts.
+Then each checked command that can run on this machine **runs**, in this process, at tiny sizes: its overrides,
+then conftest's FAST ones (the embedded model at its smallest, no warm start, 3 steps on 64 rows, `hardware=cpu`
+unless the command names its hardware), through `rlhf.train`, and must end with finite losses. What cannot run here
+is said, from the composed config, not from a list of names: a model or dataset from the Hub (no network in tests), a
+GPU, several processes (tests/hardware/ runs those options). The counts of commands run and only checked are printed
+and asserted. The main command runs in CI as it is (.ci/run).
 
 Every fenced ```python block of the same pages is run, as a reader would paste it, each in a fresh interpreter
 (`sys.executable`, a 120 s limit, in parallel up to the CPU count), unless the line before it is the same
@@ -31,6 +35,7 @@ block fails the test with its page, its first line and the end of its stderr."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -38,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,6 +161,40 @@ def check(command: Command, tmp_path: Path) -> None:
         raise AssertionError(f"{where}\n  {type(error).__name__}: {error}") from error
 
 
+def cannot_run_here(cfg) -> str:
+    """Why the composed command cannot run on a test machine ("" when it can): read from the config itself."""
+    if cfg.model.get("name_or_path"):
+        return f"a model from the Hub or a folder (model.name_or_path={cfg.model.name_or_path})"
+    path = cfg.data.get("path")
+    if path and not Path(path).exists():
+        return f"a dataset from the Hub (data.path={path})"
+    if cfg.hardware.get("device") == "cuda":
+        return "a GPU"
+    if (cfg.hardware.get("num_processes") or 2) != 1 or cfg.hardware.get("num_nodes", 1) != 1:
+        return "several processes (tests/hardware/ runs each such option)"
+    return ""
+
+
+def run_tiny(command: Command, tmp_path: Path) -> str:
+    """Run the command at tiny sizes (its first point), in this process; "" or why it cannot run here."""
+    import rlhf
+
+    overrides = [a for a in first_point(command.args) if not a.startswith(("hydra.", "--"))]
+    reason = cannot_run_here(compose_config(*overrides, output_dir=tmp_path))
+    if reason:
+        return reason
+    groups = {a.split("=", 1)[0].lstrip("+") for a in overrides}
+    tiny = [a for a in FAST if a.split("=", 1)[0] not in groups]  # its own hardware=, not FAST's
+    where = f"{command.page}:{command.line}: train.py {' '.join(command.args)}"
+    try:
+        metrics = rlhf.train(compose_config(*overrides, *tiny, output_dir=tmp_path))
+    except Exception as error:  # noqa: BLE001  (the message names the page and line)
+        raise AssertionError(f"{where}\n  at tiny sizes: {type(error).__name__}: {error}") from error
+    losses = {k: v for k, v in metrics.items() if k.endswith("/loss")}
+    assert losses and all(math.isfinite(v) for v in losses.values()), f"{where}\n  at tiny sizes: {metrics}"
+    return ""
+
+
 ALL = [c for page in PAGES if page.is_file() for c in commands(page.read_text(), str(page.relative_to(ROOT)))]
 
 
@@ -250,13 +290,22 @@ PYTHON = [b for page in PAGES if page.is_file() for b in python_blocks(page.read
 
 def test_every_train_command_of_the_readme_and_the_guides_is_checked_or_says_why_not(tmp_path, capsys):
     checked = [c for c in ALL if not c.skip]
+    only_checked, seconds = [], {}
     for index, command in enumerate(checked):
         check(command, tmp_path / str(index))
+        began = time.perf_counter()
+        reason = run_tiny(command, tmp_path / f"run-{index}")
+        seconds[f"{command.page}:{command.line}"] = time.perf_counter() - began
+        if reason:
+            only_checked.append(f"{command.page}:{command.line} ({reason})")
     skipped = [c for c in ALL if c.skip]
     with capsys.disabled():
-        print(f"\n{len(checked)} train.py commands checked in {len(PAGES)} pages; {len(skipped)} not run: "
+        print(f"\n{len(checked)} train.py commands checked in {len(PAGES)} pages, {len(checked) - len(only_checked)} "
+              f"of them run at tiny sizes; checked only: {'; '.join(only_checked)}; {len(skipped)} not run: "
               + "; ".join(sorted({f'{c.page}:{c.line} ({c.skip})' for c in skipped})))
-    assert len(checked) >= 20
+        slowest = sorted(seconds.items(), key=lambda item: -item[1])[:5]
+        print("slowest: " + ", ".join(f"{where} {s:.1f} s" for where, s in slowest))
+    assert len(checked) >= 20 and len(checked) - len(only_checked) >= 15
 
 
 def test_a_broken_example_fails_with_its_page_and_line(tmp_path):
@@ -278,6 +327,32 @@ def test_a_broken_example_fails_with_its_page_and_line(tmp_path):
         == ["algo/reward_funcs@eval=exact_match", "+x=1", "hydra.sweeper.n_trials=2"]
     with pytest.raises(ValueError, match="q.md:2: cannot split the command"):
         commands("```bash\npython train.py 'algo=dpo\n```\n", "q.md")
+
+
+def test_a_command_that_fails_at_tiny_sizes_fails_with_its_page_and_line(tmp_path, monkeypatch):
+    """The run after the check: red when training raises or ends with a non-finite loss, naming the page and line;
+    what cannot run here is said from the composed config (red if a GPU, several processes or the Hub would be
+    attempted)."""
+    import rlhf
+
+    [command] = commands("```bash\npython train.py algo=dpo optimizer=lion\n```\n", "page.md")
+    monkeypatch.setattr(rlhf, "train", lambda cfg: {"train/loss": float("nan")})
+    with pytest.raises(AssertionError, match=r"(?s)page.md:2: train.py algo=dpo optimizer=lion.*at tiny sizes"):
+        run_tiny(command, tmp_path / "nan")
+
+    def broken(cfg):
+        raise RuntimeError("shapes do not match")
+
+    monkeypatch.setattr(rlhf, "train", broken)
+    with pytest.raises(AssertionError, match=r"(?s)page.md:2: .*RuntimeError: shapes do not match"):
+        run_tiny(command, tmp_path / "raises")
+    reasons = [cannot_run_here(compose_config(*args, output_dir=tmp_path))
+               for args in (["hardware=gpu"], ["hardware=cpu_ddp"], ["hardware=fsdp"], ["model=gpt2"],
+                            ["data=ultrafeedback"], ["algo=dpo"])]
+    assert reasons == ["a GPU", "several processes (tests/hardware/ runs each such option)",
+                       "several processes (tests/hardware/ runs each such option)",
+                       "a model from the Hub or a folder (model.name_or_path=openai-community/gpt2)",
+                       "a dataset from the Hub (data.path=trl-lib/ultrafeedback_binarized)", ""]
 
 
 def test_every_python_block_of_the_readme_and_the_guides_runs_or_says_why_not(tmp_path, capsys):
