@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the measured numbers of the README and of the Results pages under docs/ (a few minutes on 2 CPU cores). Each part prints its table.
-#   bash benchmarks/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [objectives] [reward] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation] [ddp_speed] [eval_cost] [frontier]
-#   (default: all sixteen; the online ones run experiment=<part>_reverse over seeds 0-2)
+#   bash benchmarks/readme_numbers.sh [main] [optimizers] [dpo_search] [sft_dpo] [objectives] [reward] [hardware] [grpo] [rloo] [reinforce_pp] [ppo] [iterative_sft] [generation] [ddp_speed] [eval_cost] [frontier] [speed]
+#   (default: all but speed, the 47-minute benchmark against TRL; the online ones run experiment=<part>_reverse over seeds 0-2)
 # Outputs go to outputs/readme/. Results depend on the seed and the CPU; the main job is measured over seeds.
 # EXTRA adds overrides to every run (outputs then go to outputs/readme-extra/, docs/ is left alone), e.g. the
 # float32 figures on a CPU with bf16 instructions: EXTRA=hardware.mixed_precision=no bash benchmarks/readme_numbers.sh main
@@ -130,6 +130,10 @@ PY
       if [ -z "$EXTRA" ]; then
         mkdir -p docs/evaluation && cp $OUT/frontier/confirm/frontier.png docs/evaluation/objective_frontier.png
       fi ;;
+    speed)  # "Speed against TRL" (docs/results/speed.md): the whole CPU benchmark, its table and its bar chart
+      # (docs/bench.md, docs/bench.png; ~47 minutes on 2 idle cores; not part of the default list)
+      if [ -z "$EXTRA" ]; then $PY benchmarks/bench.py
+      else ours=(); for o in $EXTRA; do ours+=(--ours "$o"); done; $PY benchmarks/bench.py "${ours[@]}" --out $OUT/speed; fi ;;
     eval_cost)  # "One evaluation for every objective": the main job's wall time without and with eval=generate
       # (its defaults: 64 prompts x 4 samples, greedy and the reference's greedy, at each of the 7 evaluations),
       # interleaved for ROUNDS rounds (default 2), seed 0
