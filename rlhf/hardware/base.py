@@ -196,9 +196,15 @@ class DataParallel:
 
     def processes_per_node(self) -> int:
         """How many processes :mod:`rlhf.launch.processes` starts on this machine."""
-        if self.num_processes is not None:
-            return self.num_processes
-        return max(1, torch.cuda.device_count()) if self.uses_cuda() else 1
+        if not self.uses_cuda():
+            return self.processes_without_gpu(self.num_processes)
+        return self.num_processes if self.num_processes is not None else max(1, torch.cuda.device_count())
+
+    @classmethod
+    def processes_without_gpu(cls, num_processes: int | None) -> int:
+        """The processes this option starts on a machine without GPU (``num_processes``, else 1): what a Slurm job
+        on a node given no GPU holds CPUs for (:func:`rlhf.launch.slurm.slurm_cpus`)."""
+        return num_processes if num_processes is not None else 1
 
     def threads(self, local_processes: int) -> int:
         """Torch threads per process: ``threads_per_process``, else ``OMP_NUM_THREADS``, else the job's CPUs shared

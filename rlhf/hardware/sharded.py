@@ -25,11 +25,10 @@ class Sharded(DataParallel):
 
     compiles = False  # hardware.compile: per-block compilation after sharding is not built yet
 
-    def processes_per_node(self) -> int:
-        """``num_processes``, or when null one per local GPU, or on a machine without GPU ``CPU_PROCESSES``."""
-        if self.num_processes is None and not self.uses_cuda():
-            return CPU_PROCESSES
-        return super().processes_per_node()
+    @classmethod
+    def processes_without_gpu(cls, num_processes: int | None) -> int:
+        """``num_processes``, else ``CPU_PROCESSES`` (on a machine with GPUs, null means one per local GPU)."""
+        return num_processes if num_processes is not None else CPU_PROCESSES
 
     def holding(self, params, label: str) -> str:
         """'this process holds N of M <label> elements (P%)' for `params`."""

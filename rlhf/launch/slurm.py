@@ -9,7 +9,8 @@ resolvers below, registered when ``rlhf`` is imported:
   for no GPU: use ``hardware=gpu`` or ``ddp`` for GPU jobs), ``num_processes`` for ``cuda``. A ``cuda`` option
   with ``num_processes: null`` ("one per local GPU") is an error: the submitting machine may have no GPU to count.
 - ``${rlhf.slurm_cpus:<num_processes>,<threads_per_process>,<partition>}``: CPUs per task = processes x threads
-  (one thread per process unless ``threads_per_process`` is set). A request larger than the largest node of the
+  (one thread per process unless ``threads_per_process`` is set; ``num_processes: null`` counts what the option starts
+  on a node without GPU: 2 for ``fsdp``/``zero*``, else 1). A request larger than the largest node of the
   partition (asked of ``sinfo``, when it is installed) is refused: Slurm would keep such a job PENDING forever.
 - ``${rlhf.local_gpus:<device>,<num_processes>}``: GPUs a ``submitit_local`` job may see (it runs on this machine,
   so ``auto`` and ``num_processes: null`` count this machine's GPUs).
@@ -69,7 +70,7 @@ def slurm_cpus(num_processes: int | None, threads_per_process: int | None, parti
                _root_: Any = None) -> int:
     """CPUs per task: the job's processes x threads each, checked against the partition's largest node."""
     _refuse_hardware_sweep(_root_)
-    processes = int(num_processes or 1)
+    processes = int(num_processes) if num_processes is not None else _processes_without_gpu(_root_)
     threads = int(threads_per_process or 1)
     cpus = processes * threads
     largest = largest_node_cpus(partition)
@@ -81,6 +82,18 @@ def slurm_cpus(num_processes: int | None, threads_per_process: int | None, parti
             f"processes or threads (e.g. hardware.num_processes={max(1, largest // threads)}), or a partition with "
             "bigger nodes (hydra.launcher.partition=...)")
     return cpus
+
+
+def _processes_without_gpu(root: Any) -> int:
+    """``hardware.num_processes: null`` on a node given no GPU (``slurm_gpus`` asks for none unless the device is
+    ``cuda``, which needs the number): the processes the hardware option starts there, asked of its class
+    (``fsdp``/``zero*``: 2, the fewest that shard; the others: 1)."""
+    target = OmegaConf.select(root, "hardware._target_") if root is not None else None
+    if target is None:
+        return 1
+    from hydra.utils import get_class
+
+    return int(get_class(target).processes_without_gpu(None))
 
 
 def local_gpus(device: str, num_processes: int | None) -> int:

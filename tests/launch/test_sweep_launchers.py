@@ -11,13 +11,14 @@ import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 import rlhf.launch.slurm  # noqa: F401  (registers the resolvers, as `import rlhf` does)
 from rlhf.core.errors import UserError
 from rlhf.launch.slurm import largest_node_cpus, slurm_cpus
-from tests.conftest import CONF, ROOT
+from tests.conftest import CONF, ROOT, compose_config
 
 
 @pytest.fixture
@@ -155,3 +156,13 @@ def test_each_node_of_a_multinode_slurm_job_derives_its_rank_and_the_rendezvous(
     assert ports == {f"gpu03:{rlhf.launch.slurm.port_for_job(123456)}"}
     assert 20000 <= rlhf.launch.slurm.port_for_job(123456) < 60000
     assert rlhf.launch.slurm.port_for_job(123456) != rlhf.launch.slurm.port_for_job(123457)
+
+
+@pytest.mark.parametrize("option, cpus", [("fsdp", 2), ("zero3", 2), ("auto", 1), ("multinode", 1), ("cpu_ddp", 2)])
+def test_a_cpu_job_asks_for_a_cpu_per_process_the_option_starts(option, cpus):
+    """hardware.num_processes: null on a node without GPU: fsdp and zero* start 2 processes there, so the job asks
+    for 2 CPUs (red when null counted as 1 process for every option); the class says it, as it does at run time."""
+    cfg = compose_config(f"hardware={option}")
+    assert slurm_cpus(cfg.hardware.num_processes, None, None, _root_=cfg) == cpus
+    strategy = get_class(cfg.hardware._target_)
+    assert strategy.processes_without_gpu(cfg.hardware.num_processes) == cpus
