@@ -648,7 +648,7 @@ def main() -> int:
         for size, batch, case, name, overrides in ([] if "levers" in skip else levers):
             baseline = next((r for r in report.data["speed"] if (r["size"], r["batch"], r["case"]) ==
                              (size, batch, case)), None)
-            guess = durations.get(size, 0.0) * 0.75  # one side of a pair
+            guess = durations.get(size, 0.0) * 0.75 / args.rounds  # one run of one side of a pair
             if baseline is None or (not tiny and elapsed() + guess > args.budget_s):
                 why = "its case did not run" if baseline is None else "out of the time budget"
                 report.add("skipped", {"size": size, "batch": batch, "case": case, "lever": name, "why": why})
@@ -672,7 +672,7 @@ def main() -> int:
         elif device != "cuda":
             report.add("skipped", {"size": size, "batch": MEMORY_CASE[1], "case": MEMORY_CASE[2],
                                    "why": "the memory record needs a GPU"})
-        elif MEMORY_CASE in pair_s and elapsed() + 1.5 * pair_s[MEMORY_CASE] <= args.budget_s:
+        elif MEMORY_CASE in pair_s and elapsed() + 1.5 * pair_s[MEMORY_CASE] / args.rounds <= args.budget_s:
             try:
                 report.data["memory"] = memory_records(models[size][0], work, device, STEPS[size])
                 report.save()

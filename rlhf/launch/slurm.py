@@ -93,7 +93,8 @@ def _processes_without_gpu(root: Any) -> int:
         return 1
     from hydra.utils import get_class
 
-    return int(get_class(target).processes_without_gpu(None))
+    counted = getattr(get_class(target), "processes_without_gpu", None)  # a strategy of one's own may not say
+    return int(counted(None)) if counted is not None else 1
 
 
 def local_gpus(device: str, num_processes: int | None) -> int:
