@@ -12,6 +12,11 @@ is said, from the composed config, not from a list of names: a model or dataset 
 checkpoint of an earlier run, a GPU, several processes (tests/hardware/ runs those options). The counts of commands run and only checked are printed
 and asserted. The main command runs in CI as it is (.ci/run).
 
+The repository's tools as the pages call them (`python scripts/<tool>.py ...`, `benchmarks/<tool>.py ...`) run up to
+their argument parsing, which must pass (their work takes minutes; each tool's own test runs it). The other shell
+lines (`bash scripts/setup.sh`, `make`, `pip`, `tensorboard`) are not run here: the README's two commands run in CI as
+they are.
+
 Every fenced ```python block of the same pages is run, as a reader would paste it, each in a fresh interpreter
 (`sys.executable`, a 120 s limit, in parallel up to the CPU count), unless the line before it is the same
 `<!-- examples: not run (reason) -->` comment (counted as not run with its reason); the counts are printed and
@@ -61,6 +66,26 @@ PY_OVERRIDES = re.compile(r"<!--\s*examples:\s*python overrides\s+(?P<overrides>
 PY_TIMEOUT_S = 120
 PROGRESS = re.compile(r"^\s*[\w ]*:\s+\d+%\|")  # a tqdm line: "training:  33%|███ | 1/3 [...]"
 TRAIN = re.compile(r"(?:^|/|\s)train\.py$")
+SCRIPT = re.compile(r"(?:^|/)(?:scripts|benchmarks)/\w+\.py$")  # the repository's tools, run by path
+# Run by `python -c ARGS_ONLY <script> <args>...`: the script as __main__ up to its argument parsing, which must pass;
+# then it stops (a script's work takes minutes: its own test runs it).
+ARGS_ONLY = """\
+import argparse
+import runpy
+import sys
+
+_parse = argparse.ArgumentParser.parse_args
+
+
+def parse_args(self, args=None, namespace=None):
+    _parse(self, args, namespace)  # exits 2 with argparse's message on an argument it does not know
+    raise SystemExit(0)
+
+
+argparse.ArgumentParser.parse_args = parse_args
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 @dataclass
@@ -69,6 +94,7 @@ class Command:
     line: int
     args: list[str]
     skip: str = ""  # why it is not checked
+    program: str = "train.py"  # as the page names it
 
 
 def fenced_blocks(text: str, languages: tuple[str, ...]) -> list[tuple[int, str, str]]:
@@ -95,8 +121,8 @@ def shell_blocks(text: str) -> list[tuple[int, str, str]]:
             for first, code, before in fenced_blocks(text, ("bash", "sh", "shell", "console"))]
 
 
-def commands(text: str, page: str) -> list[Command]:
-    """Each `train.py` invocation of the page's shell blocks, with its arguments."""
+def commands(text: str, page: str, program: re.Pattern = TRAIN) -> list[Command]:
+    """Each invocation of ``program`` (`train.py`) in the page's shell blocks, with its arguments."""
     found = []
     for first, code, reason in shell_blocks(text):
         logical: list[tuple[int, str]] = []  # (the page's line number, a line with its continuations joined)
@@ -115,12 +141,12 @@ def commands(text: str, page: str) -> list[Command]:
             for part in " ".join(shlex.quote(w) if w not in ("&&", "||", ";", "|") else w for w in words).split(
                     " && "):
                 tokens = shlex.split(part)
-                at = next((k for k, token in enumerate(tokens) if TRAIN.search(token)), None)
+                at = next((k for k, token in enumerate(tokens) if program.search(token)), None)
                 if at is None:
                     continue
                 args = tokens[at + 1:]
                 skip = reason or ("a placeholder" if re.search(r"<[^<>]+>", part) else "")
-                found.append(Command(page, number, args, skip))
+                found.append(Command(page, number, args, skip, tokens[at]))
     return found
 
 
@@ -360,6 +386,44 @@ def test_a_command_that_fails_at_tiny_sizes_fails_with_its_page_and_line(tmp_pat
                        "several processes (tests/hardware/ runs each such option)",
                        "a model from the Hub or a folder (model.name_or_path=openai-community/gpt2)",
                        "a dataset from the Hub (data.path=trl-lib/ultrafeedback_binarized)", ""]
+
+
+def parse_script(command: Command) -> str:
+    """Run the tool the command names up to its argument parsing; its failure's message (page, line, stderr) or ""."""
+    where = f"{command.page}:{command.line}: {command.program} {' '.join(command.args)}"
+    script = ROOT / command.program.split("/", 1)[-1] if command.program.startswith(".") else ROOT / command.program
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", ARGS_ONLY, str(script), *command.args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=PY_TIMEOUT_S)
+    if done.returncode != 0:
+        return f"{where}\n  its arguments do not parse (exit code {done.returncode}):\n{tail(done.stderr)}"
+    return ""
+
+
+SCRIPTS = [c for page in PAGES if page.is_file()
+           for c in commands(page.read_text(), str(page.relative_to(ROOT)), SCRIPT)]
+
+
+def test_every_script_command_of_the_pages_parses_its_arguments_or_says_why_not(capsys):
+    """The tools' commands (`scripts/*.py`, `benchmarks/*.py`) as the pages give them: the script exists and takes
+    those arguments (a renamed flag fails here, naming the page and line)."""
+    parsed = [c for c in SCRIPTS if not c.skip]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(parsed), os.cpu_count() or 1))) as pool:
+        failures = [message for message in pool.map(parse_script, parsed) if message]
+    skipped = [c for c in SCRIPTS if c.skip]
+    with capsys.disabled():
+        print(f"\n{len(parsed)} tool commands (scripts/, benchmarks/) parsed; {len(skipped)} not run: "
+              + "; ".join(sorted({f"{c.page}:{c.line} ({c.skip})" for c in skipped})))
+    assert not failures, "\n\n".join(failures)
+    assert len(parsed) >= 5
+
+
+def test_a_tool_command_with_an_unknown_flag_fails_with_its_page_and_line():
+    page = "```bash\npython benchmarks/bench.py --sizes 3m\n.venv/bin/python benchmarks/bench.py --sizez 3m\n```\n"
+    good, misspelt = commands(page, "page.md", SCRIPT)
+    assert parse_script(good) == ""
+    assert re.search(r"(?s)page.md:3: .*bench.py --sizez 3m.*do not parse.*unrecognized arguments: --sizez",
+                     parse_script(misspelt))
 
 
 def test_every_python_block_of_the_readme_and_the_guides_runs_or_says_why_not(tmp_path, capsys):
