@@ -6,8 +6,8 @@ terminal. A sweep (`-m`) is checked at its first value of each swept key. A comm
 `<!-- examples: not run (reason) -->`. The count of commands checked is printed and asserted.
 
 Then each checked command that can run on this machine **runs**, in this process, at tiny sizes: its overrides,
-then conftest's FAST ones (the embedded model at its smallest, no warm start, 3 steps on 64 rows, `hardware=cpu`
-unless the command names its hardware), through `rlhf.train`, and must end with finite losses. What cannot run here
+then conftest's FAST ones (the embedded model at its smallest, no warm start, 64 rows, `hardware=cpu` unless the
+command names its hardware) and 2 steps, one evaluation at the end, no final save, through `rlhf.train`, and must end with finite losses. What cannot run here
 is said, from the composed config, not from a list of names: a model or dataset from the Hub (no network in tests), a
 checkpoint of an earlier run, a GPU, several processes (tests/hardware/ runs those options). The counts of commands run and only checked are printed
 and asserted. The main command runs in CI as it is (.ci/run).
@@ -218,6 +218,7 @@ def run_tiny(command: Command, tmp_path: Path) -> str:
     named = {a.split("=", 1)[0].lstrip("+") for a in overrides}
     # a group the command names stays its own (Hydra would let FAST's `hardware=cpu` win); FAST's values win
     tiny = [a for a in FAST if "." in a.split("=", 1)[0] or a.split("=", 1)[0] not in named]
+    tiny += ["train.max_steps=2", "train.eval_at_start=false", "train.save_final=false"]  # one evaluation, at the end
     where = f"{command.page}:{command.line}: train.py {' '.join(command.args)}"
     try:
         metrics = rlhf.train(compose_config(*overrides, *tiny, output_dir=tmp_path))
