@@ -545,6 +545,8 @@ def main() -> int:
     if args.trl_worker:
         trl_worker(json.loads(args.trl_worker))
         return 0
+    import rlhf  # noqa: F401  (before TRL: it quiets bitsandbytes' notice of a Hub kernel, which TRL's import prints)
+
     try:
         import trl  # noqa: F401
     except ImportError:

@@ -529,6 +529,8 @@ def main() -> int:
     try:  # what the GPU machine may lack or hold in another version: fail in seconds, naming it
         import importlib
 
+        import rlhf  # noqa: F401  (first: it quiets bitsandbytes' notice of a Hub kernel, which peft's import prints)
+
         names = ["torch", "transformers", "accelerate", "peft", "datasets", "pyarrow", "huggingface_hub", "hydra",
                  "omegaconf", "trl"]
         print("versions: " + ", ".join(f"{n} {importlib.import_module(n).__version__}" for n in names), flush=True)

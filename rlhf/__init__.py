@@ -4,14 +4,16 @@ import logging as _logging
 
 
 def _drop_kernels_notice(record: _logging.LogRecord) -> bool:
-    """bitsandbytes, when imported on a CPU with AVX512-BF16, offers a faster 4-bit CPU kernel from the optional
-    `kernels` package and warns on every run that it is not installed. rlhf uses bitsandbytes for its 8-bit
-    optimizers only, never for 4-bit matmuls, so the notice means nothing here. Other bitsandbytes warnings show."""
-    return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+    """bitsandbytes 0.50, when imported on a CPU with AVX-512 BF16, looks for a faster 4-bit CPU kernel on the Hugging
+    Face Hub through the optional ``kernels`` package, and warns on every import that the package is not installed.
+    Without it nothing is fetched and bitsandbytes' own CPU path runs its 4-bit layers (QLoRA's; the 8-bit optimizers
+    and LLM.int8() never use that kernel), so this one notice is dropped. With ``kernels`` installed, bitsandbytes asks
+    the Hub at import (``HF_HUB_OFFLINE=1`` stops it) and any failure of that still shows, as do its other warnings."""
+    return "No module named 'kernels'" not in record.getMessage()
 
 
-# Installed before anything imports bitsandbytes (peft and transformers do); a filter sits on the logger object
-# itself, which Hydra's logging configuration leaves in place.
+# Installed before anything imports bitsandbytes (peft and transformers do; a tool that imports them first imports
+# rlhf before them); a filter sits on the logger object itself, which Hydra's logging configuration leaves in place.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_drop_kernels_notice)
 
 from rlhf import old_paths as _old_paths  # noqa: E402
