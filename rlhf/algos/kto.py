@@ -22,7 +22,8 @@ from torch import Tensor
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
-from rlhf.data.collate import TRUNCATED, collate_sequences, encode, require_completion
+from rlhf.data.collate import collate_sequences, require_completion
+from rlhf.data.encoding import FORMAT_COLUMN, TEXT, TRUNCATED, encode
 from rlhf.models.reference import FrozenCopy
 from rlhf.ops.collectives import processes, sum_over_every_process
 from rlhf.ops.completion_logps import completion_stats
@@ -105,7 +106,8 @@ class KTO(ReferenceRegularized):
             raise UserError(_PRECOMPUTED.format(where="algo.reference"))
 
     def tokenize(self, row: dict[str, Any], tokenizer) -> dict[str, Any]:
-        encoded = encode(tokenizer, row["prompt"], row["completion"], self.max_prompt_length, self.max_length)
+        encoded = encode(tokenizer, row["prompt"], row["completion"], self.max_prompt_length, self.max_length,
+                         row.get(FORMAT_COLUMN, TEXT))
         require_completion(encoded, row, "completion", self.max_length)
         start = encoded["completion_mask"].index(1)
         ids = encoded["input_ids"]

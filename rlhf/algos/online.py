@@ -30,9 +30,9 @@ from rlhf.algos.base import PROMPT_TOKENS, Algorithm
 from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
 from rlhf.core.train_state import TrainState
-from rlhf.data.collate import PROMPT_CUT, TRUNCATED
+from rlhf.data.encoding import FORMAT_COLUMN, PROMPT_CUT, TEXT, TRUNCATED
 from rlhf.data.loaders import Batches
-from rlhf.models.generation import Sampling, sample
+from rlhf.models.generation import Sampling, sample, stop_ids
 
 TEMPERATURE = Range(gt=0, meaning="the sampling temperature of training completions; 1.0 samples the policy as it is",
                     fix=1.0)
@@ -54,9 +54,12 @@ def generation_seed(seed: int, epoch: int, index: int) -> int:
 
 def tokenize_prompt(row: dict[str, Any], tokenizer, max_prompt_length: int | None,
                     columns: Sequence[str] = ()) -> dict[str, Any]:
-    """A prompt row tokenized for sampling: its tokens (the tokenizer's BOS first, as the SFT warm start saw them;
-    the end kept when longer than ``max_prompt_length``), its text, the truncation flag and ``columns`` as they are."""
-    special = not (tokenizer.bos_token and row["prompt"].startswith(tokenizer.bos_token))
+    """A prompt row tokenized for sampling: its tokens (the end kept when longer than ``max_prompt_length``), its
+    text, the truncation flag and ``columns`` as they are. Plain text gets the tokenizer's special tokens (a Llama
+    tokenizer's BOS, as the SFT warm start saw them); a prompt rendered by the chat template (the row's
+    :data:`~rlhf.data.encoding.FORMAT_COLUMN`, or text that starts with BOS) carries its own, as TRL tokenizes it."""
+    chat = row.get(FORMAT_COLUMN, TEXT) != TEXT
+    special = not chat and not (tokenizer.bos_token and row["prompt"].startswith(tokenizer.bos_token))
     ids = tokenizer(row["prompt"], add_special_tokens=special)["input_ids"]
     cut = max_prompt_length is not None and len(ids) > max_prompt_length
     if cut:
@@ -110,7 +113,7 @@ class OnlineAlgorithm(Algorithm):
         self.reward_funcs, self.reward_weights = reward_lib.functions_and_weights(reward_funcs, reward_weights, "algo")
         self.reward_columns = tuple(reward_columns)
         self.optional_columns = self.reward_columns
-        self.pad_id, self.eos_id, self.tokenizer = 0, None, None
+        self.pad_id, self.eos_ids, self.tokenizer = 0, (), None
         self.buffer: dict[str, Any] = {}  # the rollout being served (checkpointed): see Rollouts
         self.log_completions = log_completions
         self.log_completions_every_steps, self.num_completions_to_print = (log_completions_every_steps,
@@ -132,7 +135,7 @@ class OnlineAlgorithm(Algorithm):
         return tokenize_prompt(row, tokenizer, self.max_prompt_length, self.reward_columns)
 
     def setup(self, policy, tokenizer) -> None:
-        self.pad_id, self.eos_id, self.tokenizer = tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer
+        self.pad_id, self.eos_ids, self.tokenizer = tokenizer.pad_token_id, stop_ids(tokenizer, policy), tokenizer
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """Left-padded prompts and their columns (:func:`collate_prompts`)."""
@@ -192,7 +195,7 @@ class OnlineAlgorithm(Algorithm):
     def sampling(self) -> Sampling:
         """This algorithm's sampling settings (after :meth:`setup`: the tokenizer's ids)."""
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                        max_new_tokens=self.max_completion_length, pad_id=self.pad_id, eos_id=self.eos_id,
+                        max_new_tokens=self.max_completion_length, pad_id=self.pad_id, eos_ids=self.eos_ids,
                         tokenizer=self.tokenizer, cache_implementation=self.cache_implementation,
                         gather=self.gather_for_generation)
 

@@ -19,7 +19,8 @@ from torch import Tensor
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
 from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
-from rlhf.data.collate import TRUNCATED, collate_sequences, encode, require_completion
+from rlhf.data.collate import collate_sequences, require_completion
+from rlhf.data.encoding import FORMAT_COLUMN, TEXT, TRUNCATED, encode_answers
 
 MARGIN = "margin"  # an optional numeric column of preference rows: how much better chosen is than rejected
 
@@ -80,9 +81,9 @@ class Reward(Algorithm):
 
     def tokenize(self, row: dict[str, Any], tokenizer) -> dict[str, Any]:
         out: dict[str, Any] = {TRUNCATED: 0}
-        for side in ("chosen", "rejected"):
-            encoded = encode(tokenizer, row["prompt"], row[side], self.max_prompt_length, self.max_length,
-                             add_special_tokens=True)
+        sides = encode_answers(tokenizer, row["prompt"], {side: row[side] for side in ("chosen", "rejected")},
+                               row.get(FORMAT_COLUMN, TEXT), self.max_prompt_length, self.max_length)
+        for side, encoded in sides.items():
             require_completion(encoded, row, side, self.max_length)
             out[f"{side}_input_ids"] = encoded["input_ids"]
             out[TRUNCATED] |= encoded[TRUNCATED]

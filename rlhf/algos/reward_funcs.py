@@ -23,7 +23,8 @@ from torch import Tensor
 from rlhf.algos.reward_shaping import weighted_rewards
 from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
-from rlhf.data.collate import collate_sequences, encode
+from rlhf.data.collate import collate_sequences
+from rlhf.data.encoding import encode
 from rlhf.data.tasks import ReverseTask
 
 RewardFunction = Callable[..., Sequence[float | None]]
@@ -136,7 +137,7 @@ class RewardModel:
     completion.
 
     Each text pair is tokenized as ``algo=reward`` tokenized its chosen and rejected sides
-    (:func:`rlhf.data.collate.encode` with the tokenizer's specials on the prompt, EOS appended to the completion,
+    (:func:`rlhf.data.encoding.encode` as plain text: the tokenizer's specials, EOS appended to the completion,
     ``max_prompt_length`` and ``max_length`` as there), right-padded, and read at its last token. The model is loaded
     once, at the first call (so a config that names it builds without reading it), on ``device`` (``None``: the
     calling process's device, accelerate's ``PartialState().device``), in eval mode, and scores without gradients,
@@ -180,7 +181,7 @@ class RewardModel:
         tokenizer, out = self.tokenizer, []
         pairs = list(zip(prompts, completions))
         for start in range(0, len(pairs), self.batch_size):
-            ids = [encode(tokenizer, p, c, self.max_prompt_length, self.max_length, add_special_tokens=True)["input_ids"]
+            ids = [encode(tokenizer, p, c, self.max_prompt_length, self.max_length)["input_ids"]
                    for p, c in pairs[start:start + self.batch_size]]
             batch = collate_sequences(ids, [[1] * len(s) for s in ids], tokenizer.pad_token_id)
             logits = self.model(input_ids=batch["input_ids"].to(self.device),

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
 from rlhf.core.limits import limits
-from rlhf.data.collate import collate_packed, collate_sequences, encode, require_completion
+from rlhf.data.collate import collate_packed, collate_sequences, require_completion
+from rlhf.data.encoding import FORMAT_COLUMN, TEXT, encode
 from rlhf.ops.completion_logps import completion_stats, keep_completion_logits
 from rlhf.ops.output_layer import check_when, tap_output_layer
 
@@ -59,7 +60,7 @@ class SFT(Algorithm):
 
     def tokenize(self, row: dict[str, str], tokenizer) -> dict[str, list[int]]:
         out = encode(tokenizer, row["prompt"], row["completion"], self.max_prompt_length, self.max_length,
-                     add_special_tokens=True)
+                     row.get(FORMAT_COLUMN, TEXT))
         require_completion(out, row, "completion", self.max_length)
         if not self.completion_only_loss:
             out["completion_mask"] = [1] * len(out["input_ids"])

@@ -1,4 +1,5 @@
-"""Tokenize prompt/completion pairs as TRL does, and pad them into batches."""
+"""Tokenized rows into padded (or packed) batches; what truncation cut, counted; rows with no answer token refused.
+The tokenizing itself is :mod:`rlhf.data.encoding`."""
 
 from __future__ import annotations
 
@@ -8,41 +9,7 @@ import torch
 
 from rlhf.core.errors import UserError
 from rlhf.data.checks import ROW_COLUMN
-
-TRUNCATED = "_truncated"  # a tokenized row's key: what truncation cut (bit flags below; 0: nothing)
-PROMPT_CUT = 1  # the prompt was longer than max_prompt_length and kept its end
-END_CUT = 2  # prompt + completion were longer than max_length and lost their end
-
-
-def encode(
-    tokenizer,
-    prompt: str,
-    completion: str,
-    max_prompt_length: int | None = None,
-    max_length: int | None = None,
-    add_special_tokens: bool = False,
-) -> dict[str, list[int]]:
-    """Token ids of prompt + completion + EOS, and a mask that is 1 on the completion (EOS included).
-
-    Prompt and completion are tokenized separately and EOS is appended to the completion, as TRL's DPO
-    trainer does, so log-probabilities match TRL's on the same model and data. ``add_special_tokens`` adds the
-    tokenizer's own specials (e.g. BOS) to the prompt, as TRL's SFT trainer does. A prompt longer than
-    ``max_prompt_length`` keeps its last tokens; a sequence longer than ``max_length`` loses its end: what was cut
-    is :data:`TRUNCATED`'s flags (:data:`PROMPT_CUT`, :data:`END_CUT`), counted before training
-    (:func:`truncated_rows`).
-    """
-    if add_special_tokens and tokenizer.bos_token and prompt.startswith(tokenizer.bos_token):
-        add_special_tokens = False  # a rendered chat template already starts with BOS: do not double it
-    prompt_ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    cut = 0
-    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
-        prompt_ids, cut = (prompt_ids[-max_prompt_length:] if max_prompt_length > 0 else []), PROMPT_CUT
-    input_ids = prompt_ids + completion_ids
-    completion_mask = [0] * len(prompt_ids) + [1] * len(completion_ids)
-    if max_length is not None and len(input_ids) > max_length:
-        input_ids, completion_mask, cut = input_ids[:max_length], completion_mask[:max_length], cut | END_CUT
-    return {"input_ids": input_ids, "completion_mask": completion_mask, TRUNCATED: cut}
+from rlhf.data.encoding import END_CUT, PROMPT_CUT, TRUNCATED
 
 
 def truncated_rows(rows) -> dict[str, int]:
@@ -54,7 +21,7 @@ def truncated_rows(rows) -> dict[str, int]:
 
 
 def require_completion(encoded: dict[str, list[int]], row: dict, column: str, max_length: int | None) -> None:
-    """Refuse a row of which not one completion token survived truncation (:func:`encode`'s ``completion_mask``).
+    """Refuse a row of which not one completion token survived truncation (:func:`rlhf.data.encoding.encode`'s ``completion_mask``).
 
     A long prompt is cut as usual; only when the prompt alone fills ``max_length`` is the row an error, naming the
     row by its :data:`~rlhf.data.checks.ROW_COLUMN` (file and row number) when it has one.

@@ -10,10 +10,10 @@ import json
 def data_fingerprint(dataset) -> str:
     """A hash of a split's content: column names, types and every value, in row order; the same however
     the table is chunked (in memory, or saved and loaded back by the other processes of a machine). The record of
-    what truncation cut (:data:`rlhf.data.collate.TRUNCATED`) is left out: it trains nothing."""
+    what truncation cut (:data:`rlhf.data.encoding.TRUNCATED`) is left out: it trains nothing."""
     import pyarrow as pa
 
-    from rlhf.data.collate import TRUNCATED
+    from rlhf.data.encoding import TRUNCATED
 
     table = dataset.data.table if hasattr(dataset.data, "table") else dataset.data
     if getattr(dataset, "_indices", None) is not None:  # a selection not yet written out: hash the rows it selects

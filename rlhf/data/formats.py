@@ -11,8 +11,12 @@ preference             ``prompt``, ``chosen``, ``rejected``       same, as messa
 implicit-prompt pref.  ``chosen``, ``rejected``                   same, as message lists
 =====================  =========================================  ===========================================
 
-Conversational rows are rendered with the tokenizer's chat template: the prompt with the generation prompt
-appended, each completion as the rest of the rendered conversation, as TRL does.
+Conversational rows are rendered with the tokenizer's chat template, as TRL 1.16 renders them: the prompt with the
+generation prompt appended, and each answer as the whole conversation (prompt + answer messages), which the
+algorithm tokenizes and splits where it diverges from the prompt (:mod:`rlhf.data.encoding`; no EOS appended: the
+template closes the turn). Each row says which it is in :data:`~rlhf.data.encoding.FORMAT_COLUMN`: ``text``,
+``chat``, or ``whole_chat`` for an SFT ``messages`` row, every token of which is trained (TRL's conversational
+language modeling; its prompt column still holds the conversation before the last assistant turn, for generation).
 
 Unpaired rows (KTO): ``prompt``, ``completion`` and a ``label`` (true: desirable, false: undesirable), TRL's
 unpaired preference format; preference rows given to an algorithm that asks for them become two rows each, the
@@ -22,7 +26,6 @@ chosen answer desirable and the rejected one not (TRL's ``unpair_preference_data
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +34,7 @@ from jinja2 import TemplateError
 
 from rlhf.core.errors import UserError
 from rlhf.data.checks import ROW_COLUMN, TYPED
+from rlhf.data.encoding import CHAT, FORMAT_COLUMN, TEXT, WHOLE_CHAT
 
 Messages = list[dict[str, str]]
 
@@ -41,18 +45,6 @@ def _is_conversation(value: Any) -> bool:
 
 def _render(tokenizer, messages: Messages, add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def _split_conversation(tokenizer, prompt: Messages, completion: Messages) -> tuple[str, str]:
-    """Render prompt (with generation prompt) and the completion as the remainder of the whole chat."""
-    if not prompt:  # e.g. a conversation without a final assistant turn: all of it is the completion
-        return "", _render(tokenizer, completion, add_generation_prompt=False)
-    prompt_text = _render(tokenizer, prompt, add_generation_prompt=True)
-    full_text = _render(tokenizer, prompt + completion, add_generation_prompt=False)
-    if not full_text.startswith(prompt_text):
-        # Some templates render the last turn differently; fall back to rendering without generation prompt.
-        prompt_text = _render(tokenizer, prompt, add_generation_prompt=False)
-    return prompt_text, full_text[len(prompt_text) :]
 
 
 def _common_prefix(a: Sequence, b: Sequence) -> int:
@@ -78,6 +70,7 @@ def to_rows(row: dict[str, Any], columns: Sequence[str], tokenizer) -> list[dict
     if "label" in columns and "completion" in columns and "label" not in row and "chosen" in row:
         pair = to_text(row, ("prompt", "chosen", "rejected"), tokenizer)
         return [{"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen",
+                 FORMAT_COLUMN: pair[FORMAT_COLUMN],
                  **{c: row[c] for c in columns if c in TYPED and c != "label" and c in row}}
                 for side in ("chosen", "rejected")]
     return [to_text(row, columns, tokenizer)]
@@ -85,7 +78,7 @@ def to_rows(row: dict[str, Any], columns: Sequence[str], tokenizer) -> list[dict
 
 def to_text(row: dict[str, Any], columns: Sequence[str], tokenizer) -> dict[str, Any]:
     """One row of any accepted format -> a row with exactly `columns`, all strings but the typed ones
-    (:data:`rlhf.data.checks.TYPED`), which keep their values."""
+    (:data:`rlhf.data.checks.TYPED`), which keep their values, and :data:`~rlhf.data.encoding.FORMAT_COLUMN`."""
     typed = {column: row[column] for column in columns if column in TYPED}
     columns = [column for column in columns if column not in TYPED]
     return {**_to_text(row, columns, tokenizer), **typed}
@@ -94,29 +87,31 @@ def to_text(row: dict[str, Any], columns: Sequence[str], tokenizer) -> dict[str,
 def _to_text(row: dict[str, Any], columns: Sequence[str], tokenizer) -> dict[str, str]:
     if "chosen" in columns and "prompt" not in row:
         row = _extract_prompt(row)
+    whole = False
     if "prompt" not in row and "messages" in row:  # the last assistant turn is the completion, the rest the prompt
         messages = row["messages"]
         cut = len(messages) - 1 if messages and messages[-1]["role"] == "assistant" else 0
-        row = {"prompt": messages[:cut], "completion": messages[cut:]}
+        row, whole = {"prompt": messages[:cut], "completion": messages[cut:]}, True
     elif "completion" in columns and "completion" not in row and "text" in row:
         row = {"prompt": "", "completion": row["text"]}
     prompt = row["prompt"]
     answers = [column for column in columns if column != "prompt"]
     if not answers:  # prompt-only format (online algorithms)
-        return {"prompt": _render(tokenizer, prompt, True) if _is_conversation(prompt) else prompt}
+        if _is_conversation(prompt):
+            return {"prompt": _render(tokenizer, prompt, True), FORMAT_COLUMN: CHAT}
+        return {"prompt": prompt, FORMAT_COLUMN: TEXT}
     if not any(_is_conversation(row[c]) for c in ["prompt", *answers]):
-        return {"prompt": prompt, **{column: row[column] for column in answers}}
-    # One part is a conversation: all are (plain text becomes a user prompt or an assistant answer).
-    prompt_messages = prompt if _is_conversation(prompt) else [{"role": "user", "content": prompt}]
-    pieces = {}  # column -> (prompt text, completion text)
+        return {"prompt": prompt, **{column: row[column] for column in answers}, FORMAT_COLUMN: TEXT}
+    # One part is a conversation: all are (plain text becomes a user prompt or an assistant answer). The prompt is
+    # rendered with the generation prompt, each answer as the whole conversation (rlhf.data.encoding splits them).
+    prompt_messages = prompt if _is_conversation(prompt) else ([{"role": "user", "content": prompt}] if prompt else [])
+    out = {"prompt": _render(tokenizer, prompt_messages, True) if prompt_messages else ""}
     for column in answers:
         value = row[column]
         value_messages = value if _is_conversation(value) else [{"role": "assistant", "content": value}]
-        pieces[column] = _split_conversation(tokenizer, prompt_messages, value_messages)
-    # Answers may see the prompt rendered differently (with the generation prompt when an answer starts with an
-    # assistant turn, without when it does not): the prompt is what they share, the rest goes to each answer.
-    shared = os.path.commonprefix([prompt_text for prompt_text, _ in pieces.values()])
-    return {"prompt": shared, **{c: prompt_text[len(shared):] + text for c, (prompt_text, text) in pieces.items()}}
+        out[column] = _render(tokenizer, prompt_messages + value_messages, False)
+    # An SFT `messages` row is TRL's conversational language modeling: every token of it is trained.
+    return {**out, FORMAT_COLUMN: WHOLE_CHAT if whole else CHAT}
 
 
 # Which raw columns can stand in for the columns an algorithm asks for.
@@ -168,7 +163,7 @@ _OTHER_ALGORITHMS = ((("chosen", "rejected"), "algo=dpo"), (("prompt", "completi
 def _rows_to_text(batch: dict[str, list], columns: Sequence[str], tokenizer, where: str) -> dict[str, list]:
     """:func:`to_rows` over a batch of rows, keeping each row's origin (:data:`ROW_COLUMN`; an unpaired row's says
     which answer of the pair it is) and naming it if the chat template fails."""
-    out: dict[str, list] = {column: [] for column in columns}
+    out: dict[str, list] = {column: [] for column in (*columns, FORMAT_COLUMN)}
     if ROW_COLUMN in batch:
         out[ROW_COLUMN] = []
     for values in zip(*batch.values()):

@@ -52,7 +52,8 @@ from rlhf.algos import reward_funcs as reward_lib
 from rlhf.algos.online import collate_prompts, generation_seed, tokenize_prompt
 from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
-from rlhf.models.generation import Sampling, sample
+from rlhf.data.encoding import CHAT, FORMAT_COLUMN
+from rlhf.models.generation import Sampling, sample, stop_ids
 from rlhf.models.value_head import without_value_head
 from rlhf.ops.collectives import sum_over_processes
 from rlhf.ops.completion_logps import completion_stats
@@ -158,12 +159,14 @@ class GenerationEval:
             if not isinstance(prompt, str):  # conversational: the chat template's text, ready for the answer
                 prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             if prompt not in seen:
-                seen[prompt] = tokenize_prompt({**row, "prompt": prompt}, tokenizer, self.max_prompt_length,
-                                               self.reward_columns)
+                rendered = {FORMAT_COLUMN: CHAT} if prompt is not row["prompt"] else {}
+                seen[prompt] = tokenize_prompt({**row, "prompt": prompt, **rendered}, tokenizer,
+                                               self.max_prompt_length, self.reward_columns)
         self.rows = list(seen.values())
         # A sharded model that fits only sharded generates sharded here too (the online algorithm's own setting)
         self.settings = Sampling(temperature=self.temperature, top_p=1.0, top_k=0, max_new_tokens=self.max_new_tokens,
-                                 pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, tokenizer=tokenizer,
+                                 pad_id=tokenizer.pad_token_id, eos_ids=stop_ids(tokenizer, policy),
+                                 tokenizer=tokenizer,
                                  cache_implementation=getattr(algo, "cache_implementation", None),
                                  gather=getattr(algo, "gather_for_generation", True))
         self.algo = algo

@@ -26,8 +26,8 @@ from rlhf.config.checks import check_config
 from rlhf.core.errors import UserError
 from rlhf.core.instantiate import build
 from rlhf.core.train_state import TrainState
-from rlhf.data.collate import encode
-from rlhf.models.generation import gathered_for_generation
+from rlhf.data.encoding import encode
+from rlhf.models.generation import gathered_for_generation, plain_defaults, stop_ids
 from rlhf.run import checkpoint
 from rlhf.run.components import BuiltRun, build_run
 from rlhf.run.loop import train_step, window_metrics
@@ -230,7 +230,7 @@ class StepTrainer:
         algo, rows = self.run.algo, []
         for i, text in enumerate(texts):
             prompt, completion = (text, texts_labels[i]) if texts_labels is not None else ("", text)
-            out = encode(self.run.tokenizer, prompt, completion, algo.max_prompt_length, None, add_special_tokens=True)
+            out = encode(self.run.tokenizer, prompt, completion, algo.max_prompt_length, None)
             mask = out["completion_mask"] if algo.completion_only_loss else [1] * len(out["input_ids"])
             rows.append((out["input_ids"], mask))
         return rows
@@ -256,18 +256,21 @@ class StepTrainer:
         Seeded by the global torch generator (``torch.manual_seed``)."""
         prompts = _as_strings(prompts, "prompts")
         tokenizer, model, device = self.run.tokenizer, self.model, self.run.accelerator.device
-        encoded = [encode(tokenizer, p, "", None, None, add_special_tokens=True)["input_ids"][:-1] for p in prompts]
+        encoded = [tokenizer(p)["input_ids"] for p in prompts]  # with the tokenizer's special tokens, as in training
         longest = max(len(e) for e in encoded)
         ids = torch.tensor([[tokenizer.pad_token_id] * (longest - len(e)) + e for e in encoded], device=device)
         mask = torch.tensor([[0] * (longest - len(e)) + [1] * len(e) for e in encoded], device=device)
+        stops = list(stop_ids(tokenizer, model))  # the tokenizer's EOS and the model's end-of-turn ids
         model.eval()
         try:  # a sharded model's parameters gathered once for the generation (FSDP2, ZeRO-3), not at every token
-            with self.run.accelerator.autocast(), gathered_for_generation(self.run.model) as still_sharded:
+            with (self.run.accelerator.autocast(), gathered_for_generation(self.run.model) as still_sharded,
+                  plain_defaults(model)):  # only the settings given here, not the model's generation_config.json
                 sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p} if do_sample else {}
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                      do_sample=do_sample, **sampling,  # greedy: no sampling settings to warn about
                                      num_return_sequences=num_return_sequences, synced_gpus=still_sharded,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                                     pad_token_id=tokenizer.pad_token_id,
+                                     eos_token_id=stops)
         finally:
             model.train()
         return tokenizer.batch_decode(out[:, longest:], skip_special_tokens=True)

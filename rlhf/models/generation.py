@@ -1,6 +1,14 @@
 """Sampling completions from a policy (:func:`sample`, for online algorithms' rollouts and the generation
 evaluation alike), with its parameters gathered once for a whole generation where a strategy shards them.
 
+Samples come from ``softmax(logits / temperature)`` with this project's top-p and top-k and nothing else: the
+log-probabilities, importance ratios and KL of online RL assume that distribution, and a greedy evaluation must be
+greedy. transformers fills every generation setting a call leaves unset from the model's own
+``generation_config.json``, where many Hub models ship their authors' sampling defaults (``repetition_penalty``,
+``no_repeat_ngram_size``, ``min_p``, ``top_k``, ...); :func:`plain_defaults` sets that aside for the call, so the
+unset ones are transformers' neutral defaults. What a completion stops at is kept from the model: the tokenizer's
+EOS and every id of the generation config's ``eos_token_id`` (:func:`stop_ids`: a chat model's end of turn).
+
 Under FSDP2 and ZeRO-3 every forward pass of a sharded model all-gathers each unit's (layer's) parameters and frees
 them after; generating ``T`` tokens would gather the model ``T`` times, and every process would have to keep stepping
 until the last one's completions end (``synced_gpus``). :func:`gathered_for_generation` gathers it once for the
@@ -25,16 +33,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Sampling:
     """How completions are drawn: ``temperature``, ``top_p``, ``top_k`` (0: off) and at most ``max_new_tokens``
-    each; the tokenizer's ``pad_id`` and ``eos_id``, and the tokenizer that decodes them; transformers'
-    ``cache_implementation`` (None: its dynamic cache); ``gather``: a sharded model's parameters gathered once for
-    the whole generation (:func:`gathered_for_generation`)."""
+    each; the tokenizer's ``pad_id``, the ids a completion ends at (``eos_ids``: :func:`stop_ids`), and the tokenizer
+    that decodes them; transformers' ``cache_implementation`` (None: its dynamic cache); ``gather``: a sharded
+    model's parameters gathered once for the whole generation (:func:`gathered_for_generation`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 16
     pad_id: int = 0
-    eos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
     tokenizer: Any = None
     cache_implementation: str | None = None
     gather: bool = True
@@ -57,10 +65,8 @@ def sample(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
         "do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k}
     if settings.cache_implementation is not None:  # "static": one cache of the longest length, which lets
         options["cache_implementation"] = settings.cache_implementation  # transformers compile decoding on a GPU
-    # A fresh generation config: none of the model's own defaults (a repetition penalty, a minimum length, ...)
-    # bends the sampling away from the policy's distribution, which the log-probabilities of the samples assume.
     config = transformers.GenerationConfig(max_new_tokens=settings.max_new_tokens, pad_token_id=settings.pad_id,
-                                           eos_token_id=settings.eos_id, **options)
+                                           eos_token_id=list(settings.eos_ids) or None, **options)
     devices = [ids.device] if ids.device.type == "cuda" else []
     try:  # FSDP2's and ZeRO-3's parameters gathered once for the whole rollout, not at every token
         with torch.random.fork_rng(devices=devices), gathered_for_generation(model, settings.gather) as still_sharded:
@@ -68,12 +74,13 @@ def sample(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
                 torch.manual_seed(seed)
             # synced_gpus where the forward passes are still collectives: a process whose completions ended
             # keeps stepping until every process is done
-            out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                  synced_gpus=still_sharded)
+            with plain_defaults(policy):  # none of the model's own sampling defaults (the module docstring)
+                out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                      synced_gpus=still_sharded)
     finally:
         policy.train(training)
     completion = out[:, ids.shape[1]:]
-    is_eos = completion == settings.eos_id
+    is_eos = torch.isin(completion, torch.tensor(settings.eos_ids, dtype=completion.dtype, device=completion.device))
     ended = is_eos.any(-1)
     first_eos = torch.where(ended, is_eos.float().argmax(-1), torch.full_like(ended, completion.shape[1],
                                                                              dtype=torch.long))
@@ -84,6 +91,30 @@ def sample(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
              for row, n in zip(completion.tolist(), completion_mask.sum(-1).tolist())]
     return {"prompt_ids": ids, "prompt_mask": mask, "completion_ids": completion,
             "completion_mask": completion_mask, "truncated": ~ended, "completions": texts}
+
+
+def stop_ids(tokenizer: Any, model: torch.nn.Module | None = None) -> tuple[int, ...]:
+    """The token ids a completion ends at: the tokenizer's EOS, then every id of the model's generation config's
+    ``eos_token_id`` (one id or a list: Qwen2.5's ``<|im_end|>`` and ``<|endoftext|>``, Llama 3's ``<|eot_id|>``
+    and ``<|end_of_text|>``), each once."""
+    ids = [tokenizer.eos_token_id]
+    config = getattr(extract_model_from_parallel(model), "generation_config", None) if model is not None else None
+    more = getattr(config, "eos_token_id", None)
+    ids += more if isinstance(more, (list, tuple)) else [more]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+@contextlib.contextmanager
+def plain_defaults(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, ``model.generation_config`` is transformers' plain one: a ``generate`` call gets only the
+    settings it is given and transformers' neutral defaults, never those of the model's ``generation_config.json``
+    (which is put back after)."""
+    own = model.generation_config
+    model.generation_config = transformers.GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = own
 
 
 def sharded(model: torch.nn.Module) -> bool:

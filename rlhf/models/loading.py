@@ -113,6 +113,7 @@ def load_policy(
     attn_implementation: str | None = "auto",
     gradient_checkpointing: bool = False,
     tiny: Any = None,
+    packaged: Any = None,
     head: str = "causal_lm",
     quantization: dict[str, Any] | None = None,
 ) -> Policy:
@@ -134,6 +135,8 @@ def load_policy(
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
             them (non-reentrant ``torch.utils.checkpoint``): activation memory for about a third more compute.
         tiny: a :class:`rlhf.embedded.tiny_model.TinySpec`, used when ``name_or_path`` is ``None``.
+        packaged: a model that an installed package ships (:class:`rlhf.models.packaged.PackagedGguf`), used when
+            ``name_or_path`` is ``None``: its Hugging Face folder, made once in the cache, loads as a local folder.
         head: what the model outputs, a key of :data:`HEADS`: ``causal_lm`` (next-token logits),
             ``sequence_classification`` (one scalar per sequence, a reward model) or ``value`` (one scalar per
             token, PPO's critic: :func:`rlhf.models.value.token_values`). A causal LM checkpoint loaded with another
@@ -146,6 +149,8 @@ def load_policy(
     spec = HEADS[head]
     if dtype != "auto" and dtype not in DTYPES:
         raise UserError(f"model.dtype={dtype!r} is not one of {[*DTYPES, 'auto']}. Fix: e.g. model.dtype=bfloat16")
+    if name_or_path is None and packaged is not None:
+        name_or_path = str(packaged.folder())
     if name_or_path is None:
         if tiny is None:
             raise UserError("model.name_or_path is null and no tiny spec is given. Fix: model=tiny or "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -133,31 +134,40 @@ def render(messages: list[dict]) -> str:
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
 
 
-def expected_text(expect: dict, answer: str) -> tuple[str, int | None]:
-    """The whole sequence a row must tokenize to (before EOS), and its prompt's length in bytes when known."""
+def expected_text(expect: dict, answer: str) -> tuple[str, bool, str | None]:
+    """The whole sequence a row must tokenize to, whether EOS follows it (plain text: appended; a conversation: the
+    template closes the turn, as TRL tokenizes it), and the prompt the answer is split from where known ("": every
+    token of an SFT ``messages`` row is trained)."""
     if "prompt" not in expect:  # implicit-prompt pairs, messages, text: the answer column is the whole text
         (kind, value), = [expect[c] for c in expect if c in (answer, "messages", "text")]
-        return (value, None) if kind == "text" else (render(value), None)
+        if kind == "text":
+            return value, True, None
+        return render(value), False, "" if "messages" in expect else None
     (p_kind, prompt), (a_kind, value) = expect["prompt"], expect[answer]
     if all(kind == "text" for kind, _ in expect.values()):  # else every part is rendered as a conversation
-        return prompt + value, len(prompt.encode())
+        return prompt + value, True, prompt
     p_messages = prompt if p_kind == "conversation" else [{"role": "user", "content": prompt}]
     a_messages = value if a_kind == "conversation" else [{"role": "assistant", "content": value}]
-    return render(p_messages + a_messages), None
+    return render(p_messages + a_messages), False, render(p_messages) + "<|assistant|>\n"
 
 
 def check_tokenized(algo: str, row: dict, expect: dict) -> None:
     algorithm = SFT(max_prompt_length=None, max_length=None) if algo == "sft" else DPO(max_prompt_length=None,
                                                                                      max_length=None)
     tokens = algorithm.tokenize(row, TOKENIZER)
-    for answer in ("completion",) if algo == "sft" else ("chosen", "rejected"):
+    answers = ("completion",) if algo == "sft" else ("chosen", "rejected")
+    texts = {answer: expected_text(expect, answer) for answer in answers}
+    # The answers start where the prompt and the whole sequence diverge, the same for both sides of a pair (the
+    # byte tokenizer: a byte is a token)
+    prompts = [(prompt.encode(), text.encode()) for text, _, prompt in texts.values() if prompt is not None]
+    start = min((len(os.path.commonprefix([p, t])) for p, t in prompts), default=None)
+    for answer, (text, eos, _) in texts.items():
         prefix = "" if algo == "sft" else f"{answer}_"
         ids, mask = tokens[f"{prefix}input_ids"], tokens[f"{prefix}completion_mask"]
-        text, prompt_bytes = expected_text(expect, answer)
-        assert ids == [*text.encode(), EOS], (row, expect)
-        start = mask.index(1)
-        assert mask == [0] * start + [1] * (len(mask) - start)
-        assert prompt_bytes is None or start == prompt_bytes
+        assert ids == [*text.encode(), *([EOS] if eos else [])], (row, expect)
+        first = mask.index(1)
+        assert mask == [0] * first + [1] * (len(mask) - first)
+        assert start is None or first == start, (row, expect)
 
 
 def row_number(label: str) -> int:

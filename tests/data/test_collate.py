@@ -1,19 +1,6 @@
-from rlhf.data.collate import collate_sequences, encode
+from rlhf.data.collate import collate_sequences
+from rlhf.data.encoding import encode
 from rlhf.models.tokenizer import byte_tokenizer
-
-
-def test_encode_appends_eos_and_masks_the_completion():
-    tok = byte_tokenizer()
-    out = encode(tok, "ab=", "ba")
-    assert out["input_ids"] == [97, 98, 61, 98, 97, tok.eos_token_id]
-    assert out["completion_mask"] == [0, 0, 0, 1, 1, 1]
-
-
-def test_truncation_keeps_prompt_end_and_sequence_start():
-    tok = byte_tokenizer()
-    out = encode(tok, "abcdef=", "xyz", max_prompt_length=3, max_length=5)
-    assert out["input_ids"] == list(b"ef=xy")
-    assert out["completion_mask"] == [0, 0, 0, 1, 1]
 
 
 def test_collate_right_pads_with_masks():
@@ -21,25 +8,6 @@ def test_collate_right_pads_with_masks():
     assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["completion_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
-
-
-class _BosTokenizer:
-    """Behaves like a Llama tokenizer: special tokens mean a leading BOS (id 1); "<s>" in text is BOS too."""
-
-    bos_token, eos_token_id = "<s>", 2
-
-    def __call__(self, text, add_special_tokens=True):
-        ids = [1] if add_special_tokens else []
-        if text.startswith(self.bos_token):
-            ids, text = ids + [1], text[len(self.bos_token) :]
-        return {"input_ids": ids + [ord(c) for c in text]}
-
-
-def test_special_tokens_add_bos_once_even_when_the_chat_template_wrote_it():
-    tok = _BosTokenizer()
-    assert encode(tok, "ab", "c", add_special_tokens=True)["input_ids"] == [1, 97, 98, 99, 2]
-    assert encode(tok, "ab", "c", add_special_tokens=False)["input_ids"] == [97, 98, 99, 2]
-    assert encode(tok, "<s>ab", "c", add_special_tokens=True)["input_ids"] == [1, 97, 98, 99, 2]
 
 
 def test_a_long_prompt_is_cut_but_a_row_with_no_completion_token_is_an_error():
@@ -69,7 +37,8 @@ def test_what_truncation_cut_is_recorded_and_counted():
     a split by side: the start-up line's and data/truncated_rows' numbers."""
     from datasets import Dataset
 
-    from rlhf.data.collate import END_CUT, PROMPT_CUT, TRUNCATED, truncated_rows
+    from rlhf.data.collate import truncated_rows
+    from rlhf.data.encoding import END_CUT, PROMPT_CUT, TRUNCATED
 
     tok = byte_tokenizer()
     flags = [encode(tok, p, c, max_prompt_length=3, max_length=6)[TRUNCATED]

@@ -2,6 +2,7 @@ import pytest
 from datasets import Dataset
 
 from rlhf.core.errors import UserError
+from rlhf.data.encoding import CHAT, FORMAT_COLUMN, TEXT, WHOLE_CHAT
 from rlhf.data.formats import standardize
 from rlhf.models.tokenizer import byte_tokenizer
 
@@ -11,13 +12,14 @@ SFT = ("prompt", "completion")
 
 def test_standard_preference_rows_pass_through():
     ds = Dataset.from_list([{"prompt": "q", "chosen": "a", "rejected": "b"}])
-    assert standardize(ds, PREF, byte_tokenizer())[0] == {"prompt": "q", "chosen": "a", "rejected": "b"}
+    assert standardize(ds, PREF, byte_tokenizer())[0] == {"prompt": "q", "chosen": "a", "rejected": "b",
+                                                              FORMAT_COLUMN: TEXT}
 
 
 def test_implicit_prompt_is_the_shared_beginning():
     ds = Dataset.from_list([{"chosen": "Q: why? A: because", "rejected": "Q: why? A: no idea"}])
     row = standardize(ds, PREF, byte_tokenizer())[0]
-    assert row == {"prompt": "Q: why? A: ", "chosen": "because", "rejected": "no idea"}
+    assert row == {"prompt": "Q: why? A: ", "chosen": "because", "rejected": "no idea", FORMAT_COLUMN: TEXT}
 
 
 def test_conversational_preference_uses_the_chat_template():
@@ -28,17 +30,22 @@ def test_conversational_preference_uses_the_chat_template():
         "rejected": [{"role": "assistant", "content": "go away"}],
     }])
     row = standardize(ds, PREF, tok)[0]
-    assert row["prompt"] == "<|user|>\nhi\n<|assistant|>\n"
-    assert row["chosen"].startswith("hello") and row["rejected"].startswith("go away")
+    assert row["prompt"] == "<|user|>\nhi\n<|assistant|>\n"  # with the generation prompt
+    # each answer is the whole conversation, as the template renders it (rlhf.data.encoding splits it as TRL does)
+    assert row["chosen"] == "<|user|>\nhi\n<|assistant|>\nhello\n" and row[FORMAT_COLUMN] == CHAT
+    assert row["rejected"] == "<|user|>\nhi\n<|assistant|>\ngo away\n"
 
 
 def test_messages_and_text_become_prompt_completion():
     tok = byte_tokenizer()
     messages = Dataset.from_list([{"messages": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}]}])
     row = standardize(messages, SFT, tok)[0]
-    assert row["prompt"].endswith("<|assistant|>\n") and row["completion"].startswith("4")
+    # the prompt for generating (the conversation before the last answer); every token is trained (TRL's
+    # conversational language modeling)
+    assert row["prompt"] == "<|user|>\n2+2\n<|assistant|>\n" and row[FORMAT_COLUMN] == WHOLE_CHAT
+    assert row["completion"] == "<|user|>\n2+2\n<|assistant|>\n4\n"
     text = standardize(Dataset.from_list([{"text": "plain"}]), SFT, tok)[0]
-    assert text == {"prompt": "", "completion": "plain"}
+    assert text == {"prompt": "", "completion": "plain", FORMAT_COLUMN: TEXT}
 
 
 def test_missing_columns_name_the_problem_and_the_fix():
@@ -67,6 +74,7 @@ def test_a_conversation_the_chat_template_refuses_names_its_row():
 
 def test_the_row_origin_column_is_kept_and_not_listed_as_a_data_column():
     ds = Dataset.from_list([{"prompt": "q", "completion": "a", "_row": "data.path=d.csv, row 1"}])
-    assert standardize(ds, SFT, byte_tokenizer())[0] == {"prompt": "q", "completion": "a", "_row": "data.path=d.csv, row 1"}
+    assert standardize(ds, SFT, byte_tokenizer())[0] == {"prompt": "q", "completion": "a", FORMAT_COLUMN: TEXT,
+                                                          "_row": "data.path=d.csv, row 1"}
     with pytest.raises(UserError, match=r"has columns \['prompt', 'completion'\], but this algorithm needs"):
         standardize(ds, PREF, byte_tokenizer())

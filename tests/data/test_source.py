@@ -5,6 +5,7 @@ import pytest
 
 from rlhf.core.errors import UserError
 from rlhf.data.checks import ROW_COLUMN
+from rlhf.data.encoding import FORMAT_COLUMN
 from rlhf.data.source import DataSource
 from rlhf.data.tasks import ReverseTask
 from rlhf.models.tokenizer import byte_tokenizer
@@ -26,7 +27,8 @@ def test_local_files_of_every_supported_type_load(tmp_path, suffix):
         frame.to_parquet(path)
     splits = DataSource(path=str(path), eval_size=0.25).load(("prompt", "chosen", "rejected"), byte_tokenizer())
     assert len(splits["train"]) == 15 and len(splits["eval"]) == 5
-    assert set(splits["train"][0]) == {"prompt", "chosen", "rejected", ROW_COLUMN}  # ROW_COLUMN: where it came from
+    # ROW_COLUMN: where it came from; FORMAT_COLUMN: how to tokenize it (rlhf.data.encoding)
+    assert set(splits["train"][0]) == {"prompt", "chosen", "rejected", ROW_COLUMN, FORMAT_COLUMN}
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
@@ -181,7 +183,7 @@ def test_a_conversational_csv_is_read_as_conversations_not_as_json_text(tmp_path
     _, splits = load(write(tmp_path / "d.csv", rows))
     row = splits["train"][0]
     assert row["prompt"] == "<|user|>\nhi\n<|assistant|>\n"
-    assert row["chosen"].startswith("yes") and row["rejected"] == "no\n"
+    assert row["chosen"].startswith(row["prompt"] + "yes") and row["rejected"] == row["prompt"] + "no\n"
 
 
 def test_a_messages_csv_trains_on_its_conversations(tmp_path):
@@ -189,7 +191,7 @@ def test_a_messages_csv_trains_on_its_conversations(tmp_path):
     path = write(tmp_path / "d.csv", [{"messages": json.dumps(chat)}] * 3, ["messages"])
     _, splits = load(path, ("prompt", "completion"))
     assert splits["train"][0]["prompt"] == "<|user|>\n2+2\n<|assistant|>\n"
-    assert splits["train"][0]["completion"] == "4\n"
+    assert splits["train"][0]["completion"] == "<|user|>\n2+2\n<|assistant|>\n4\n"  # all of it is trained
 
 
 def test_a_csv_column_mixing_conversations_and_text_is_one_error(tmp_path):

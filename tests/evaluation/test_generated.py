@@ -139,7 +139,7 @@ def test_samples_are_scored_as_the_policy_sampled_them():
     policy = tiny_lm(0)
     prompts = generated.collate_prompts([{"prompt_ids": [A, B], "prompt": "ab"}, {"prompt_ids": [B], "prompt": "b"}],
                                         PAD)
-    settings = generated.Sampling(max_new_tokens=3, pad_id=PAD, eos_id=EOS, tokenizer=Letters())
+    settings = generated.Sampling(max_new_tokens=3, pad_id=PAD, eos_ids=(EOS,), tokenizer=Letters())
     sampled = generated.sample(policy, prompts["input_ids"], prompts["attention_mask"], 6, 7, settings)
     with torch.no_grad():
         scored = generated.completion_stats(policy, generated.scoring_batch(sampled)).logps

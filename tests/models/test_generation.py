@@ -1,8 +1,10 @@
-"""rlhf/models/generation.py: FSDP2's parameters gathered once for a generation, counted on 2 CPU processes."""
+"""rlhf/models/generation.py: FSDP2's parameters gathered once for a generation, counted on 2 CPU processes; sampling
+from softmax(logits / T) alone, whatever the model's own generation defaults; the ids a completion stops at."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 @pytest.mark.serial
@@ -89,3 +91,44 @@ def test_gather_for_generation_false_gathers_nothing_and_says_whether_to_sync(mo
         source, _ = _source(algo)
         source.next()
         assert seen[-1] is option
+
+
+def _sampled(model, seed):
+    from rlhf.models.generation import Sampling, sample, stop_ids
+    from rlhf.models.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    ids = torch.tensor([tok("abcab=")["input_ids"]] * 2)
+    settings = Sampling(temperature=1.0, max_new_tokens=24, pad_id=tok.pad_token_id, eos_ids=stop_ids(tok, model),
+                        tokenizer=tok)
+    return sample(model, ids, torch.ones_like(ids), 3, seed, settings)["completion_ids"]
+
+
+def test_sampling_ignores_the_models_own_generation_defaults():
+    """A model whose generation_config.json carries its authors' sampling defaults (as many Hub models' do) samples,
+    and decodes greedily, exactly the tokens of the same model without them: only softmax(logits / T)."""
+    from transformers import GenerationConfig
+
+    from tests.conftest import fast_initial_model
+
+    plain = fast_initial_model()
+    opinionated = fast_initial_model()
+    opinionated.generation_config = GenerationConfig(
+        repetition_penalty=3.0, no_repeat_ngram_size=1, min_p=0.3, top_k=2, temperature=0.2, do_sample=True,
+        min_new_tokens=20, eos_token_id=opinionated.generation_config.eos_token_id)
+    for seed in (0, None):  # sampled, then greedy
+        a, b = _sampled(plain, seed), _sampled(opinionated, seed)
+        assert torch.equal(a, b), seed
+    assert opinionated.generation_config.repetition_penalty == 3.0  # the model's own config is put back
+
+
+def test_a_completion_stops_at_the_tokenizers_eos_or_any_end_of_turn_id_of_the_model():
+    from rlhf.models.generation import stop_ids
+    from rlhf.models.tokenizer import byte_tokenizer
+    from tests.conftest import fast_initial_model
+
+    tok, model = byte_tokenizer(), fast_initial_model()
+    model.generation_config.eos_token_id = [7, tok.eos_token_id, 9]
+    assert stop_ids(tok, model) == (tok.eos_token_id, 7, 9)
+    model.generation_config.eos_token_id = None
+    assert stop_ids(tok, model) == (tok.eos_token_id,)
