@@ -5,8 +5,8 @@
 
 On the embedded default (the warm-started tiny model, the reverse task's held-out pairs), it evaluates the
 initial policy with both implementations and prints the metrics side by side: ``logps/chosen`` and
-``logps/rejected`` must agree (same tokenization: prompt and completion tokenized separately, EOS appended,
-log-probabilities summed over completion tokens). Exits 1 if they differ by more than 1e-3 nats.
+``logps/rejected`` must agree (the same tokenization, TRL 1.16's: rlhf/data/encoding.py; log-probabilities
+summed over completion tokens). Exits 1 if they differ by more than 1e-3 nats.
 With ``--losses`` it checks every DPO loss variant that TRL also has (``conf/algo/<name>.yaml`` against the
 ``DPOConfig`` fields of :data:`TRL_LOSSES`): the first-step loss of both on the same held-out batch, with a
 reference model that differs from the policy (the policy's weights plus seeded noise); exits 1 if any differs by

@@ -26,6 +26,7 @@ from rlhf.evaluation.generated import NoGenerationEval
 from rlhf.hardware import global_numel
 from rlhf.models import attention
 from rlhf.models.adapters import NoAdapter
+from rlhf.ops.collectives import any_process
 from rlhf.ops.output_layer import logits_rows
 from rlhf.optim import param_groups, schedule
 from rlhf.run.resume_check import record
@@ -35,8 +36,11 @@ from rlhf.telemetry.memory_preflight import (
     MemoryPlan,
     PeakMemory,
     activation_bytes,
+    available_bytes,
+    check_fits,
     measured_plan,
     optimizer_bytes_per_parameter,
+    resident_bytes,
 )
 from rlhf.telemetry.metrics import evaluate
 
@@ -144,6 +148,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     make_optimizer = build(cfg.optimizer, _convert_="all")  # plain lists (betas): checkpoints load weights-only
     memory = preflight(model, algo, tokenized["train"], make_optimizer, strategy, settings,
                        frozen={**algo.frozen, **generation_eval.frozen})
+    check_memory(memory, peak, strategy, settings, memory_fixes(algo, model, settings, accumulation))
     model, optimizer, training = strategy.prepare(model, lambda m: make_optimizer(param_groups(m)), training)
     max_steps = settings.steps(len(training), accumulation)
     scheduler = schedule(build(cfg.scheduler), optimizer, max_steps)
@@ -188,6 +193,48 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     state_dtype = precision.optimizer_dtype or (trainable.dtype if trainable is not None else torch.float32)
     return measured_plan(model, algo.frozen if frozen is None else frozen, optimizer_bytes_per_parameter(make_optimizer, state_dtype),
                          strategy.sharded_state(), strategy.accelerator.num_processes, activations, precision)
+
+
+def memory_fixes(algo: Algorithm, model, settings: TrainSettings, accumulation: int) -> list[str]:
+    """What lowers a run's memory, in the order to try it: half the micro-batch with twice the accumulation (the
+    same global batch), recomputed activations, shorter completions (online algorithms), a sharded strategy."""
+    fixes = []
+    batch = settings.per_device_batch_size
+    if batch > 1:
+        keep = "" if settings.global_batch_size is not None else f" train.grad_accumulation_steps={2 * accumulation}"
+        fixes.append(f"train.per_device_batch_size={batch // 2}{keep} (the same global batch"
+                     + (")" if batch % 2 == 0 else ", less one row a process)"))
+    if not activation_checkpointing(model):
+        fixes.append("model.gradient_checkpointing=true (activations recomputed: about a third more compute)")
+    length = getattr(algo, "max_completion_length", None)
+    if isinstance(length, int) and length > 1:
+        fixes.append(f"algo.max_completion_length={length // 2}")
+    fixes.append("a sharded strategy over several processes or GPUs (hardware=fsdp or hardware=zero3)")
+    return fixes
+
+
+def check_memory(memory: MemoryPlan, peak: PeakMemory, strategy, settings: TrainSettings, fixes: list[str]) -> None:
+    """``train.memory_check``: where the preflight's prediction is more than a process can have (on any process; a
+    collective), ``refuse`` stops every process before the first step with the fixes, ``warn`` says so and goes on.
+    What a process holds already (its model) counts as had: on a GPU the allocated bytes, on a CPU its growth since
+    the run began to be built."""
+    if settings.memory_check == "off":
+        return
+    accelerator = strategy.accelerator
+    device = accelerator.device
+    taken = torch.cuda.memory_allocated(device) if device.type == "cuda" else max(0, resident_bytes() - peak.start)
+    available, where = available_bytes(device)
+    # a CPU's memory is shared by the run's processes on this machine; each GPU is its own process's
+    sharers = 1 if device.type == "cuda" else max(1, accelerator.num_processes // max(1, getattr(strategy, "num_nodes", 1)))
+    message = check_fits(memory, taken, available, where, sharers, fixes)
+    if not any_process({"short": message is not None}, accelerator)["short"]:
+        return
+    if settings.memory_check == "refuse":
+        raise UserError((message or "another process of this run is predicted not to fit in its memory (its log "
+                         "says by how much)") + ". Or train.memory_check=warn to run anyway (the system may stop the "
+                        "run without a word when memory runs out), off to skip this check.")
+    if message:
+        log.warning("%s; going on (train.memory_check=warn)", message)
 
 
 def _check_context(max_length: int | None, config) -> None:

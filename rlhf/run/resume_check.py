@@ -45,7 +45,7 @@ NOT_OPTIMIZING = (
     "output_dir", "resume", "resume_changes", "logger", "hydra", "launcher", "objective", "eval",
     "train.log_every_steps", "train.eval_every_steps", "train.eval_at_start", "train.eval_batch_size",
     "train.save_every_steps", "train.save_every_minutes", "train.keep_last", "train.save_final",
-    "train.empty_cache_every_steps", "train.profile_steps", "train.profile_memory",
+    "train.empty_cache_every_steps", "train.profile_steps", "train.profile_memory", "train.memory_check",
     "hardware.timeout_s", "hardware.threads_per_process", "hardware.rdzv_endpoint", "hardware.node_rank",
     "model.gradient_checkpointing",  # recomputes the same activations: the same gradients bit for bit (tested)
 )

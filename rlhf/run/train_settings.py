@@ -15,6 +15,7 @@ from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
 
 NONFINITE_POLICIES = ("skip", "stop")  # train.on_nonfinite: drop a step whose loss or gradient is NaN/Inf, or stop
+MEMORY_CHECKS = ("refuse", "warn", "off")  # train.memory_check: a run predicted not to fit stops, warns, or is not checked
 
 # The top-level values of conf/config.yaml that no _target_ takes, checked by rlhf.config.checks.check_config.
 TOP_LEVEL_LIMITS = {
@@ -37,6 +38,13 @@ def _known_policy(values: Mapping[str, Any], where: str) -> None:
                         f"{where}.on_nonfinite=skip (skip the step) or stop (stop the run at once).")
 
 
+def _known_memory_check(values: Mapping[str, Any], where: str) -> None:
+    check = values.get("memory_check", "refuse")
+    if check not in MEMORY_CHECKS:
+        raise UserError(f"{where}.memory_check={check!r} is not one of {list(MEMORY_CHECKS)}. Fix: {where}.memory_check="
+                        "refuse (stop before the first step when the prediction does not fit), warn, or off.")
+
+
 def _count(meaning: str, fix: Any, low: int = 1) -> Range:
     return Range(ge=low, integer=True, meaning=meaning, fix=fix)
 
@@ -51,6 +59,7 @@ def _memory_needs_steps(values: Mapping[str, Any], where: str) -> None:
     _steps_or_epochs,
     _known_policy,
     _memory_needs_steps,
+    _known_memory_check,
     max_steps=_count("optimizer steps; 0 evaluates the starting model and stops", 300, low=0),
     num_epochs=_count("passes over the training split, instead of max_steps", 1),
     per_device_batch_size=_count("examples per process per micro-batch", 32),
@@ -91,6 +100,7 @@ class TrainSettings:
     empty_cache_every_steps: int
     profile_steps: int
     profile_memory: bool
+    memory_check: str = "refuse"
 
     def accumulation_steps(self, processes: int) -> int:
         """Micro-batches per optimizer step: set, or derived from ``global_batch_size`` for this many processes,

@@ -251,3 +251,55 @@ class PeakMemory:
     def mb(self) -> float:
         peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else peak_resident_bytes()
         return max(0, peak - self.start) / MB
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as file:
+            text = file.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2's "max": no limit
+
+
+def available_bytes(device: torch.device) -> tuple[int | None, str]:
+    """How many more bytes this process can take now, and where the figure comes from: on a GPU the device's free
+    memory (``torch.cuda.mem_get_info``); on a CPU the system's available memory (``MemAvailable``), or what the
+    cgroup's limit leaves (``memory.max`` less ``memory.current``, cgroup v2) where that is less. ``None`` where
+    neither can be read."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"free memory of {torch.cuda.get_device_name(device)}"
+    found: list[tuple[int, str]] = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "the system's available memory"))
+    except OSError:
+        pass
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        found.append((max(0, limit - used), "what the cgroup's memory limit leaves"))
+    if not found:
+        return None, ""
+    return min(found)
+
+
+def check_fits(memory: MemoryPlan, taken: int, available: int | None, where: str, sharers: int,
+               fixes: list[str]) -> str | None:
+    """The message when the predicted peak of one process (``memory``) does not fit, else None: ``taken`` bytes of
+    it are held already (the model, built), ``available`` more can be had (:func:`available_bytes`, ``where`` it comes
+    from; None: unknown, no message), shared by ``sharers`` processes of this machine (a CPU's memory; 1 on a GPU).
+    The message names the largest part and ``fixes``, in the order to try them."""
+    if available is None:
+        return None
+    can_have = taken + available // max(1, sharers)
+    if memory.total <= can_have:
+        return None
+    largest = max(PARTS, key=lambda name: getattr(memory, name))
+    shared = f", shared by {sharers} processes here" if sharers > 1 else ""
+    return (f"memory per process, predicted {memory.total / MB:,.1f} MB, is more than this process can have: "
+            f"{can_have / MB:,.1f} MB ({taken / MB:,.1f} MB held now and {available / MB:,.1f} MB more: {where}"
+            f"{shared}). The largest part: {largest} {getattr(memory, largest) / MB:,.1f} MB. Fix, in order: "
+            + "; ".join(fixes))

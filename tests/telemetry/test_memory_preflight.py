@@ -236,3 +236,60 @@ def test_an_output_layer_that_answers_in_tiles_keeps_one_tile_of_logits_in_the_e
     tiles = activation_bytes(config, 64, 512, 4, False, logits_rows=rows)
     assert whole - tiles == (tokens - rows) * 3 * config.vocab_size * 4 > 0
     assert activation_bytes(config, 1, 3, 4, False, logits_rows=rows) == activation_bytes(config, 1, 3, 4, False)
+
+
+def test_a_prediction_above_what_the_process_can_have_names_the_largest_part_and_the_fixes():
+    from rlhf.telemetry.memory_preflight import MemoryPlan, check_fits
+
+    plan = MemoryPlan(weights=100 * MB, gradients=100 * MB, optimizer=200 * MB, frozen=0, activations=700 * MB)
+    assert check_fits(plan, 100 * MB, 1000 * MB, "the system's available memory", 1, ["a"]) is None  # 1,100 fit
+    assert check_fits(plan, 100 * MB, None, "", 1, ["a"]) is None  # unknown: no verdict
+    message = check_fits(plan, 100 * MB, 1000 * MB, "the system's available memory", 2, ["fix a", "fix b"])
+    assert message == ("memory per process, predicted 1,100.0 MB, is more than this process can have: 600.0 MB "
+                       "(100.0 MB held now and 1,000.0 MB more: the system's available memory, shared by 2 "
+                       "processes here). The largest part: activations 700.0 MB. Fix, in order: fix a; fix b")
+
+
+def test_what_this_machine_has_left_is_read_from_the_system():
+    from rlhf.telemetry.memory_preflight import available_bytes
+
+    available, where = available_bytes(torch.device("cpu"))
+    assert 0 < available < 2**50 and where in ("the system's available memory",
+                                               "what the cgroup's memory limit leaves")
+
+
+def _short_of_memory(monkeypatch, megabytes: float = 1.0) -> None:
+    from rlhf.run import components
+
+    monkeypatch.setattr(components, "available_bytes", lambda device: (int(megabytes * MB), "faked for the test"))
+    monkeypatch.setattr(components, "resident_bytes", lambda: 0)  # nothing of the run held yet
+
+
+def test_a_run_predicted_not_to_fit_stops_before_its_first_step_with_the_fixes(monkeypatch, tmp_path, caplog):
+    """Faked: 1 MB left on this machine. train.memory_check=refuse (the default) stops before any step with the
+    largest part and the fixes in order; warn runs and says so; off does not look."""
+    import logging
+    import math
+
+    from rlhf import train
+    from rlhf.core.errors import UserError
+    from tests.conftest import FAST, compose_config
+
+    _short_of_memory(monkeypatch)
+    run = ("algo=grpo", "algo.max_completion_length=8", "train.max_steps=1")
+    with pytest.raises(UserError, match=r"(?s)memory per process, predicted [\d,.]+ MB, is more than this process can "
+                                        r"have: .* MB more: faked for the test\)\. The largest part: \w+ [\d,.]+ MB\. "
+                                        r"Fix, in order: train.per_device_batch_size=2 train.grad_accumulation_steps=2 "
+                                        r"\(the same global batch\); model.gradient_checkpointing=true .*; "
+                                        r"algo.max_completion_length=4; a sharded strategy .*"
+                                        r"Or train.memory_check=warn to run anyway"):
+        train(compose_config(*FAST, *run, output_dir=tmp_path / "refuse"))
+    metrics = tmp_path / "refuse" / "metrics.jsonl"
+    assert not metrics.exists() or '"train/loss"' not in metrics.read_text()  # no step was taken
+    for mode in ("warn", "off"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rlhf.run.components"):
+            out = train(compose_config(*FAST, *run, f"train.memory_check={mode}", output_dir=tmp_path / mode))
+        assert math.isfinite(out["train/loss"])
+        said = [r.getMessage() for r in caplog.records if "is more than this process can have" in r.getMessage()]
+        assert len(said) == (mode == "warn"), said
