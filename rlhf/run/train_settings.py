@@ -100,7 +100,7 @@ class TrainSettings:
     empty_cache_every_steps: int
     profile_steps: int
     profile_memory: bool
-    memory_check: str = "refuse"
+    memory_check: str
 
     def accumulation_steps(self, processes: int) -> int:
         """Micro-batches per optimizer step: set, or derived from ``global_batch_size`` for this many processes,
