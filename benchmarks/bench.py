@@ -11,8 +11,8 @@ For each model size (a Llama of random weights built from a config, saved once: 
 ``SHAPES``), every case (``CASES``) trains ``2 x --steps`` optimizer steps (by default ``STEPS[size]``; ``STEPS_GPU[size]`` on a GPU) with each
 implementation, in a process of its own, and times the second half (steady state: start-up, tokenizing, the first steps' allocations and the
 final evaluation are left out). Both use AdamW at a constant lr, weight decay 0, gradient clipping at 1.0, the
-byte-level tokenizer of the embedded default (prompt and completion tokenized separately, EOS after the
-completion), ``--threads`` torch threads, one process, on ``--device`` (``cpu``, or ``cuda``: one GPU, our side with
+byte-level tokenizer of the embedded default (prompt + completion + EOS, as TRL 1.16 tokenizes plain text:
+rlhf/data/encoding.py), ``--threads`` torch threads, one process, on ``--device`` (``cpu``, or ``cuda``: one GPU, our side with
 ``hardware=gpu``). Reported per case and implementation:
 
 - ``samples/s``: pairs (DPO) or rows (SFT) per second; the ratio rlhf / TRL is the headline;

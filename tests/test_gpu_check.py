@@ -25,7 +25,7 @@ def test_the_rehearsal_runs_every_section_and_writes_the_page(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # The import check ran (what a library logs at import may come before its line, so not "the first line").
     assert any(line.startswith("versions: torch ") for line in result.stdout.splitlines()), result.stdout[:3000]
-    assert "gemm_4bit_forward" not in result.stdout  # bitsandbytes' notice of a Hub kernel, quieted (tests/test_package)
+    assert "gemm_4bit_forward" not in result.stdout  # bitsandbytes' notice of a Hub kernel, quieted (tests/test_bitsandbytes_notice.py)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     checks = [c["check"].split(" = ")[0] for c in report["correctness"]]
     assert checks == ["DPO first-step loss", "SFT first-step loss", "GRPO first-step loss", "tiled output layer",

@@ -30,7 +30,7 @@ from rlhf.algos.base import PROMPT_TOKENS, Algorithm
 from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
 from rlhf.core.train_state import TrainState
-from rlhf.data.encoding import FORMAT_COLUMN, PROMPT_CUT, TEXT, TRUNCATED
+from rlhf.data.encoding import FORMAT_COLUMN, PROMPT_CUT, TEXT, TRUNCATED, tokens
 from rlhf.data.loaders import Batches
 from rlhf.models.generation import Sampling, sample, stop_ids
 
@@ -58,9 +58,7 @@ def tokenize_prompt(row: dict[str, Any], tokenizer, max_prompt_length: int | Non
     text, the truncation flag and ``columns`` as they are. Plain text gets the tokenizer's special tokens (a Llama
     tokenizer's BOS, as the SFT warm start saw them); a prompt rendered by the chat template (the row's
     :data:`~rlhf.data.encoding.FORMAT_COLUMN`, or text that starts with BOS) carries its own, as TRL tokenizes it."""
-    chat = row.get(FORMAT_COLUMN, TEXT) != TEXT
-    special = not chat and not (tokenizer.bos_token and row["prompt"].startswith(tokenizer.bos_token))
-    ids = tokenizer(row["prompt"], add_special_tokens=special)["input_ids"]
+    ids = tokens(tokenizer, row["prompt"], chat=row.get(FORMAT_COLUMN, TEXT) != TEXT)
     cut = max_prompt_length is not None and len(ids) > max_prompt_length
     if cut:
         ids = ids[-max_prompt_length:]

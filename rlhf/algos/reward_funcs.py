@@ -136,8 +136,11 @@ class RewardModel:
     tokenizer) as a reward function: ``reward_model(prompts, completions) -> [float]``, one scalar per prompt +
     completion.
 
-    Each text pair is tokenized as ``algo=reward`` tokenized its chosen and rejected sides
-    (:func:`rlhf.data.encoding.encode` as plain text: the tokenizer's specials, EOS appended to the completion,
+    Each text pair is tokenized as ``algo=reward`` tokenized plain-text chosen and rejected sides
+    (:func:`rlhf.data.encoding.encode` as plain text: the tokenizer's specials unless the prompt starts with BOS, EOS
+    appended to the completion; a rollout's prompt rendered by a chat template and its completion then end in EOS,
+    not in the template's own end of turn (ChatML's ``<|im_end|>`` and a newline) that a reward model trained on
+    conversational rows saw,
     ``max_prompt_length`` and ``max_length`` as there), right-padded, and read at its last token. The model is loaded
     once, at the first call (so a config that names it builds without reading it), on ``device`` (``None``: the
     calling process's device, accelerate's ``PartialState().device``), in eval mode, and scores without gradients,

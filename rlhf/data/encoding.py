@@ -50,9 +50,14 @@ def common_prefix_length(ids: Sequence[int], other: Sequence[int]) -> int:
     return n
 
 
-def _tokens(tokenizer, text: str, chat: bool) -> list[int]:
-    # A rendered chat template carries its own special tokens; plain text gets the tokenizer's (TRL's `_tokenize`).
-    return tokenizer(text, add_special_tokens=not chat)["input_ids"]
+def tokens(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """``text``'s token ids: a rendered chat template carries its own special tokens; plain text gets the
+    tokenizer's (TRL's ``_tokenize``), except a BOS it already starts with (text a template rendered and handed on
+    as plain text: a prompt a reward function or ``step()`` receives), which is not doubled. TRL would add a second
+    one there; a plain row of a data file does not start with the BOS text."""
+    bos = getattr(tokenizer, "bos_token", None)
+    special = not chat and not (bos and text.startswith(bos))
+    return tokenizer(text, add_special_tokens=special)["input_ids"]
 
 
 def _with_eos(tokenizer, answer: str) -> str:
@@ -74,8 +79,8 @@ def encode_answers(tokenizer, prompt: str, answers: Mapping[str, str], form: str
     if form not in FORMATS:
         raise ValueError(f"unknown row format {form!r}: one of {FORMATS}")
     chat = form != TEXT
-    prompt_ids = [] if form == WHOLE_CHAT else _tokens(tokenizer, prompt, chat)
-    wholes = {column: _tokens(tokenizer, answer if chat else prompt + _with_eos(tokenizer, answer), chat)
+    prompt_ids = [] if form == WHOLE_CHAT else tokens(tokenizer, prompt, chat)
+    wholes = {column: tokens(tokenizer, answer if chat else prompt + _with_eos(tokenizer, answer), chat)
               for column, answer in answers.items()}
     shared = min((common_prefix_length(prompt_ids, ids) for ids in wholes.values()), default=len(prompt_ids))
     if shared < len(prompt_ids):

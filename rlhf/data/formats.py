@@ -37,6 +37,7 @@ from rlhf.data.checks import ROW_COLUMN, TYPED
 from rlhf.data.encoding import CHAT, FORMAT_COLUMN, TEXT, WHOLE_CHAT
 
 Messages = list[dict[str, str]]
+ANSWERS = ("completion", "chosen", "rejected")  # the columns rendered as the assistant's turn of a conversation
 
 
 def _is_conversation(value: Any) -> bool:
@@ -95,13 +96,15 @@ def _to_text(row: dict[str, Any], columns: Sequence[str], tokenizer) -> dict[str
     elif "completion" in columns and "completion" not in row and "text" in row:
         row = {"prompt": "", "completion": row["text"]}
     prompt = row["prompt"]
-    answers = [column for column in columns if column != "prompt"]
+    answers = [column for column in columns if column in ANSWERS]
+    others = {column: row[column] for column in columns if column != "prompt" and column not in ANSWERS}  # as they
+    # are: an online algorithm's reward columns (a reference answer), which no template renders
     if not answers:  # prompt-only format (online algorithms)
         if _is_conversation(prompt):
-            return {"prompt": _render(tokenizer, prompt, True), FORMAT_COLUMN: CHAT}
-        return {"prompt": prompt, FORMAT_COLUMN: TEXT}
+            return {"prompt": _render(tokenizer, prompt, True), **others, FORMAT_COLUMN: CHAT}
+        return {"prompt": prompt, **others, FORMAT_COLUMN: TEXT}
     if not any(_is_conversation(row[c]) for c in ["prompt", *answers]):
-        return {"prompt": prompt, **{column: row[column] for column in answers}, FORMAT_COLUMN: TEXT}
+        return {"prompt": prompt, **{column: row[column] for column in answers}, **others, FORMAT_COLUMN: TEXT}
     # One part is a conversation: all are (plain text becomes a user prompt or an assistant answer). The prompt is
     # rendered with the generation prompt, each answer as the whole conversation (rlhf.data.encoding splits them).
     prompt_messages = prompt if _is_conversation(prompt) else ([{"role": "user", "content": prompt}] if prompt else [])
@@ -111,7 +114,7 @@ def _to_text(row: dict[str, Any], columns: Sequence[str], tokenizer) -> dict[str
         value_messages = value if _is_conversation(value) else [{"role": "assistant", "content": value}]
         out[column] = _render(tokenizer, prompt_messages + value_messages, False)
     # An SFT `messages` row is TRL's conversational language modeling: every token of it is trained.
-    return {**out, FORMAT_COLUMN: WHOLE_CHAT if whole else CHAT}
+    return {**out, **others, FORMAT_COLUMN: WHOLE_CHAT if whole else CHAT}
 
 
 # Which raw columns can stand in for the columns an algorithm asks for.

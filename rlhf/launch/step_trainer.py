@@ -26,7 +26,7 @@ from rlhf.config.checks import check_config
 from rlhf.core.errors import UserError
 from rlhf.core.instantiate import build
 from rlhf.core.train_state import TrainState
-from rlhf.data.encoding import encode
+from rlhf.data.encoding import encode, tokens
 from rlhf.models.generation import gathered_for_generation, plain_defaults, stop_ids
 from rlhf.run import checkpoint
 from rlhf.run.components import BuiltRun, build_run
@@ -256,11 +256,11 @@ class StepTrainer:
         Seeded by the global torch generator (``torch.manual_seed``)."""
         prompts = _as_strings(prompts, "prompts")
         tokenizer, model, device = self.run.tokenizer, self.model, self.run.accelerator.device
-        encoded = [tokenizer(p)["input_ids"] for p in prompts]  # with the tokenizer's special tokens, as in training
+        encoded = [tokens(tokenizer, p) for p in prompts]  # with the tokenizer's special tokens, as in training
         longest = max(len(e) for e in encoded)
         ids = torch.tensor([[tokenizer.pad_token_id] * (longest - len(e)) + e for e in encoded], device=device)
         mask = torch.tensor([[0] * (longest - len(e)) + [1] * len(e) for e in encoded], device=device)
-        stops = list(stop_ids(tokenizer, model))  # the tokenizer's EOS and the model's end-of-turn ids
+        stops = list(stop_ids(tokenizer, model)) or None  # the tokenizer's EOS and the model's end-of-turn ids
         model.eval()
         try:  # a sharded model's parameters gathered once for the generation (FSDP2, ZeRO-3), not at every token
             with (self.run.accelerator.autocast(), gathered_for_generation(self.run.model) as still_sharded,

@@ -109,12 +109,17 @@ def plain_defaults(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, ``model.generation_config`` is transformers' plain one: a ``generate`` call gets only the
     settings it is given and transformers' neutral defaults, never those of the model's ``generation_config.json``
     (which is put back after)."""
-    own = model.generation_config
-    model.generation_config = transformers.GenerationConfig()
+    # a PeftModel hands its generate to the transformers model inside it, which keeps a generation config of its own
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else None
+    holders = [m for m in (model, inner) if m is not None and hasattr(m, "generation_config")]
+    own = [m.generation_config for m in holders]
+    for holder in holders:
+        holder.generation_config = transformers.GenerationConfig()
     try:
         yield
     finally:
-        model.generation_config = own
+        for holder, config in zip(holders, own):
+            holder.generation_config = config
 
 
 def sharded(model: torch.nn.Module) -> bool:

@@ -202,8 +202,8 @@ def memory_fixes(algo: Algorithm, model, settings: TrainSettings, accumulation: 
     batch = settings.per_device_batch_size
     if batch > 1:
         keep = "" if settings.global_batch_size is not None else f" train.grad_accumulation_steps={2 * accumulation}"
-        fixes.append(f"train.per_device_batch_size={batch // 2}{keep} (the same global batch"
-                     + (")" if batch % 2 == 0 else ", less one row a process)"))
+        fixes.append(f"train.per_device_batch_size={batch // 2}{keep} " + (
+            "(the same global batch)" if batch % 2 == 0 else "(a smaller global batch: the batch size is odd)"))
     if not activation_checkpointing(model):
         fixes.append("model.gradient_checkpointing=true (activations recomputed: about a third more compute)")
     length = getattr(algo, "max_completion_length", None)
@@ -218,11 +218,13 @@ def check_memory(memory: MemoryPlan, peak: PeakMemory, strategy, settings: Train
     collective), ``refuse`` stops every process before the first step with the fixes, ``warn`` says so and goes on.
     What a process holds already (its model) counts as had: on a GPU the allocated bytes, on a CPU its growth since
     the run began to be built."""
-    if settings.memory_check == "off":
+    if settings.memory_check in ("off", False):  # YAML reads a bare off as false
         return
     accelerator = strategy.accelerator
     device = accelerator.device
-    taken = torch.cuda.memory_allocated(device) if device.type == "cuda" else max(0, resident_bytes() - peak.start)
+    # held already: on a GPU what torch's allocator reserved (the device's free memory leaves it out), on a CPU the
+    # process's growth since the run began to be built
+    taken = torch.cuda.memory_reserved(device) if device.type == "cuda" else max(0, resident_bytes() - peak.start)
     available, where = available_bytes(device)
     # a CPU's memory is shared by the run's processes on this machine; each GPU is its own process's
     sharers = 1 if device.type == "cuda" else max(1, accelerator.num_processes // max(1, getattr(strategy, "num_nodes", 1)))

@@ -40,7 +40,7 @@ def _known_policy(values: Mapping[str, Any], where: str) -> None:
 
 def _known_memory_check(values: Mapping[str, Any], where: str) -> None:
     check = values.get("memory_check", "refuse")
-    if check not in MEMORY_CHECKS:
+    if check not in (*MEMORY_CHECKS, False):  # a bare off in a YAML file reads as false
         raise UserError(f"{where}.memory_check={check!r} is not one of {list(MEMORY_CHECKS)}. Fix: {where}.memory_check="
                         "refuse (stop before the first step when the prediction does not fit), warn, or off.")
 

@@ -54,6 +54,7 @@ class _MergingTokenizer:
 def test_plain_text_gets_the_tokenizers_specials_once_and_the_whole_sequence_is_one_tokenization(caplog):
     tok = _MergingTokenizer()
     assert encode(tok, "xy", "c")["input_ids"] == [1, ord("x"), ord("y"), ord("c"), 2]
+    assert encode(tok, "<s>xy", "c")["input_ids"] == [1, ord("x"), ord("y"), ord("c"), 2]  # rendered: BOS not doubled
     # "a" + "b": tokenized apart they would be [97] + [98]; as one sequence they merge, and the answer starts where
     # the two tokenizations diverge (TRL's common_prefix_length), saying once that the prompt's end is left out
     encoding._warned = False

@@ -48,6 +48,16 @@ def test_messages_and_text_become_prompt_completion():
     assert text == {"prompt": "", "completion": "plain", FORMAT_COLUMN: TEXT}
 
 
+def test_an_online_rows_reward_columns_pass_through_as_they_are_beside_a_conversational_prompt():
+    """A reference answer for a reward function is no assistant turn: no template renders it."""
+    tok = byte_tokenizer()
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": "2+2"}], "answer": "4"}])
+    row = standardize(ds, ("prompt",), tok, optional=("answer",))[0]
+    assert row == {"prompt": "<|user|>\n2+2\n<|assistant|>\n", "answer": "4", FORMAT_COLUMN: CHAT}
+    text = standardize(Dataset.from_list([{"prompt": "2+2=", "answer": "4"}]), ("prompt",), tok, optional=("answer",))
+    assert text[0] == {"prompt": "2+2=", "answer": "4", FORMAT_COLUMN: TEXT}
+
+
 def test_missing_columns_name_the_problem_and_the_fix():
     ds = Dataset.from_list([{"question": "q", "answer": "a"}])
     with pytest.raises(UserError, match=r"columns \['question', 'answer'\].*prompt/chosen/rejected.*Fix"):

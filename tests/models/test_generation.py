@@ -122,6 +122,21 @@ def test_sampling_ignores_the_models_own_generation_defaults():
     assert opinionated.generation_config.repetition_penalty == 3.0  # the model's own config is put back
 
 
+def test_a_lora_policy_samples_without_its_base_models_defaults_and_keeps_them_after():
+    from peft import LoraConfig, get_peft_model
+    from transformers import GenerationConfig
+
+    from tests.conftest import fast_initial_model
+
+    plain = get_peft_model(fast_initial_model(), LoraConfig(r=2, target_modules=["q_proj"]))
+    base = fast_initial_model()
+    base.generation_config = GenerationConfig(repetition_penalty=3.0, top_k=2, temperature=0.2, do_sample=True,
+                                              eos_token_id=base.generation_config.eos_token_id)
+    opinionated = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert torch.equal(_sampled(plain, 0), _sampled(opinionated, 0))
+    assert opinionated.get_base_model().generation_config.repetition_penalty == 3.0  # put back where it lives
+
+
 def test_a_completion_stops_at_the_tokenizers_eos_or_any_end_of_turn_id_of_the_model():
     from rlhf.models.generation import stop_ids
     from rlhf.models.tokenizer import byte_tokenizer
