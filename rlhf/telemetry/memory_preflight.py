@@ -20,6 +20,7 @@ import resource
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -262,11 +263,37 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None  # cgroup v2's "max": no limit
 
 
+def _cgroup_left(proc: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's memory cgroup's limit leaves (limit less usage), cgroup v2 (``memory.max``,
+    ``memory.current``) or v1 (``memory.limit_in_bytes``, ``memory.usage_in_bytes``): in the process's own cgroup
+    where it is mounted at its path (a Slurm job's step), else at the mount's root (a container's own). None where
+    there is no limit or none can be read."""
+    try:
+        lines = Path(proc).read_text().splitlines()
+    except OSError:
+        lines = []
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            root, files = Path(mount), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1
+            root, files = Path(mount) / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for folder in (root / path.lstrip("/"), root):
+            limit, used = (_read_int(str(folder / name)) for name in files)
+            if limit is not None and used is not None:
+                if limit < 2**60:  # v1 writes "no limit" as a huge number
+                    found.append(max(0, limit - used))
+                break
+    return min(found) if found else None
+
+
 def available_bytes(device: torch.device) -> tuple[int | None, str]:
     """How many more bytes this process can take now, and where the figure comes from: on a GPU the device's free
     memory (``torch.cuda.mem_get_info``); on a CPU the system's available memory (``MemAvailable``), or what the
-    cgroup's limit leaves (``memory.max`` less ``memory.current``, cgroup v2) where that is less. ``None`` where
-    neither can be read."""
+    memory cgroup's limit leaves (:func:`_cgroup_left`) where that is less. ``None`` where neither can be read."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free), f"free memory of {torch.cuda.get_device_name(device)}"
@@ -278,9 +305,9 @@ def available_bytes(device: torch.device) -> tuple[int | None, str]:
                     found.append((int(line.split()[1]) * 1024, "the system's available memory"))
     except OSError:
         pass
-    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
-    if limit is not None and used is not None:
-        found.append((max(0, limit - used), "what the cgroup's memory limit leaves"))
+    left = _cgroup_left()
+    if left is not None:
+        found.append((left, "what the cgroup's memory limit leaves"))
     if not found:
         return None, ""
     return min(found)

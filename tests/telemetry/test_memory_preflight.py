@@ -258,6 +258,24 @@ def test_what_this_machine_has_left_is_read_from_the_system():
                                                "what the cgroup's memory limit leaves")
 
 
+def test_the_cgroups_limit_is_read_in_the_processs_own_cgroup_v1_or_v2(tmp_path):
+    from rlhf.telemetry.memory_preflight import _cgroup_left
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/job_7/step_0\n0::/job_7/step_0\n")
+    v1 = tmp_path / "memory" / "job_7" / "step_0"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{8 * 2**30}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{2 * 2**30}\n")
+    assert _cgroup_left(str(proc), str(tmp_path)) == 6 * 2**30  # v1 at the process's own path
+    (tmp_path / "memory.max").write_text(f"{4 * 2**30}\n")  # v2 at the mount's root (a container's own cgroup)
+    (tmp_path / "memory.current").write_text(f"{3 * 2**30}\n")
+    assert _cgroup_left(str(proc), str(tmp_path)) == 2**30  # the tighter of the two
+    (tmp_path / "memory.max").write_text("max\n")
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit, in either's words
+    assert _cgroup_left(str(proc), str(tmp_path)) is None
+
+
 def _short_of_memory(monkeypatch, megabytes: float = 1.0) -> None:
     from rlhf.run import components
 
