@@ -145,11 +145,13 @@ def pick_format(names: Sequence[str], columns: Sequence[str], where: str = "the 
         missing = [column for column in near if column not in names]
         if set(near) & set(names) and len(missing) < len(near):
             adds = ", ".join(f"a {column!r} column ({_MEANING.get(column, 'text')})" for column in missing)
-            fix = (f"Fix: add {adds}; or, if the data has them under other names, rename those columns "
-                   "(e.g. dataset.rename_column).")
+            named = ",".join(f"{column}:<its name>" for column in missing)
+            fix = (f"Fix: add {adds}; or, if the data has them under other names, name them: "
+                   f"data.columns={{{named}}}.")
         else:
-            fix = ("Fix: rename the columns (e.g. dataset.rename_column) or pick an algorithm that fits the data "
-                   "(preference pairs -> algo=dpo, demonstrations -> algo=sft).")
+            fix = ("Fix: name the data's columns for the ones this algorithm takes (e.g. data.columns={prompt:"
+                   "question,chosen:good,rejected:bad}) or pick an algorithm that fits the data (preference pairs -> "
+                   "algo=dpo, demonstrations -> algo=sft).")
     raise UserError(f"{where} has columns {shown}, but this algorithm needs {wanted}. {fix}")
 
 

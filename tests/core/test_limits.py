@@ -368,7 +368,7 @@ def test_a_data_file_without_a_needed_column_is_refused_before_anything_loads(tm
     assert refused("algo=dpo", f"data.path={path}") == (
         f"data.path={path} has columns ['prompt', 'chosen'], but this algorithm needs prompt/chosen/rejected or "
         "chosen/rejected. Fix: add a 'rejected' column (the worse answer of each pair); or, if the data has them under "
-        "other names, rename those columns (e.g. dataset.rename_column).")
+        "other names, name them: data.columns={rejected:<its name>}.")
     accepted("algo=sft", "data.path=" + str(_write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "p", "completion": "c"}])))
 
 

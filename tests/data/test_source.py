@@ -318,3 +318,35 @@ def test_a_held_out_size_that_takes_every_row_is_refused_once_the_rows_are_known
                                 "or a count below 20.")
     splits = DataSource(path=path, eval_size=19).load(PREF, byte_tokenizer())
     assert (len(splits["train"]), len(splits["eval"])) == (1, 19)
+
+
+MAPPED = {"prompt": "question", "chosen": "good", "rejected": "bad"}
+
+
+@pytest.mark.parametrize("name", ["d.csv", "d.jsonl", "d.json", "d.parquet", "saved"])
+def test_data_columns_maps_the_datas_own_names_in_every_format(tmp_path, name):
+    rows = [{"question": f"q{i}", "good": f"a{i}", "bad": f"b{i}", "prompt": "not this one"} for i in range(4)]
+    path = write(tmp_path / name, rows, ("question", "good", "bad", "prompt"))
+    splits = DataSource(path=str(path), eval_size=1, columns=MAPPED).load(PREF, byte_tokenizer())
+    row = sorted([*splits["train"], *splits["eval"]], key=lambda r: r["prompt"])[0]
+    assert (row["prompt"], row["chosen"], row["rejected"]) == ("q0", "a0", "b0")  # the named column, not `prompt`
+
+
+@pytest.mark.parametrize(("columns", "message"), [
+    ({"prompt": "question", "chosen": "good", "rejected": "nope"},
+     r"has no column 'nope' \(data.columns.rejected=nope\); its columns are \['question', 'good', 'bad'\]. Fix: "
+     r"data.columns.rejected=<one of them>"),
+    ({"prompts": "question"}, r"data.columns names \['prompts'\], which no algorithm takes"),
+    ({"prompt": "good", "chosen": "good"}, r"gives the data's column 'good' to more than one name"),
+    ({"chosen": "good"}, r"name them: data.columns=\{rejected:<its name>\}"),
+])
+def test_data_columns_is_checked_before_anything_loads(tmp_path, columns, message):
+    from rlhf.config.checks import check_config
+    from tests.conftest import compose_config
+
+    path = write(tmp_path / "d.jsonl", [{"question": "q", "good": "a", "bad": "b"}] * 3, ("question", "good", "bad"))
+    mapping = "{" + ",".join(f"{k}:{v}" for k, v in columns.items()) + "}"
+    with pytest.raises(UserError, match=message):
+        check_config(compose_config("algo=dpo", f"data.path={path}", f"data.columns={mapping}", output_dir=tmp_path))
+    with pytest.raises(UserError, match=r"data.columns renames the columns of data of one's own, but data.path is null"):
+        check_config(compose_config("algo=dpo", "data.columns={prompt:question}", output_dir=tmp_path))
