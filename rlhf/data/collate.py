@@ -1,5 +1,7 @@
 """Tokenized rows into padded (or packed) batches; what truncation cut, counted; rows with no answer token refused.
-The tokenizing itself is :mod:`rlhf.data.encoding`."""
+
+The tokenizing itself is :mod:`rlhf.data.encoding`.
+"""
 
 from __future__ import annotations
 
