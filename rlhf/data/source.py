@@ -33,6 +33,7 @@ from rlhf.data.checks import (
     require_rows,
     settle,
 )
+from rlhf.data.columns import column_map, missing_mapped, renamed, replaced
 from rlhf.data.formats import pick_format, standardize
 from rlhf.data.tasks import ReverseTask
 
@@ -94,65 +95,10 @@ def _validation(values: dict, where: str) -> None:
                         f"a whole count of rows (>= 1). Fix: {where}.validation_size=0.5")
 
 
-# What data.columns may name: the columns some algorithm takes, in any of TRL's formats.
-KNOWN_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages", "text", "label", "margin")
-
-
-def _column_map(values: Mapping[str, Any], where: str) -> None:
-    """A check across arguments (:func:`rlhf.core.limits.limits`): ``columns`` maps names this project knows to the
-    data's own column names, one each, and only for data of one's own (``path``)."""
-    columns = values.get("columns")
-    if columns is None:
-        return
-    example = f"{where}.columns={{prompt: question, chosen: good, rejected: bad}}"
-    if not isinstance(columns, Mapping):
-        raise UserError(f"{where}.columns={columns!r} is not a mapping. Fix: e.g. {example}")
-    unknown = [key for key in columns if key not in KNOWN_COLUMNS]
-    if unknown:
-        raise UserError(f"{where}.columns names {unknown}, which no algorithm takes: its keys are this project's "
-                        f"column names ({', '.join(KNOWN_COLUMNS)}), its values the data's. Fix: e.g. {example}")
-    bad = [key for key, name in columns.items() if not isinstance(name, str) or not name]
-    if bad:
-        raise UserError(f"{where}.columns.{bad[0]}={columns[bad[0]]!r} is no column name. Fix: e.g. {example}")
-    names = list(columns.values())
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise UserError(f"{where}.columns gives the data's column {twice[0]!r} to more than one name. Fix: one each, "
-                        f"e.g. {example}")
-    if values.get("path") is None:
-        raise UserError(f"{where}.columns renames the columns of data of one's own, but {where}.path is null (the "
-                        f"embedded task, whose columns are already these). Fix: {where}.path=<file or Hub dataset>, "
-                        f"or {where}.columns=null")
-
-
-def renamed(names: Sequence[str], columns: Mapping[str, str] | None) -> list[str]:
-    """The data's column ``names`` as the algorithm sees them under ``data.columns`` (``{ours: theirs}``)."""
-    if not columns:
-        return list(names)
-    ours = {theirs: our for our, theirs in columns.items()}
-    return [ours.get(name, name) for name in names]
-
-
-def _replaced(names: Sequence[str], columns: Mapping[str, str]) -> list[str]:
-    """The data's columns that carry a name ``data.columns`` gives to another of its columns (a ``prompt`` column
-    beside ``columns.prompt=question``): left out, so that the named one is the one read."""
-    return [name for name in names if name in columns and name not in columns.values()]
-
-
-def _missing_mapped(names: Sequence[str], columns: Mapping[str, str] | None, where: str) -> None:
-    """Refuse a ``data.columns`` that names a column the data does not have."""
-    missing = {our: theirs for our, theirs in (columns or {}).items() if theirs not in names}
-    if missing:
-        our, theirs = next(iter(missing.items()))
-        shown = [name for name in names if name != ROW_COLUMN]
-        raise UserError(f"{where} has no column {theirs!r} (data.columns.{our}={theirs}); its columns are {shown}. "
-                        f"Fix: data.columns.{our}=<one of them>")
-
-
 @limits(
     _fraction_or_count,
     _validation,
-    _column_map,
+    column_map,
     paths.check_path,
     eval_size=Range(gt=0, meaning="rows held out when data.eval_split is null: a fraction (< 1) or a count", fix=0.05),
     validation_size=Range(gt=0, meaning="held-out rows set aside to choose settings on (a fraction (< 1) or a "
@@ -188,7 +134,7 @@ class DataSource:
             one message naming the file, the row (counted from 1; in a CSV file, after the header), the column and
             the fix; ``"skip"`` leaves it out and logs how many were skipped (:attr:`skipped_rows`).
         columns: the data's own column names for the ones an algorithm takes, ``{ours: theirs}`` (e.g.
-            ``{prompt: question, chosen: good, rejected: bad}``); keys among :data:`KNOWN_COLUMNS`. Checked before
+            ``{prompt: question, chosen: good, rejected: bad}``); keys among :data:`rlhf.data.columns.KNOWN_COLUMNS`. Checked before
             anything loads (a local file's first row names its columns); ``None``: the data uses TRL's names.
         cache_dir: where the tokenized data is kept across runs (under ``tokenized/``): a run with the rows,
             tokenizer, algorithm settings and code of an earlier run loads its tokens instead of tokenizing again
@@ -222,7 +168,7 @@ class DataSource:
         self.validation_size, self.evaluate_on = validation_size, evaluate_on
         _validation({"validation_size": validation_size, "evaluate_on": evaluate_on}, "data")
         self.cache_dir = cache_dir
-        _column_map({"columns": columns, "path": path}, "data")
+        column_map({"columns": columns, "path": path}, "data")
         self.columns = dict(columns) if columns else None
         self.skipped_rows = 0
 
@@ -239,12 +185,12 @@ class DataSource:
             return
         mapping = values.get("columns") or None
         try:
-            _missing_mapped(names, mapping, f"data.path={path}")
+            missing_mapped(names, mapping, f"data.path={path}")
             pick_format(renamed(names, mapping), columns, f"data.path={path}")
         except UserError:
             names = paths.all_columns(path)
             if names is not None:
-                _missing_mapped(names, mapping, f"data.path={path}")
+                missing_mapped(names, mapping, f"data.path={path}")
                 pick_format(renamed(names, mapping), columns, f"data.path={path}")
 
     # ---- reading and checking one split -------------------------------------------------------------------
@@ -262,8 +208,8 @@ class DataSource:
         if not records.rows:  # no row could be parsed: this raises
             self._settle(records.problems, records.total, origin)
         if self.columns:
-            _missing_mapped(records.columns, self.columns, origin.where)
-            kept = [c for c in records.columns if c not in _replaced(records.columns, self.columns)]
+            missing_mapped(records.columns, self.columns, origin.where)
+            kept = [c for c in records.columns if c not in replaced(records.columns, self.columns)]
             ours = dict(zip(kept, renamed(kept, self.columns)))
             records = readers.Records([(number, {ours[k]: v for k, v in row.items() if k in ours})
                                        for number, row in records.rows], records.problems, list(ours.values()))
@@ -281,8 +227,8 @@ class DataSource:
         """A loaded (Arrow) split -> the checked rows of the format's columns (and of the `optional` ones it has)."""
         require_rows(len(dataset), origin)
         if self.columns:
-            _missing_mapped(dataset.column_names, self.columns, origin.where)
-            dataset = dataset.remove_columns(_replaced(dataset.column_names, self.columns)).rename_columns(
+            missing_mapped(dataset.column_names, self.columns, origin.where)
+            dataset = dataset.remove_columns(replaced(dataset.column_names, self.columns)).rename_columns(
                 {theirs: ours for ours, theirs in self.columns.items()})
         fields = _with_optional(pick_format(dataset.column_names, columns, origin.where), dataset.column_names,
                                 optional)
