@@ -216,8 +216,8 @@ def memory_fixes(algo: Algorithm, model, settings: TrainSettings, accumulation: 
 def check_memory(memory: MemoryPlan, peak: PeakMemory, strategy, settings: TrainSettings, fixes: list[str]) -> None:
     """``train.memory_check``: where the preflight's prediction is more than a process can have (on any process; a
     collective), ``refuse`` stops every process before the first step with the fixes, ``warn`` says so and goes on.
-    What a process holds already (its model) counts as had: on a GPU the allocated bytes, on a CPU its growth since
-    the run began to be built."""
+    What a process holds already (its model) counts as had: on a GPU what torch's allocator reserved, on a CPU its
+    growth since the run began to be built."""
     if settings.memory_check in ("off", False):  # YAML reads a bare off as false
         return
     accelerator = strategy.accelerator
