@@ -44,6 +44,13 @@ def char_similarity(prompts: Sequence[str], completions: Sequence[str], **column
             for p, c in zip(prompts, completions)]
 
 
+# The embedded task's rewards score a completion against the prompt reversed: on data of one's own they measure
+# nothing, and a run that would train or evaluate with them there is refused before anything loads
+# (rlhf.config.checks). A reward function of one's own leaves the attribute unset.
+exact_match.embedded_task = True
+char_similarity.embedded_task = True
+
+
 def functions_and_weights(functions: Mapping[str, Callable] | None, weights: Sequence[float] | None, where: str
                           ) -> tuple[dict[str, Callable], list[float] | None]:
     """``(name -> function, weights)`` as configured under ``where`` (``algo``, ``eval``): the embedded task's exact

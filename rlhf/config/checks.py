@@ -176,6 +176,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_data_columns(container)
     _check_peft(container)
     _check_algorithm_with_run(container)
+    _check_rewards_fit_the_data(container)
     sweep.check_objective(container)
 
 
@@ -189,6 +190,33 @@ def _check_data_columns(container: dict) -> None:
     check = getattr(get_object(data["_target_"]), "check_columns", None) if "_target_" in data else None
     if columns and check is not None:
         check(data, columns)
+
+
+def _check_rewards_fit_the_data(container: dict) -> None:
+    """On data of one's own (``data.path``), refuse reward functions of the embedded task (those marked
+    ``embedded_task``; none configured means its exact match) wherever they would train or evaluate: an online
+    algorithm's ``algo.reward_funcs`` and ``eval=generate``'s ``eval.reward_funcs``."""
+    data = container.get("data")
+    if not isinstance(data, dict) or data.get("path") is None:
+        return
+    for where, node, fix in (
+            ("algo", container.get("algo"), "algo/reward_funcs=<your option>"),
+            ("eval", container.get("eval"), "algo/reward_funcs@eval=<your option>, or eval=none")):
+        if not isinstance(node, dict) or "_target_" not in node:
+            continue
+        takes = "reward_funcs" in node or "reward_funcs" in inspect.signature(get_object(node["_target_"])).parameters
+        if not takes:
+            continue
+        functions = node.get("reward_funcs") or {"exact_match": {"_target_": "rlhf.algos.reward_funcs.exact_match"}}
+        task = [name for name, function in functions.items() if isinstance(function, dict) and getattr(
+            get_object(function["_target_"]), "embedded_task", False)] if isinstance(functions, dict) else []
+        if task:
+            doing = "the algorithm trains on" if where == "algo" else "eval=generate scores its samples with"
+            raise UserError(
+                f"{where}.reward_funcs: {doing} {', '.join(task)}, the embedded task's reward (the prompt reversed), but data.path="
+                f"{data['path']} is data of one's own, where it measures nothing. Fix: a reward for this data as an "
+                f"option of conf/algo/reward_funcs/ (or of your own config folder) and {fix} "
+                "(docs/how-to/your-reward.md)")
 
 
 def _check_algorithm_with_run(container: dict) -> None:

@@ -409,3 +409,26 @@ def test_fields_passed_on_through_kwargs_are_those_of_the_next_init_in_the_mro()
         check_fields({"betaa": 0.2}, _Mixed, "algo")
     with pytest.raises(UserError, match=r"algo.beta='x'"):
         check_fields({"beta": "x"}, _Mixed, "algo")
+
+
+def test_the_embedded_tasks_reward_is_refused_on_data_of_ones_own(tmp_path):
+    """On a file of one's own, an online algorithm's default reward and eval=generate's (the prompt reversed: the
+    embedded task's) are refused before anything loads; the embedded task keeps them, a reward of one's own passes."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{i}+{i}="}}\n' for i in range(4)))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(f'{{"prompt": "q{i}", "chosen": "a", "rejected": "b"}}\n' for i in range(4)))
+    refused = {
+        ("algo=grpo", f"data.path={prompts}"): r"^algo.reward_funcs: the algorithm trains on exact_match, the embedded "
+                                               r"task's reward .* Fix: .*algo/reward_funcs=<your option>",
+        ("algo=dpo", "eval=generate", f"data.path={pairs}"): r"^eval.reward_funcs: eval=generate scores its samples "
+                                                             r"with similarity, exact_match, .*algo/reward_funcs@eval=",
+    }
+    for overrides, message in refused.items():
+        with pytest.raises(UserError, match=message):
+            check_config(compose_config(*overrides, output_dir=tmp_path))
+    check_config(compose_config("algo=grpo", output_dir=tmp_path))  # the embedded task: its own reward
+    check_config(compose_config("algo=dpo", "eval=generate", output_dir=tmp_path))
+    mine = "+algo.reward_funcs.mine._target_=builtins.len"  # a function of one's own (any dotted name) is no task's
+    check_config(compose_config("algo=grpo", f"data.path={prompts}", "~algo.reward_funcs.exact_match", mine,
+                                "algo.reward_weights=null", output_dir=tmp_path))
