@@ -78,7 +78,7 @@ def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
             if found:
                 return found
         if known[top] == "group" and key == top:
-            found = _option_problem(top, value, folder)
+            found = _option_problem(top, value, folder, argv)
             if found:
                 return found
         elif known[top] == "group" and "." in key:
@@ -156,7 +156,7 @@ def _algo_key_problem(arg: str, argv: Sequence[str], folder: Path, added: bool) 
     if not key.startswith(("algo.", "algo/")):
         return None
     if "@" in key and (folder / key.split("@")[0]).is_dir():  # a group's option placed under another key
-        return _option_problem(key.split("@")[0], value, folder)  # (algo/reward_funcs@eval=...): not the algo's
+        return _option_problem(key.split("@")[0], value, folder, argv, key)  # (algo/reward_funcs@eval=...)
     option = _chosen_algo(argv, folder)
     if option is None:
         return None
@@ -219,17 +219,38 @@ def _nested_option_problem(group: str, key: str, value: str, folder: Path | None
             f"chosen at once ({group}=[a,b]). Fix: {example}.")
 
 
-def _option_problem(group: str, value: str, folder: Path | None) -> str | None:
-    options = group_options(group, folder)
+def search_folders(argv: Sequence[str]) -> list[Path]:
+    """The config folders a command adds with ``hydra.searchpath=[file://<folder>, ...]`` (relative to the current
+    folder, as Hydra reads them); ``pkg://`` entries are not folders and are left to Hydra."""
+    folders = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") != "hydra.searchpath":
+            continue
+        for item in value.strip().strip("[]").split(","):
+            item = item.strip().strip("'\"")
+            if item.startswith("file://"):
+                folders.append(Path(item[len("file://"):]))
+    return folders
+
+
+def _option_problem(group: str, value: str, folder: Path | None, argv: Sequence[str] = (),
+                    typed: str | None = None) -> str | None:
+    """``group=value`` naming an option that neither ``conf/<group>/`` nor a folder of the command's
+    ``hydra.searchpath`` has; the message names the override as typed (``typed``: e.g. ``algo/reward_funcs@eval``)."""
+    extra = search_folders(argv)
+    options = sorted({*group_options(group, folder), *(o for f in extra for o in group_options(group, f))})
     if not options or re.search(r"[${}()\[\]*]", value):
         return None  # no such folder here (another search path), or an interpolation or sweep function
+    typed = typed or group
     for option in value.split(","):
         option = option.strip()
         if option in options or option in ("null", ""):
             continue
         close = difflib.get_close_matches(option, options, n=1)
-        hint = f"Did you mean {group}={close[0]}?" if close else f"Fix: {group}=<one of them>."
-        return f"{group}={option}: conf/{group}/ has no option {option!r} (options: {', '.join(options)}). {hint}"
+        hint = f"Did you mean {typed}={close[0]}?" if close else f"Fix: {typed}=<one of them>."
+        where = f"conf/{group}/" + "".join(f" nor {f / group}/" for f in extra)
+        return f"{typed}={option}: {where} has no option {option!r} (options: {', '.join(options)}). {hint}"
     return None
 
 

@@ -408,7 +408,7 @@ def test_a_missing_local_model_is_refused_before_anything_loads(tmp_path):
     (["experiment=optimizer_comparison", "search.adamw=optimizer.lr=1e-5,1e-4"],
      "search.adamw=optimizer.lr=1e-5,1e-4: a sweep's grids and settings live under hydra.sweeper. Fix: "
      "\"hydra.sweeper.search.adamw='optimizer.lr=1e-5,1e-4'\""),  # a group placed under eval
-    (["eval=generate", "algo/reward_funcs@eval=exact_matc"], "algo/reward_funcs=exact_matc: conf/algo/reward_funcs/ "
+    (["eval=generate", "algo/reward_funcs@eval=exact_matc"], "algo/reward_funcs@eval=exact_matc: conf/algo/reward_funcs/ "
                                                              "has no option 'exact_matc'"),
 ])
 def test_the_command_line_is_checked_before_hydra(args, message):
