@@ -44,11 +44,11 @@ def char_similarity(prompts: Sequence[str], completions: Sequence[str], **column
             for p, c in zip(prompts, completions)]
 
 
-# The embedded task's rewards score a completion against the prompt reversed: on data of one's own they measure
-# nothing, and a run that would train or evaluate with them there is refused before anything loads
-# (rlhf.config.checks). A reward function of one's own leaves the attribute unset.
-exact_match.embedded_task = True
-char_similarity.embedded_task = True
+# The embedded task's rewards score a completion against the prompt reversed: they fit only that task's prompts
+# (``fits_prompt``), and a run that would train or evaluate with them on data whose first prompt is another is refused
+# before anything loads (rlhf.config.checks). A reward function of one's own leaves the attribute unset.
+exact_match.fits_prompt = ReverseTask.is_prompt
+char_similarity.fits_prompt = ReverseTask.is_prompt
 
 
 def functions_and_weights(functions: Mapping[str, Callable] | None, weights: Sequence[float] | None, where: str

@@ -40,6 +40,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from rlhf import optim
 from rlhf.core import limits as validate
 from rlhf.core.errors import UserError
+from rlhf.data import paths
 from rlhf.run import folder as run_folder
 from rlhf.run.train_settings import TOP_LEVEL_LIMITS, TrainSettings
 from rlhf.sweeps import points as sweep
@@ -193,29 +194,41 @@ def _check_data_columns(container: dict) -> None:
 
 
 def _check_rewards_fit_the_data(container: dict) -> None:
-    """On data of one's own (``data.path``), refuse reward functions of the embedded task (those marked
-    ``embedded_task``; none configured means its exact match) wherever they would train or evaluate: an online
-    algorithm's ``algo.reward_funcs`` and ``eval=generate``'s ``eval.reward_funcs``."""
+    """On data of one's own (``data.path``), refuse reward functions that fit only other prompts (``fits_prompt``:
+    the embedded task's, which score a completion against the prompt reversed; none configured means its exact match)
+    wherever they would train or evaluate with a weight: an online algorithm's ``algo.reward_funcs`` and
+    ``eval=generate``'s ``eval.reward_funcs``. A local file's first prompt is asked (the embedded task's prompts
+    written to a file pass); data that cannot be read cheaply (a Hub dataset) is taken for one's own."""
     data = container.get("data")
     if not isinstance(data, dict) or data.get("path") is None:
         return
+    first = paths.first_row(str(data["path"])) or {}
+    prompt = first.get("prompt") if isinstance(first.get("prompt"), str) else None
     for where, node, fix in (
             ("algo", container.get("algo"), "algo/reward_funcs=<your option>"),
             ("eval", container.get("eval"), "algo/reward_funcs@eval=<your option>, or eval=none")):
-        if not isinstance(node, dict) or "_target_" not in node:
+        if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
             continue
-        takes = "reward_funcs" in node or "reward_funcs" in inspect.signature(get_object(node["_target_"])).parameters
-        if not takes:
+        found = _signature(get_object(node["_target_"]))
+        if "reward_funcs" not in node and (found is None or "reward_funcs" not in found[0].parameters):
             continue
         functions = node.get("reward_funcs") or {"exact_match": {"_target_": "rlhf.algos.reward_funcs.exact_match"}}
-        task = [name for name, function in functions.items() if isinstance(function, dict) and getattr(
-            get_object(function["_target_"]), "embedded_task", False)] if isinstance(functions, dict) else []
+        if not isinstance(functions, dict):
+            continue
+        weights = node.get("reward_weights") if node.get("reward_funcs") else None
+        weights = weights if isinstance(weights, list) and len(weights) == len(functions) else [1.0] * len(functions)
+        task = []
+        for (name, function), weight in zip(functions.items(), weights):
+            target = function.get("_target_") if isinstance(function, dict) else None
+            fits = getattr(get_object(target), "fits_prompt", None) if isinstance(target, str) else None
+            if fits is not None and weight != 0 and not (prompt is not None and fits(prompt)):
+                task.append(name)
         if task:
             doing = "the algorithm trains on" if where == "algo" else "eval=generate scores its samples with"
             raise UserError(
-                f"{where}.reward_funcs: {doing} {', '.join(task)}, the embedded task's reward (the prompt reversed), but data.path="
-                f"{data['path']} is data of one's own, where it measures nothing. Fix: a reward for this data as an "
-                f"option of conf/algo/reward_funcs/ (or of your own config folder) and {fix} "
+                f"{where}.reward_funcs: {doing} {', '.join(task)}, the embedded task's reward (the prompt reversed), "
+                f"but data.path={data['path']} is data of one's own, where it measures nothing. Fix: a reward for "
+                f"this data as an option of conf/algo/reward_funcs/ (or of your own config folder) and {fix} "
                 "(docs/how-to/your-reward.md)")
 
 

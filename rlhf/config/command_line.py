@@ -219,9 +219,10 @@ def _nested_option_problem(group: str, key: str, value: str, folder: Path | None
             f"chosen at once ({group}=[a,b]). Fix: {example}.")
 
 
-def search_folders(argv: Sequence[str]) -> list[Path]:
+def search_folders(argv: Sequence[str]) -> list[Path] | None:
     """The config folders a command adds with ``hydra.searchpath=[file://<folder>, ...]`` (relative to the current
-    folder, as Hydra reads them); ``pkg://`` entries are not folders and are left to Hydra."""
+    folder, as Hydra reads them); None where an entry is no folder this check can read (``pkg://``, an
+    interpolation, a folder not there): what that entry holds is then left to Hydra."""
     folders = []
     for arg in argv:
         key, _, value = arg.partition("=")
@@ -229,8 +230,11 @@ def search_folders(argv: Sequence[str]) -> list[Path]:
             continue
         for item in value.strip().strip("[]").split(","):
             item = item.strip().strip("'\"")
-            if item.startswith("file://"):
-                folders.append(Path(item[len("file://"):]))
+            if not item:
+                continue
+            if not item.startswith("file://") or not Path(item[len("file://"):]).is_dir():
+                return None
+            folders.append(Path(item[len("file://"):]))
     return folders
 
 
@@ -239,6 +243,9 @@ def _option_problem(group: str, value: str, folder: Path | None, argv: Sequence[
     """``group=value`` naming an option that neither ``conf/<group>/`` nor a folder of the command's
     ``hydra.searchpath`` has; the message names the override as typed (``typed``: e.g. ``algo/reward_funcs@eval``)."""
     extra = search_folders(argv)
+    if extra is None:
+        return None  # a search path this check cannot read: Hydra says what it lacks
+    extra = [f for f in extra if (f / group).is_dir()]
     options = sorted({*group_options(group, folder), *(o for f in extra for o in group_options(group, f))})
     if not options or re.search(r"[${}()\[\]*]", value):
         return None  # no such folder here (another search path), or an interpolation or sweep function

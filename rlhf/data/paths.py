@@ -82,6 +82,28 @@ def first_columns(data_path: str) -> list[str] | None:
         return None
 
 
+def first_row(data_path: str) -> dict | None:
+    """The first row of a local ``.jsonl``/``.json``/``.csv`` file (a CSV's values as text); None for anything else,
+    or a file that does not parse (its reader says why, later)."""
+    path = os.path.expanduser(str(data_path))
+    suffix = Path(path).suffix.lower()
+    if not os.path.isfile(path) or suffix not in (".jsonl", ".json", ".csv"):
+        return None
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            if suffix == ".csv":
+                import csv
+
+                return next(csv.DictReader(handle), None)
+            head = handle.read(1 << 20).lstrip()
+        if head.startswith("["):
+            head = head[1:].lstrip()
+        row, _ = json.JSONDecoder().raw_decode(head)
+        return row if isinstance(row, dict) else None
+    except Exception:  # whatever a damaged file raises: the reader gives the message, with the row
+        return None
+
+
 def all_columns(data_path: str) -> list[str] | None:
     """Every column of a local JSON/JSONL file (the union of its rows' keys); the first row's for other files."""
     path = os.path.expanduser(str(data_path))

@@ -54,6 +54,12 @@ class ReverseTask:
         return word + SEPARATOR
 
     @staticmethod
+    def is_prompt(text: str) -> bool:
+        """Whether ``text`` is one of this task's prompts: lowercase letters, then the separator."""
+        word = text.removesuffix(SEPARATOR)
+        return text.endswith(SEPARATOR) and word.isascii() and word.isalpha() and word.islower()
+
+    @staticmethod
     def answer(prompt: str) -> str:
         return prompt.removesuffix(SEPARATOR)[::-1]
 

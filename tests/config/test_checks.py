@@ -422,12 +422,19 @@ def test_the_embedded_tasks_reward_is_refused_on_data_of_ones_own(tmp_path):
         ("algo=grpo", f"data.path={prompts}"): r"^algo.reward_funcs: the algorithm trains on exact_match, the embedded "
                                                r"task's reward .* Fix: .*algo/reward_funcs=<your option>",
         ("algo=dpo", "eval=generate", f"data.path={pairs}"): r"^eval.reward_funcs: eval=generate scores its samples "
-                                                             r"with similarity, exact_match, .*algo/reward_funcs@eval=",
+                                                             r"with similarity, the embedded .*algo/reward_funcs@eval=",
+        # the algorithm's default when its node is removed: the embedded exact match, passed on through **kwargs
+        ("algo=grpo", f"data.path={prompts}", "~algo.reward_funcs"): r"^algo.reward_funcs: the algorithm trains on "
+                                                                     r"exact_match",
     }
     for overrides, message in refused.items():
         with pytest.raises(UserError, match=message):
             check_config(compose_config(*overrides, output_dir=tmp_path))
     check_config(compose_config("algo=grpo", output_dir=tmp_path))  # the embedded task: its own reward
+    reverse = tmp_path / "reverse.jsonl"  # the embedded task's prompts written to a file (the benchmarks do)
+    reverse.write_text("".join(f'{{"prompt": "{w}="}}\n' for w in ("abc", "hello", "xy")))
+    check_config(compose_config("algo=grpo", f"data.path={reverse}", "algo/reward_funcs=similarity",
+                                output_dir=tmp_path))
     check_config(compose_config("algo=dpo", "eval=generate", output_dir=tmp_path))
     mine = "+algo.reward_funcs.mine._target_=builtins.len"  # a function of one's own (any dotted name) is no task's
     check_config(compose_config("algo=grpo", f"data.path={prompts}", "~algo.reward_funcs.exact_match", mine,

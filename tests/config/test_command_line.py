@@ -27,8 +27,11 @@ def test_a_reward_option_of_ones_own_folder_is_accepted_for_eval_and_training(tm
     pairs.write_text("".join(f'{{"prompt": "{i}+{i}=", "chosen": "{2 * i}", "rejected": "0"}}\n' for i in range(4)))
     monkeypatch.chdir(tmp_path)  # Hydra reads a relative file:// search path from the current folder
     search = "hydra.searchpath=[file://my_conf]"
-    assert search_folders([search, "+hydra.searchpath=['file://x', pkg://y]"]) == [mine.relative_to(tmp_path),
-                                                                                     tmp_path.relative_to(tmp_path) / "x"]
+    (tmp_path / "x").mkdir()
+    assert search_folders([search, "+hydra.searchpath=['file://x']"]) == [mine.relative_to(tmp_path),
+                                                                        tmp_path.relative_to(tmp_path) / "x"]
+    assert search_folders(["hydra.searchpath=[file://x,pkg://y]"]) is None  # not a folder here: left to Hydra
+    assert problem(["hydra.searchpath=[pkg://y]", "optimizer=mine"]) is None
     evaluated = ["algo=dpo", "eval=generate", search, "algo/reward_funcs@eval=arith", f"data.path={pairs}"]
     assert problem(evaluated) is None
     assert problem(["algo=grpo", search, "algo/reward_funcs=arith"]) is None
