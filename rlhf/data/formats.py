@@ -34,7 +34,7 @@ from jinja2 import TemplateError
 
 from rlhf.core.errors import UserError
 from rlhf.data.checks import ROW_COLUMN, TYPED
-from rlhf.data.encoding import CHAT, FORMAT_COLUMN, TEXT, WHOLE_CHAT
+from rlhf.data.encoding import CHAT, FORMAT_COLUMN, TEXT, WHOLE_CHAT, common_prefix_length
 
 Messages = list[dict[str, str]]
 ANSWERS = ("completion", "chosen", "rejected")  # the columns rendered as the assistant's turn of a conversation
@@ -48,17 +48,10 @@ def _render(tokenizer, messages: Messages, add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def _common_prefix(a: Sequence, b: Sequence) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def _extract_prompt(row: dict[str, Any]) -> dict[str, Any]:
     """Implicit-prompt preference rows: the shared beginning of chosen and rejected is the prompt."""
     chosen, rejected = row["chosen"], row["rejected"]
-    n = _common_prefix(chosen, rejected)
+    n = common_prefix_length(chosen, rejected)
     if isinstance(chosen, str) and n > 0 and chosen[n - 1] != " " and " " in chosen[:n]:
         n = chosen[:n].rindex(" ") + 1  # cut at a word boundary, not inside a word
     return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from rlhf.core.errors import UserError
 from rlhf.data import readers
@@ -56,6 +57,14 @@ def check_path(values: dict, where: str) -> None:
             raise UserError(problem)
 
 
+def _first_json_row(handle) -> Any:
+    """The first value of a JSON Lines file or the first element of a JSON array (read from its first MiB)."""
+    head = handle.read(1 << 20).lstrip()
+    if head.startswith("["):
+        head = head[1:].lstrip()
+    return json.JSONDecoder().raw_decode(head)[0]
+
+
 def first_columns(data_path: str) -> list[str] | None:
     """The column names of a local ``.csv``/``.json``/``.jsonl``/``.parquet`` file from its first row (a CSV or
     Parquet file's header); None for anything else, or a file that does not parse (its reader says why, later)."""
@@ -73,10 +82,7 @@ def first_columns(data_path: str) -> list[str] | None:
                 import csv
 
                 return next(csv.reader(handle), None)
-            head = handle.read(1 << 20).lstrip()
-        if head.startswith("["):
-            head = head[1:].lstrip()
-        row, _ = json.JSONDecoder().raw_decode(head)
+            row = _first_json_row(handle)
         return list(row) if isinstance(row, dict) else None
     except Exception:  # whatever a damaged file raises: the reader gives the message, with the row
         return None
@@ -86,19 +92,15 @@ def first_row(data_path: str) -> dict | None:
     """The first row of a local ``.jsonl``/``.json``/``.csv`` file (a CSV's values as text); None for anything else,
     or a file that does not parse (its reader says why, later)."""
     path = os.path.expanduser(str(data_path))
-    suffix = Path(path).suffix.lower()
-    if not os.path.isfile(path) or suffix not in (".jsonl", ".json", ".csv"):
+    if not os.path.isfile(path) or Path(path).suffix.lower() not in (".jsonl", ".json", ".csv"):
         return None
     try:
         with open(path, encoding="utf-8-sig") as handle:
-            if suffix == ".csv":
+            if path.lower().endswith(".csv"):
                 import csv
 
                 return next(csv.DictReader(handle), None)
-            head = handle.read(1 << 20).lstrip()
-        if head.startswith("["):
-            head = head[1:].lstrip()
-        row, _ = json.JSONDecoder().raw_decode(head)
+            row = _first_json_row(handle)
         return row if isinstance(row, dict) else None
     except Exception:  # whatever a damaged file raises: the reader gives the message, with the row
         return None

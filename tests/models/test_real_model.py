@@ -10,12 +10,19 @@ trainer's own preparation and ``evaluate()`` in float32 on the CPU.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import tempfile
 
 import pytest
 import torch
 
+from tests.conftest import ROOT
+
 pytestmark = pytest.mark.real_model
+
+_spec = importlib.util.spec_from_file_location("compare_with_trl", ROOT / "benchmarks" / "compare_with_trl.py")
+_compare_with_trl = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_compare_with_trl)
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 SINGLE = {"prompt": [{"role": "user", "content": "Name a primary colour."}],
@@ -37,13 +44,8 @@ def policy(real_model):
 
 
 def _perturbed(model, scale: float = 0.01):
-    """A reference that differs from the policy: a copy with seeded noise on every weight."""
-    reference = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator))
-    return reference.eval()
+    """A reference that differs from the policy: benchmarks/compare_with_trl.py's copy with seeded noise."""
+    return _compare_with_trl.perturbed(model, scale)
 
 
 def _ours(algo, rows, tokenizer, model, reference=None) -> float:
