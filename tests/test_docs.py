@@ -31,6 +31,8 @@ def test_every_option_and_field_of_conf_has_its_comment_and_a_row_in_the_referen
     assert "| `beta` | `0.3` | KL strength, > 0;" in page  # conf/algo/dpo.yaml's field, default and comment
     assert "| `samples` | `4` | completions sampled per prompt" in page  # conf/eval/generate.yaml
     assert len([o for o in found if not o.preset]) > 100
+    # committed, so that the README's link to it resolves in a clone (red: a field's comment changed, not regenerated)
+    assert reference.OUT.read_text() == page, "docs/reference/config.md is stale: python scripts/config_reference.py"
 
 
 def test_an_option_or_a_field_without_a_comment_is_named(tmp_path):
@@ -48,6 +50,19 @@ def test_an_option_or_a_field_without_a_comment_is_named(tmp_path):
 
 
 @pytest.mark.skipif(not installed("mkdocs"), reason="the docs extra: pip install -e '.[docs]'")
+def test_every_link_of_the_readme_names_a_file_a_clone_has():
+    """A file the README links is committed, not made by a build (red: docs/reference/config.md ignored by git)."""
+    import re
+    import subprocess
+
+    tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.splitlines())
+    links = {link.split("#")[0] for link in re.findall(r"\]\(([^)]+)\)", (ROOT / "README.md").read_text())
+             if not link.startswith(("http://", "https://", "#"))}
+    assert links and "docs/reference/config.md" in links
+    assert sorted(link for link in links if link not in tracked) == []
+
+
 def test_the_landing_page_is_the_readme_with_its_links_made_for_the_site():
     hooks = _module("docs_hooks", ROOT / "docs" / "hooks.py")
     text = "see [the page](docs/evaluation/x.md), [a script](benchmarks/bench.py), [web](https://a.b/c), [top](#two)"

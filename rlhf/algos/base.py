@@ -69,6 +69,10 @@ class Algorithm:
     # The names of evaluate()'s metrics that every held-out evaluation reports, whatever the batch or option (one
     # that depends on them is left out): what a sweep's objective may name (rlhf.sweeps.points), as eval/<name>.
     eval_metrics: tuple[str, ...] = ("loss",)
+    # Metrics that count a completion right only when it is *the* answer (exact_match: the greedy tokens are the
+    # chosen/target completion's): read on data with one checkable answer per prompt (the embedded task), left out of
+    # the logs on data of one's own, where a paraphrase counts as wrong (rlhf.run.components).
+    answer_metrics: tuple[str, ...] = ()
     # The default objective of a run (conf/config.yaml's objective, when not set): (metric, minimize or maximize).
     objective: tuple[str, str] = ("eval/loss", "minimize")
     optional_columns: tuple[str, ...] = ()  # typed columns passed on where the data has them (a reward's margin)

@@ -89,6 +89,7 @@ class DPO(ReferenceRegularized):
 
     columns = ("prompt", "chosen", "rejected")
     tokenize_reads = ("max_prompt_length", "max_length")
+    answer_metrics = ("exact_match",)  # the embedded task's one answer (Algorithm.answer_metrics)
     eval_metrics = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                     "logps/chosen", "logps/rejected", "exact_match")  # and nll_loss with nll_weight
 

@@ -92,6 +92,7 @@ class KTO(ReferenceRegularized):
 
     columns = ("prompt", "completion", "label")
     tokenize_reads = ("max_prompt_length", "max_length")
+    answer_metrics = ("exact_match",)  # the embedded task's one answer (Algorithm.answer_metrics)
     eval_metrics = ("loss", "kl")  # the rest depend on which labels a batch holds
 
     def __init__(self, beta: float = 0.1, reference: Any = None, desirable_weight: float = 1.0,

@@ -47,6 +47,7 @@ class SFT(Algorithm):
 
     columns = ("prompt", "completion")
     tokenize_reads = ("completion_only_loss", "max_prompt_length", "max_length")
+    answer_metrics = ("exact_match",)  # the embedded task's one answer (Algorithm.answer_metrics)
     eval_metrics = ("loss", "num_tokens", "exact_match")
 
     def __init__(self, completion_only_loss: bool = True, max_prompt_length: int | None = 512,

@@ -21,6 +21,7 @@ types it and the fix for:
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import dataclasses
 import functools
@@ -71,6 +72,13 @@ def _allowed_types(annotation: Any) -> tuple[type, ...] | None:
         if all(isinstance(a, type) for a in args) and any(a in _SCALARS[:-1] for a in args):
             return args
     return None
+
+
+def _takes_a_function(annotation: Any) -> bool:
+    """Whether an annotation is a function's (``Callable``, ``Callable | None``): a config gives it as a node."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_takes_a_function(a) for a in typing.get_args(annotation))
+    return annotation is collections.abc.Callable or typing.get_origin(annotation) is collections.abc.Callable
 
 
 def _matches(value: Any, allowed: tuple[type, ...]) -> bool:
@@ -138,6 +146,11 @@ def check_fields(values: dict[str, Any], target: Callable, where: str, nullable:
                 raise UserError(f"{name}: {target.__module__}.{target.__qualname__} has no argument {key!r}. "
                                 f"Valid fields: {valid}.")
             continue
+        if _takes_a_function(hints.get(key)) and value is not None and not isinstance(value, dict):
+            function = value if isinstance(value, str) else "<module.function>"
+            raise UserError(f"{name}={value!r}: {target.__qualname__} takes a function for {key!r}, not a "
+                            f"{type(value).__name__}. Fix: {name}={{_target_:{function},_partial_:true}} (the "
+                            "function, built by Hydra)")
         allowed = _allowed_types(hints.get(key, inspect.Parameter.empty))
         if allowed is None or (value is None and key in nullable):
             continue
@@ -317,6 +330,8 @@ def _walk(node: Any, where: str) -> None:
             ranges = {**(shared or {}), **getattr(obj, "__limits__", {})}
             check_fields(node, obj, where, nullable={k for k, r in ranges.items() if r.null})
             validate.check_limits(node, obj, where, shared)
+            if callable(getattr(obj, "check_node", None)):  # a component's own check of its values
+                obj.check_node(node)
         for key, value in node.items():
             _walk(value, f"{where}.{key}" if where else str(key))
     elif isinstance(node, (list, ListConfig)):

@@ -45,6 +45,9 @@ def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
     if not known:
         return None
     folder = folder or validate.conf_dir()
+    flag = _flag_problem(argv)
+    if flag:
+        return flag
     for arg in argv:
         if arg.startswith("+") and "=" in arg:  # an addition: a TRL name added is still TRL's name
             found = _algo_key_problem(arg, argv, folder, added=True)
@@ -70,7 +73,10 @@ def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
             field = key.split(".")[1]
             trl = trl_names.trl_fix(field)
             close = difflib.get_close_matches(field, _train_keys(folder), n=1)
-            hint = f"{trl}." if trl else f"Did you mean train.{close[0]}={value}?" if close else \
+            # a length in epochs replaces the default length in steps: both are set, or neither would be
+            other = " train.max_steps=null" if close and close[0] == "num_epochs" and not any(
+                a.startswith("train.max_steps=") for a in argv) else ""
+            hint = f"{trl}." if trl else f"Did you mean train.{close[0]}={value}{other}?" if close else \
                 f"Fix: one of train.{{{', '.join(_train_keys(folder))}}}."
             return f"{arg}: train has no key {field!r}. {hint}"
         if top == "algo" and key != "algo":
@@ -85,6 +91,29 @@ def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
             found = _nested_option_problem(top, key, value, folder)
             if found:
                 return found
+    return None
+
+
+# Hydra's own command-line flags (python train.py --help); anything else written --name is another tool's style.
+_HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p", "--run",
+                "-r", "--multirun", "-m", "--shell-completion", "-sc", "--info", "-i", "--experimental-rerun",
+                *_OTHER_PRIMARY)
+
+
+def _flag_problem(argv: Sequence[str]) -> str | None:
+    """``--learning_rate 5e-6`` (argparse's style, TRL's scripts'): the override it means, ``key=value``."""
+    for index, arg in enumerate(argv):
+        name, equals, value = arg.partition("=")
+        if not name.startswith("--") or name in _HYDRA_FLAGS:
+            continue
+        key, written = name[2:], arg
+        following = argv[index + 1] if index + 1 < len(argv) else ""
+        if not equals and following and not following.startswith("-") and "=" not in following:
+            value, written = following, f"{arg} {following}"
+        value = value or "<value>"
+        trl = trl_names.TRL_NAMES.get(key)
+        fix = f"{trl.replace('<value>', value)} ({key} is TRL's name)" if trl else f"{key}={value}"
+        return f"{written}: overrides are written key=value, without dashes (Hydra's command line). Fix: {fix}"
     return None
 
 
@@ -254,10 +283,12 @@ def _option_problem(group: str, value: str, folder: Path | None, argv: Sequence[
         option = option.strip()
         if option in options or option in ("null", ""):
             continue
-        close = difflib.get_close_matches(option, options, n=1)
+        # the group's own options: a sub-folder's files are the options of another group (algo/loss=...)
+        own = [o for o in options if "/" not in o] or options
+        close = difflib.get_close_matches(option, own, n=1)
         hint = f"Did you mean {typed}={close[0]}?" if close else f"Fix: {typed}=<one of them>."
         where = f"conf/{group}/" + "".join(f" nor {f / group}/" for f in extra)
-        return f"{typed}={option}: {where} has no option {option!r} (options: {', '.join(options)}). {hint}"
+        return f"{typed}={option}: {where} has no option {option!r} (options: {', '.join(own)}). {hint}"
     return None
 
 

@@ -172,6 +172,12 @@ class DataSource:
         self.columns = dict(columns) if columns else None
         self.skipped_rows = 0
 
+    @property
+    def one_answer_per_prompt(self) -> bool:
+        """Whether every prompt has one checkable answer (the embedded task): what an algorithm's answer metrics
+        (``exact_match``) need to mean anything. Data of one's own (``path``) is not assumed to."""
+        return self.path is None and self.task is not None
+
     @staticmethod
     def check_columns(values: Mapping[str, Any], columns: Sequence[str]) -> None:
         """Refuse, before anything loads, a local data file that lacks the columns an algorithm needs (`columns`):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import difflib
 import gc
 import logging
 import os
@@ -180,11 +181,28 @@ class DataParallel:
             has = "with" if self.mixed_precision == "bf16" else "without"
             self._precision_why = f" (auto: {where} {has} bf16 matrix units)"
         self.threads_per_process = threads_per_process
+        self.threads_settled: int | None = None  # the count this run uses, once decided (threads())
+        self._threads_why = ""
         self.rdzv_endpoint, self.node_rank, self.timeout_s = rdzv_endpoint, node_rank, timeout_s
         self.compile = compile
         self.accelerator: Accelerator | None = None
         self.frozen_held: dict[str, FrozenHolding] = {}  # by name, what prepare_frozen left on this process
         self._sharding = ""  # set by a sharding strategy's prepare(): what this process holds of the policy
+
+    @staticmethod
+    def check_node(node: dict[str, Any]) -> None:
+        """Before anything is built (:func:`rlhf.config.checks.check_config`): a ``compile`` backend torch does not
+        have."""
+        backend = node.get("compile")
+        if isinstance(backend, str):
+            import torch._dynamo  # only for a backend named: its import takes seconds
+
+            if backend not in torch._dynamo.list_backends(exclude_tags=()):  # with its debugging ones
+                shown = torch._dynamo.list_backends()
+                close = difflib.get_close_matches(backend, shown, n=1)
+                fix = f"hardware.compile={close[0]}" if close else "hardware.compile=true (inductor), or one of them"
+                raise UserError(f"hardware.compile={backend}: torch.compile has no backend {backend!r} (its "
+                                f"backends: {', '.join(shown)}). Fix: {fix}")
 
     # --- processes ---------------------------------------------------------------------------------------
     def uses_cuda(self) -> bool:
@@ -206,26 +224,17 @@ class DataParallel:
         on a node given no GPU holds CPUs for (:func:`rlhf.launch.slurm.slurm_cpus`)."""
         return num_processes if num_processes is not None else 1
 
-    def threads(self, local_processes: int) -> int:
-        """Torch threads per process: ``threads_per_process``, else ``OMP_NUM_THREADS``, else the job's CPUs shared
-        out between its processes on this machine, leaving out those that other work keeps busy as the run starts
-        (:func:`rlhf.hardware.cpus.busy_cpus`; not inside a Slurm job, whose CPUs are its own). What was left out is said in the
-        start-up line."""
-        self._threads_why = ""
-        if self.threads_per_process is not None:
-            return self.threads_per_process
-        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-            self._threads_why = os.environ.get(cpus.THREADS_WHY, "")  # the launching process's reason, if any
-            return max(1, int(os.environ["OMP_NUM_THREADS"]))
-        total = cpus.cpus_available()
-        even = max(1, total // max(1, local_processes))
-        busy = None if os.environ.get("SLURM_JOB_ID") else cpus.busy_cpus()
-        if busy is None or cpus.threads_beside(busy, total, local_processes) >= even:
-            return even
-        chosen = cpus.threads_beside(busy, total, local_processes)
-        self._threads_why = (f" ({busy:.1f} of the {total} CPUs were busy with other work as the run started: {chosen} "
-                             f"thread(s) a process, not {even}; hardware.threads_per_process sets it)")
-        return chosen
+    def threads(self, local_processes: int, resumed: int | None = None, busy: float | None = None) -> int:
+        """Torch threads per process, decided once per run and kept (:attr:`threads_settled`):
+        ``threads_per_process``, else ``OMP_NUM_THREADS``, else ``resumed`` (the count a resumed run used), else the
+        job's CPUs shared out between its processes on this machine, leaving out those that other work keeps busy
+        (``busy``: a sweep's one measurement; else measured as the run starts, :func:`rlhf.hardware.cpus.busy_cpus`;
+        not inside a Slurm job, whose CPUs are its own). Why, when it is not the plain share, is said in the start-up
+        line."""
+        if self.threads_settled is None:
+            self.threads_settled, self._threads_why = cpus.choose_threads(
+                self.threads_per_process, local_processes, resumed=resumed, busy=busy)
+        return self.threads_settled
 
     # --- the Accelerator -----------------------------------------------------------------------------------
     def start(self, seed: int = 0) -> Accelerator:
@@ -262,11 +271,14 @@ class DataParallel:
             if acc.num_processes > 1 else "one process"
         precision = "no mixed precision" if self.mixed_precision == "no" else f"{self.mixed_precision} mixed precision"
         precision += self._precision_why
+        if self.mixed_precision == "bf16" and not self.uses_cuda():  # docs/threads/: float32 steps are the same
+            precision += (f" (on a CPU, bf16 results depend on the thread count: hardware.threads_per_process="
+                          f"{torch.get_num_threads()} repeats them)")
         if self.compile:
             precision += ", models compiled (torch.compile)"
         frozen = "".join(f"; {name}: {held}" for name, held in self.frozen_held.items())
         return (f"{acc.num_processes} process(es) ({kind}) on {acc.device}, {torch.get_num_threads()} thread(s) "
-                f"each{getattr(self, '_threads_why', '')}, {local} process(es) on {cpus_available()} CPU(s) here, {precision}{self._sharding}{frozen}")
+                f"each{self._threads_why}, {local} process(es) on {cpus_available()} CPU(s) here, {precision}{self._sharding}{frozen}")
 
     def processes(self) -> int:
         """Processes of the whole run: the Accelerator's count once started, else what the launch will start."""

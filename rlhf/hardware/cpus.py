@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
 # Set by the launching process for the ranks it starts: why their thread count (OMP_NUM_THREADS) is what it is.
 THREADS_WHY = "RLHF_THREADS_WHY"
+SWEEP_LOAD = "busy_cpus.json"  # in a sweep's folder: the load its first point measured, which every point shares out
 
 
 def cpus_available() -> int:
@@ -59,3 +62,59 @@ def threads_beside(busy: float, cpus: int, local_processes: int) -> int:
     slower than fewer threads (measured: 8.5x on 2 busy cores, docs/threads/2026-11-27-busy-machine.md)."""
     idle = cpus - round(busy)
     return max(1, min(cpus, idle) // max(1, local_processes))
+
+
+def choose_threads(threads_per_process: int | None, local_processes: int, resumed: int | None = None,
+                   busy: float | None = None, measure: bool = True) -> tuple[int, str]:
+    """(torch threads per process, why: for the start-up line). In order: ``threads_per_process``; else
+    ``OMP_NUM_THREADS``; else ``resumed``, the count of the run a resume continues (in bf16 the thread count changes
+    the numbers); else the job's CPUs shared out between its ``local_processes``, leaving out those other work keeps
+    busy as the run starts: ``busy`` when given (a sweep's one measurement, :func:`sweep_load`), else measured now
+    (``measure``; never inside a Slurm job, whose CPUs are its own)."""
+    if threads_per_process is not None:
+        return threads_per_process, ""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"])), os.environ.get(THREADS_WHY, "")
+    if resumed is not None:
+        return resumed, (" (the count of the run this resume continues, so that its steps are computed the same "
+                         "way; hardware.threads_per_process sets it)")
+    total = cpus_available()
+    even = max(1, total // max(1, local_processes))
+    if busy is None and measure and not os.environ.get("SLURM_JOB_ID"):
+        busy = busy_cpus()
+    if busy is None or threads_beside(busy, total, local_processes) >= even:
+        return even, ""
+    chosen = threads_beside(busy, total, local_processes)
+    return chosen, (f" ({busy:.1f} of the {total} CPUs were busy with other work as the run started: {chosen} "
+                    f"thread(s) a process, not {even}; hardware.threads_per_process sets it)")
+
+
+def sweep_load(folder: Path) -> float | None:
+    """The busy CPUs (:func:`busy_cpus`) that the first point of the sweep in ``folder`` measured as it started,
+    kept in ``folder/busy_cpus.json``; measured now and kept there by the point that finds no such file. Every point
+    shares its CPUs out by this one load, so that points of the same hardware use the same thread count whatever the
+    machine was doing as each began (their results in bf16 depend on it). None inside a Slurm job, whose CPUs are its
+    own, and where the load cannot be read."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return None
+    file = Path(folder) / SWEEP_LOAD
+    for _ in range(50):  # a point that started at the same moment may be writing it
+        try:
+            return json.loads(file.read_text())["busy_cpus"]
+        except FileNotFoundError:
+            break
+        except (OSError, ValueError, KeyError, TypeError):
+            time.sleep(0.02)
+    busy = busy_cpus()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    draft = file.with_name(f".{SWEEP_LOAD}.{os.getpid()}")
+    draft.write_text(json.dumps({"busy_cpus": busy}))
+    try:
+        os.link(draft, file)  # atomic, and refused where another point got there first: then its value counts
+    except FileExistsError:
+        return sweep_load(folder)
+    except OSError:  # a file system without links: the point's own measurement
+        return busy
+    finally:
+        draft.unlink(missing_ok=True)
+    return busy

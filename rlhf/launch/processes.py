@@ -28,12 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.config.checks import check_config
 from rlhf.core.errors import UserError
-from rlhf.core.instantiate import build
+from rlhf.core.instantiate import build, in_a_sweep
 from rlhf.hardware.base import free_port
+from rlhf.hardware import cpus
 from rlhf.hardware.cpus import THREADS_WHY
 from rlhf.run import checkpoint, resume_check, signals
 from rlhf.run import folder as run_folder
@@ -72,15 +74,19 @@ def run(cfg: DictConfig) -> dict[str, float]:
     # The main machine's first process holds the folder (one lock); the others only read which checkpoint to resume.
     with run_folder.claim(run_dir) if holds_folder else contextlib.nullcontext():
         resume = run_folder.prepare(run_dir, cfg.get("resume"))
+        processes = strategy.processes_per_node()
+        # Decided once, before the resume check compares it: here for every process this one starts (they inherit
+        # it), by each rank that someone else started. A sweep's points share one measurement of the machine's load.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if started_here else processes
+        strategy.threads(local, resumed=resume_check.recorded_threads(resume) if resume else None,
+                         busy=cpus.sweep_load(Path(HydraConfig.get().sweep.dir)) if in_a_sweep() else None)
         if resume is not None:  # before any process starts or anything loads: the config a resume must keep
             resume_check.check_config(cfg, strategy, resume)
             run_folder.record_resume(resume)
-        processes = strategy.processes_per_node()
         if started_here or (processes == 1 and strategy.num_nodes == 1):
             return loop.train(cfg, strategy, resume)
-        threads = strategy.threads(processes)
-        return _start(cfg, resume, processes, threads, strategy.num_nodes, strategy.node_rank, strategy.rdzv_endpoint,
-                      strategy_why=getattr(strategy, "_threads_why", ""))
+        return _start(cfg, resume, processes, strategy.threads_settled, strategy.num_nodes, strategy.node_rank,
+                      strategy.rdzv_endpoint, strategy_why=strategy._threads_why)
 
 
 def _start(cfg: DictConfig, resume: Path | None, processes: int, threads: int, nodes: int, node_rank: int,

@@ -7,7 +7,9 @@ the training loader through ``strategy.prepare``. Nothing here runs a training s
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,12 +77,17 @@ class BuiltRun:
     flops_per_token: float  # model FLOPs of one trained token, for perf/mfu (rlhf.telemetry.mfu.flops_per_token)
     peak_flops: float  # FLOP/s one process of this machine reaches in the run's precision (rlhf.telemetry.mfu.peak_flops)
     generation_eval: Any = None  # the eval option (rlhf.evaluation.generated): eval/gen/* beside the algorithm's
+    left_out: frozenset[str] = frozenset()  # the algorithm's answer metrics, on data without one answer per prompt
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics: the algorithm's own (``eval/<name>``) and the generation evaluation's
         (``eval/gen/...``, with ``eval=generate``)."""
-        metrics = evaluate(self.model, self.algo, self.eval_loader, self.accelerator)
+        metrics = self.shown(evaluate(self.model, self.algo, self.eval_loader, self.accelerator), "eval/")
         return {**metrics, **(self.generation_eval(self.model, self.accelerator) if self.generation_eval else {})}
+
+    def shown(self, metrics: dict[str, float], prefix: str) -> dict[str, float]:
+        """``metrics`` without those :attr:`left_out` (``<prefix><name>``)."""
+        return {k: v for k, v in metrics.items() if k.removeprefix(prefix) not in self.left_out}
 
     def describe(self) -> None:
         """Log what is about to happen: the folder, the hardware, the batch arithmetic, the model's size."""
@@ -90,12 +97,28 @@ class BuiltRun:
         trainable = sum(global_numel(p) for p in parameters if p.requires_grad)
         log.info("run dir: %s", self.run_dir)
         log.info("hardware: %s", self.strategy.describe())
-        log.info("global batch %d = %d per device x %d process(es) x %d accumulation step(s); %d optimizer steps%s",
-                 settings.per_device_batch_size * processes * self.accumulation, settings.per_device_batch_size,
-                 processes, self.accumulation, self.max_steps,
-                 f" ({settings.num_epochs} epoch(s))" if settings.num_epochs else "")
+        epochs = self.epochs()
+        log.info("global batch %d = %d per device x %d process(es) x %d accumulation step(s); %d optimizer steps "
+                 "(%s epoch(s) of the training rows)", settings.per_device_batch_size * processes * self.accumulation,
+                 settings.per_device_batch_size, processes, self.accumulation, self.max_steps, f"{epochs:.3g}")
         log.info("parameters: %s (%s trainable); %d training rows, %d held-out rows",
                  f"{total:,}", f"{trainable:,}", self.rows["train"], self.rows["eval"])
+        if self.left_out:
+            log.info("not logged: %s: they count a completion right only when it is the one answer of the embedded "
+                     "task, and this data is of one's own (eval=generate with a reward for it scores completions)",
+                     ", ".join(f"{split}/{name}" for name in sorted(self.left_out) for split in ("train", "eval")))
+        if epochs > EPOCHS_WARNING and settings.num_epochs is None:
+            log.warning("train.max_steps=%d is %.3g passes over the %d training rows: past a few, a model learns the "
+                        "rows themselves, and held-out scores stop telling much. Fix: train.num_epochs=3 (with "
+                        "train.max_steps=null), a smaller train.max_steps, or more rows", self.max_steps, epochs,
+                        self.rows["train"])
+        if self.rows["eval"] < EVAL_ROWS_WARNING:
+            error = 0.5 / math.sqrt(self.rows["eval"])
+            log.warning("the held-out split has %d rows: an accuracy measured on them (a share of rows, e.g. "
+                        "eval/rewards/accuracies) has a standard error of up to %.2f (0.5/sqrt(%d)), so differences "
+                        "below about %.2f between runs are noise. Fix: hold out more rows (data.eval_size=%d, or "
+                        "data.eval_split=<a split of their own>)", self.rows["eval"], error, self.rows["eval"],
+                        2 * error, EVAL_ROWS_WARNING)
         cut = self.truncated
         if cut["either"]:
             share = cut["either"] / max(1, cut["rows"])
@@ -111,7 +134,24 @@ class BuiltRun:
         log.info("%s", self.memory.describe())
 
 
+    def epochs(self) -> float:
+        """Passes over the training rows that ``max_steps`` optimizer steps make."""
+        return self.max_steps * self.accumulation / max(1, len(self.train_loader))
+
+    def record_environment(self) -> None:
+        """``environment.json`` in the run folder: what a run's numbers depend on beyond its config (the thread
+        count and precision it computed in, the machine and torch), for a report that compares runs."""
+        if self.accelerator.is_main_process:
+            (self.run_dir / ENVIRONMENT).write_text(json.dumps({
+                "threads_per_process": torch.get_num_threads(), "mixed_precision": self.strategy.mixed_precision,
+                "machine": perf.machine_name(self.accelerator.device), "num_processes": self.accelerator.num_processes,
+                "torch": torch.__version__}, indent=2) + "\n")
+
+
 TRUNCATION_WARNING = 0.05  # a larger share of training rows cut by truncation is a warning, not an info line
+EPOCHS_WARNING = 10  # more passes over the training rows than this (set by max_steps) is a warning
+EVAL_ROWS_WARNING = 100  # fewer held-out rows than this is a warning: an accuracy's standard error up to 0.05 and above
+ENVIRONMENT = "environment.json"  # in the run folder (record_environment)
 
 
 def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
@@ -162,7 +202,8 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
                     truncated=truncated_rows(tokenized["train"]),
                     resume_record=record(cfg, strategy, fingerprint), memory=memory,
                     adapter=adapter, peak=peak, flops_per_token=perf.flops_per_token(policy, list(algo.frozen.values())),
-                    peak_flops=peak_flops, generation_eval=generation_eval)
+                    peak_flops=peak_flops, generation_eval=generation_eval,
+                    left_out=frozenset(() if getattr(data, "one_answer_per_prompt", True) else algo.answer_metrics))
 
 
 def activation_checkpointing(model) -> bool:

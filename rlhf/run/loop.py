@@ -49,6 +49,7 @@ def train(cfg: DictConfig, strategy, resume: Path | None) -> dict[str, float]:
     with log_file(run_dir, accelerator.is_main_process), catch_stop_signals() as stop:
         run = build_run(cfg, strategy, run_dir)
         run.describe()
+        run.record_environment()
         state = TrainState()
         if resume is not None:
             resume_check.check_data(cfg, run.resume_record[resume_check.DATA], resume)
@@ -231,7 +232,7 @@ def window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, el
     """The log window's training metrics (means over its steps and every process), speed, lr and counters."""
     processes = run.accelerator.num_processes
     tokens_per_s = int(state.window_tokens) * processes / elapsed_s
-    metrics = {**window_means(state, "train/", run.accelerator), "train/lr": run.scheduler.get_last_lr()[0],
+    metrics = {**run.shown(window_means(state, "train/", run.accelerator), "train/"), "train/lr": run.scheduler.get_last_lr()[0],
                "perf/tokens_per_s": tokens_per_s,
                "perf/samples_per_s": state.window_samples * processes / elapsed_s,
                "perf/mfu": mfu(run.flops_per_token, tokens_per_s, run.peak_flops, processes),

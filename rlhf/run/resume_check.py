@@ -46,9 +46,10 @@ NOT_OPTIMIZING = (
     "train.log_every_steps", "train.eval_every_steps", "train.eval_at_start", "train.eval_batch_size",
     "train.save_every_steps", "train.save_every_minutes", "train.keep_last", "train.save_final",
     "train.empty_cache_every_steps", "train.profile_steps", "train.profile_memory", "train.memory_check",
-    "hardware.timeout_s", "hardware.threads_per_process", "hardware.rdzv_endpoint", "hardware.node_rank",
+    "hardware.timeout_s", "hardware.rdzv_endpoint", "hardware.node_rank",
     "model.gradient_checkpointing",  # recomputes the same activations: the same gradients bit for bit (tested)
 )
+THREADS = "hardware.threads_per_process"  # recorded as the count the run used (on a CPU, where it changes the numbers)
 # Leaf names that say where files are kept, wherever they appear (the tiny model's warm-start cache, $RLHF_CACHE).
 WHERE_FILES_ARE = ("cache_dir",)
 
@@ -80,7 +81,20 @@ def recorded_config(cfg: DictConfig, strategy) -> dict[str, Any]:
         flat["hardware.mixed_precision"] = strategy.mixed_precision  # resolved when the strategy was built
     if "hardware.num_processes" in flat:
         flat["hardware.num_processes"] = strategy.processes_per_node()
+    if THREADS in flat:  # on a CPU, bf16 steps differ with the thread count (docs/threads/); a GPU's do not
+        if strategy.uses_cuda():
+            del flat[THREADS]
+        else:
+            flat[THREADS] = getattr(strategy, "threads_settled", None) or flat[THREADS]
     return json.loads(json.dumps(flat))
+
+
+def recorded_threads(folder: Path) -> int | None:
+    """The torch threads per process of the run that wrote the checkpoint ``folder`` (None: not recorded, or on a
+    GPU): what a resume uses unless told otherwise (:func:`rlhf.hardware.cpus.choose_threads`)."""
+    recorded = read(folder)
+    value = recorded["config"].get(THREADS) if recorded else None
+    return value if isinstance(value, int) else None
 
 
 def record(cfg: DictConfig, strategy, fingerprint: str) -> dict[str, Any]:
@@ -119,6 +133,8 @@ def check_config(cfg: DictConfig, strategy, folder: Path) -> None:
     before = {k: current_path(v) if k.endswith("_target_") else v for k, v in before.items()}
     now, listed = recorded_config(cfg, strategy), listed_changes(cfg)
     _check_listed(folder, listed, [*before, *flatten(OmegaConf.to_container(cfg, resolve=True))])
+    if THREADS not in before:  # a checkpoint written before the thread count was recorded
+        now.pop(THREADS, None)
     missing = object()
     changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k, missing) != now.get(k, missing)]
     refused = [k for k in changed if not _allowed(k, listed)]

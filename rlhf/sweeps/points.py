@@ -82,7 +82,11 @@ def check_objective(container: dict) -> None:
     algo = container.get("algo")
     if not (isinstance(algo, dict) and isinstance(algo.get("_target_"), str)):
         return
-    produced = produced_metrics(get_object(algo["_target_"]))
+    algo_class = get_object(algo["_target_"])
+    produced = produced_metrics(algo_class)
+    data = container.get("data")
+    if isinstance(data, dict) and data.get("path") is not None:  # data of one's own: no answer metrics logged
+        produced = [m for m in produced if m.removeprefix("eval/") not in getattr(algo_class, "answer_metrics", ())]
     evaluation = container.get("eval")
     if isinstance(evaluation, dict) and isinstance(evaluation.get("_target_"), str):  # eval=generate: eval/gen/*
         produced += list(getattr(get_object(evaluation["_target_"]), "produced", lambda options: ())(evaluation))

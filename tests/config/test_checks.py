@@ -387,6 +387,20 @@ def test_wrongly_typed_and_unknown_fields_are_clear_errors(tmp_path):
         check_fields({"max_steps": "ten"}, TrainSettings, "train")
 
 
+def test_a_judge_given_as_a_name_and_an_unknown_compile_backend_are_refused_before_anything_loads(tmp_path):
+    """Both passed the check and ended in a traceback once built (red: ``'str' object is not callable``, dynamo's
+    ``InvalidBackend``); a judge given as a function node and a backend torch has pass."""
+    with pytest.raises(UserError, match=r"eval.judge='my_judges.pairwise': GenerationEval takes a function for "
+                                        r"'judge', not a str. Fix: eval.judge=\{_target_:my_judges.pairwise,_partial_:true\}"):
+        check_config(compose_config("eval=generate", "eval.judge=my_judges.pairwise", output_dir=tmp_path))
+    check_config(compose_config("eval=generate", "eval.judge={_target_:builtins.max,_partial_:true}",
+                                output_dir=tmp_path))
+    with pytest.raises(UserError, match=r"hardware.compile=inductr: torch.compile has no backend 'inductr' .*"
+                                        r"Fix: hardware.compile=inductor"):
+        check_config(compose_config("hardware.compile=inductr", output_dir=tmp_path))
+    check_config(compose_config("hardware.compile=aot_eager", output_dir=tmp_path))
+
+
 class _Mixin:
     def __init__(self, call: int = 1, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -43,3 +43,19 @@ def test_a_reward_option_of_ones_own_folder_is_accepted_for_eval_and_training(tm
                                 output_dir=tmp_path / "run"))
     with pytest.raises(UserError, match="the embedded task's reward"):
         check_config(compose_config("algo=dpo", "eval=generate", f"data.path={pairs}", output_dir=tmp_path / "run"))
+
+
+def test_a_misspelt_algorithm_lists_algorithms_only_and_a_dashed_flag_gets_its_override():
+    """``algo=dop``: the algorithms, not the files of algo/'s sub-groups (loss/..., reward_funcs/...), before the
+    hint; ``--learning_rate 5e-6`` (argparse's style) gets the override it means, through TRL's names where it is one;
+    ``train.epochs=3`` the key and the default length it replaces (red: sub-groups listed; Hydra's usage text)."""
+    message = problem(["algo=dop"])
+    assert message.endswith("Did you mean algo=dpo?") and ", dpo," in message
+    assert "loss/" not in message and "reward_funcs/" not in message and "kl_estimator/" not in message
+    assert problem(["--learning_rate", "5e-6"]) == (
+        "--learning_rate 5e-6: overrides are written key=value, without dashes (Hydra's command line). Fix: "
+        "optimizer.lr=5e-6 (learning_rate is TRL's name)")
+    assert problem(["--train.max_steps=10"]).endswith("Fix: train.max_steps=10")
+    assert problem(["--cfg", "job", "-m", "algo=dpo"]) is None  # Hydra's own flags
+    assert problem(["train.epochs=3"]).endswith("Did you mean train.num_epochs=3 train.max_steps=null?")
+    assert problem(["train.epochs=3", "train.max_steps=null"]).endswith("Did you mean train.num_epochs=3?")

@@ -151,6 +151,27 @@ def test_num_epochs_sets_the_length_of_the_run_and_its_schedule(fast_config, tmp
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["train"]["max_steps"] == 24
 
 
+def test_the_start_up_lines_say_the_epochs_and_warn_of_many_epochs_and_few_held_out_rows(fast_config, tmp_path,
+                                                                                          caplog):
+    """8 training rows in batches of 4 for 22 steps: 11 passes over them, a warning; 16 held-out rows: an accuracy's
+    standard error up to 0.5/sqrt(16) = 0.125, a warning. The default length on the same rows warns of neither the
+    epochs nor (with 128 held-out rows) the split (red: without the checks, or with the epochs miscounted)."""
+    caplog.set_level("INFO", logger="rlhf")
+    train(fast_config("data.task.num_train=8", "train.max_steps=22"))
+    text = caplog.text
+    assert "22 optimizer steps (11 epoch(s) of the training rows)" in text
+    assert "train.max_steps=22 is 11 passes over the 8 training rows" in text and "train.num_epochs=3" in text
+    assert "the held-out split has 16 rows: an accuracy measured on them" in text
+    assert "standard error of up to 0.12 (0.5/sqrt(16))" in text and "data.eval_size=100" in text
+    caplog.clear()
+    train(fast_config("data.task.num_eval=128"))
+    assert "3 optimizer steps (0.188 epoch(s) of the training rows)" in caplog.text
+    assert "passes over the" not in caplog.text and "the held-out split has" not in caplog.text
+    env = json.loads((tmp_path / "run" / "environment.json").read_text())
+    assert env["threads_per_process"] == torch.get_num_threads() and env["mixed_precision"] == "no"
+    assert env["num_processes"] == 1 and env["torch"] == torch.__version__ and env["machine"]
+
+
 def test_rerun_in_the_same_folder_starts_a_fresh_metrics_file(fast_config, tmp_path):
     train(fast_config())
     train(fast_config())
@@ -201,3 +222,27 @@ def test_every_training_step_runs_in_training_mode_even_without_an_evaluation_fi
     # a 2-step warm start: the model then comes from the cache through from_pretrained, in eval mode
     train(fast_config("algo=sft", "model.tiny.warm_start_steps=2", "train.eval_at_start=false", "train.max_steps=2"))
     assert modes == [True, True], modes
+
+
+def test_answer_metrics_are_not_logged_on_data_of_ones_own(fast_config, tmp_path, caplog):
+    """exact_match counts a completion right only when it is the embedded task's one answer: on a file of one's own
+    neither train/ nor eval/exact_match is logged (the start-up lines say so), and a sweep's objective may not name it;
+    the embedded task keeps it (red: logged on the file, 0 throughout as a user saw)."""
+    from rlhf.sweeps.points import check_objective
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"{a}{b}=", "chosen": f"{b}{a}x", "rejected": f"{a}{b}"}) + "\n"
+                             for a in "abcdefgh" for b in "ijkl"))
+    caplog.set_level("INFO", logger="rlhf")
+    for algo in ("dpo", "sft"):
+        columns = [] if algo == "dpo" else ["data.columns={prompt: prompt, completion: chosen}"]
+        metrics = train(fast_config(f"algo={algo}", f"data.path={pairs}", "data.eval_size=8", *columns))
+        logged = {k for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() for k in json.loads(line)}
+        assert "eval/loss" in logged and not {"eval/exact_match", "train/exact_match"} & (logged | set(metrics))
+    assert "not logged: train/exact_match, eval/exact_match" in caplog.text
+    metrics = train(fast_config("algo=dpo"))
+    assert "eval/exact_match" in metrics and "train/exact_match" in metrics
+    container = OmegaConf.to_container(fast_config("algo=dpo", f"data.path={pairs}", "objective.metric=eval/exact_match",
+                                                   "objective.direction=maximize"), resolve=True)
+    with pytest.raises(UserError, match="objective.metric=eval/exact_match: runs of .* do not report it"):
+        check_objective(container)

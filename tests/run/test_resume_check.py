@@ -21,8 +21,8 @@ class _Strategy:
     """What the record asks of a hardware strategy: what ``device: auto``, ``mixed_precision: auto`` (on a GPU with
     bf16) and ``num_processes: null`` mean here."""
 
-    def __init__(self, cuda: bool = False, processes: int = 1) -> None:
-        self.cuda, self.processes = cuda, processes
+    def __init__(self, cuda: bool = False, processes: int = 1, threads: int | None = None) -> None:
+        self.cuda, self.processes, self.threads_settled = cuda, processes, threads
         self.mixed_precision = "bf16" if cuda else "no"
 
     def uses_cuda(self) -> bool:
@@ -50,11 +50,11 @@ def test_the_hardware_that_shapes_the_training_is_recorded():
     assert "hardware._target_" in _changed(["hardware=cpu_ddp"], ["hardware=fsdp"], _Strategy(processes=2),
                                            _Strategy(processes=2))
     assert _changed(["hardware=auto"], ["hardware=cpu"]) == set()  # auto is the CPU on this (stub) machine
-    assert _changed(["hardware=auto"], ["hardware=cpu"], _Strategy(cuda=True)) == {"hardware.device",
-                                                                                 "hardware.mixed_precision"}
+    assert _changed(["hardware=auto"], ["hardware=cpu"], _Strategy(cuda=True)) == {
+        "hardware.device", "hardware.mixed_precision", "hardware.threads_per_process"}  # a GPU's record has no count
     # auto's bf16 on a GPU that has it is hardware=gpu's bf16: the same record
     assert _changed(["hardware=auto"], ["hardware=gpu"], _Strategy(cuda=True), _Strategy(cuda=True)) == set()
-    where = ["hardware.timeout_s=60", "hardware.threads_per_process=1", "hardware.rdzv_endpoint=h:1",
+    where = ["hardware.timeout_s=60", "hardware.rdzv_endpoint=h:1",
              "train.log_every_steps=3", "train.eval_every_steps=5", "train.save_every_steps=7", "train.keep_last=9",
              "train.eval_batch_size=3", "logger=wandb", "resume=auto", "resume_changes=[seed]",
              "model.tiny.cache_dir=/elsewhere"]
@@ -155,3 +155,56 @@ def test_a_checkpoint_recorded_before_the_layer_packages_resumes_and_eval_may_ch
     check_resume(compose_config(*overrides, "eval=generate"), _Strategy(), tmp_path)
     with pytest.raises(UserError, match=r"seed \(checkpoint: 3, now: 4\)"):  # a real change is still refused
         check_resume(compose_config("algo=grpo", "seed=4"), _Strategy(), tmp_path)
+
+
+def test_the_thread_count_of_a_cpu_run_is_recorded_kept_by_a_resume_and_checked(tmp_path, monkeypatch):
+    """In bf16 on a CPU, 1 and 2 threads give different steps (benchmarks/threads_identical.py): the count a run used
+    is recorded (not on a GPU, where it changes nothing), a resume that is not told otherwise uses it whatever the
+    load, and a different count is refused like any other change unless resume_changes lists it; a checkpoint written
+    before counts were recorded resumes unchecked (red: with the key among those that may change freely)."""
+    import json
+
+    from rlhf.hardware import cpus
+    from rlhf.run.resume_check import check_config as check_resume
+    from rlhf.run.resume_check import recorded_threads
+
+    assert recorded_config(compose_config("hardware=cpu"), _Strategy(threads=2))["hardware.threads_per_process"] == 2
+    assert "hardware.threads_per_process" not in recorded_config(compose_config("hardware=gpu"),
+                                                                 _Strategy(cuda=True, threads=2))
+    recorded = recorded_config(compose_config("hardware=cpu"), _Strategy(threads=2))
+    (tmp_path / checkpoint.CONFIG).write_text(json.dumps({"config": recorded, "tokenized_data": "x"}))
+    assert recorded_threads(tmp_path) == 2
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpus, "busy_cpus", lambda: 2.0)  # a machine this busy would get 1 thread
+    monkeypatch.setattr(cpus, "cpus_available", lambda: 2)
+    assert cpus.choose_threads(None, 1)[0] == 1
+    count, why = cpus.choose_threads(None, 1, resumed=recorded_threads(tmp_path))
+    assert count == 2 and "the run this resume continues" in why
+    assert cpus.choose_threads(3, 1, resumed=2)[0] == 3  # an explicit count is the user's
+    check_resume(compose_config("hardware=cpu"), _Strategy(threads=2), tmp_path)
+    with pytest.raises(UserError, match=r"hardware.threads_per_process \(checkpoint: 2, now: 1\)"):
+        check_resume(compose_config("hardware=cpu", "hardware.threads_per_process=1"), _Strategy(threads=1), tmp_path)
+    check_resume(compose_config("hardware=cpu", "hardware.threads_per_process=1",
+                                "resume_changes=[hardware.threads_per_process]"), _Strategy(threads=1), tmp_path)
+    del recorded["hardware.threads_per_process"]  # an older checkpoint
+    (tmp_path / checkpoint.CONFIG).write_text(json.dumps({"config": recorded, "tokenized_data": "x"}))
+    assert recorded_threads(tmp_path) is None
+    check_resume(compose_config("hardware=cpu"), _Strategy(threads=1), tmp_path)
+
+
+def test_the_points_of_a_sweep_share_one_measurement_of_the_load(tmp_path, monkeypatch):
+    """The first point measures the busy CPUs and keeps the figure in the sweep's folder; the next ones use it, so
+    points of the same hardware get the same thread count however busy the machine was as each began (red: each
+    point measuring its own)."""
+    from rlhf.hardware import cpus
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    loads = iter([1.8, 0.0, 0.0])
+    monkeypatch.setattr(cpus, "busy_cpus", lambda: next(loads))
+    assert cpus.sweep_load(tmp_path) == 1.8
+    assert cpus.sweep_load(tmp_path) == 1.8
+    assert cpus.sweep_load(tmp_path / "another") == 0.0
+    monkeypatch.setattr(cpus, "cpus_available", lambda: 2)
+    assert cpus.choose_threads(None, 1, busy=cpus.sweep_load(tmp_path))[0] == 1
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert cpus.sweep_load(tmp_path) is None  # a Slurm job's CPUs are its own
