@@ -31,6 +31,7 @@ from rlhf.models.adapters import NoAdapter
 from rlhf.ops.collectives import any_process
 from rlhf.ops.output_layer import logits_rows
 from rlhf.optim import param_groups, schedule
+from rlhf.run.folder import ENVIRONMENT
 from rlhf.run.resume_check import record
 from rlhf.run.train_settings import TrainSettings
 from rlhf.telemetry import mfu as perf
@@ -151,7 +152,6 @@ class BuiltRun:
 TRUNCATION_WARNING = 0.05  # a larger share of training rows cut by truncation is a warning, not an info line
 EPOCHS_WARNING = 10  # more passes over the training rows than this (set by max_steps) is a warning
 EVAL_ROWS_WARNING = 100  # fewer held-out rows than this is a warning: an accuracy's standard error up to 0.05 and above
-ENVIRONMENT = "environment.json"  # in the run folder (record_environment)
 
 
 def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:

@@ -37,6 +37,8 @@ from rlhf.run import checkpoint
 log = logging.getLogger(__name__)
 
 LOCK = ".lock"
+# What a run's numbers depend on beyond its config: threads_per_process, mixed_precision, machine, num_processes, torch
+ENVIRONMENT = "environment.json"
 # Set for the ranks a run starts itself: their parent holds the lock and has prepared the folder.
 OWNED = "RLHF_RUN_FOLDER_OWNED"
 

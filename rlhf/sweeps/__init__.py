@@ -4,5 +4,6 @@
 - :mod:`~rlhf.sweeps.points`: the objective a job returns to Hydra, points that fail without ending the sweep.
 - :mod:`~rlhf.sweeps.search`: a search over a grid per option, chosen on validation, rerun on fresh seeds.
 - :mod:`~rlhf.sweeps.results`: run folders read back (status, metrics, config) for reports and scripts.
-- :mod:`~rlhf.sweeps.report`, :mod:`~rlhf.sweeps.plots`: the comparison report (tables, curves).
+- :mod:`~rlhf.sweeps.report`, :mod:`~rlhf.sweeps.tables`, :mod:`~rlhf.sweeps.plots`: the comparison report (its
+  rows; their text, rounded, and a note on runs that did not run alike; the curves).
 """

@@ -1,6 +1,11 @@
-"""The report's figures (:mod:`rlhf.sweeps.report`): the training and held-out curves of its rows, and a search's objective
-against each searched parameter. They read a :class:`rlhf.sweeps.report.Report` by its attributes only (rows, names,
-value_columns), so that this module does not import the report back."""
+"""The report's figures (:mod:`rlhf.sweeps.report`): the training and held-out curves of its rows, a search's objective
+against each searched parameter, and the reward-KL frontier. They read a :class:`rlhf.sweeps.report.Report` by its
+attributes only (rows, names, value_columns), so that this module does not import the report back.
+
+Read at a glance: values rounded as the table shows them (:func:`rlhf.sweeps.tables.shown_values`); a marker of its
+own for each line, and each line drawn thinner than the one before, so that identical curves both show
+(:func:`line_style`); a colour scale, not a legend entry per point, for a searched number; legends outside the axes,
+each entry drawn as the mark it names. ``*_figure`` return the open figure (for tests); ``plot_*`` write it."""
 
 from __future__ import annotations
 
@@ -9,10 +14,34 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlhf.sweeps.tables import shown_values
 
-def label(row) -> str:
-    """The row's differing values (those it has), or its name."""
-    return ", ".join(f"{key}={value}" for key, value in row.values.items() if value != "") or row.name
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")  # one per line of a figure, in turn
+MARKS_PER_LINE = 10  # at most this many markers along one curve; more steps get a marker every few
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def line_style(index: int, count: int) -> dict[str, Any]:
+    """The marker, line width and marker size of the ``index``-th of ``count`` lines drawn on one panel: a marker
+    of its own, and each line thinner, each marker smaller, than those drawn before it, so that a line drawn over an
+    identical one (two optimizers that behave alike) leaves the earlier showing around it."""
+    share = (count - 1 - index) / (count - 1) if count > 1 else 0.5
+    return {"marker": MARKERS[index % len(MARKERS)], "linewidth": 1.0 + 2.0 * share, "markersize": 4.0 + 5.0 * share}
+
+
+def label(row, shown: dict[str, str] | None = None) -> str:
+    """The row's differing values (those it has; ``shown``: as the report shows them, rounded), or its name."""
+    shown = shown if shown is not None else {key: str(value) for key, value in row.values.items()}
+    return ", ".join(f"{key}={shown[key]}" for key, value in row.values.items() if value != "") or row.name
 
 
 def mean_curve(histories: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float, float]]:
@@ -37,16 +66,9 @@ def one_loss_scale(report) -> bool:
     return len(chosen) <= 1
 
 
-def plot_curves(report, metrics: Sequence[str], path: Path) -> list[str]:
-    """One panel per metric name (``loss``, ``exact_match``...): its training curve solid and its held-out curve
-    dashed, one colour per row (an aggregated row: the mean over its seeds with a band of one standard deviation),
-    the legend from the values that differ. The loss panel only where the losses are one quantity
-    (:func:`one_loss_scale`). Returns the panels' names."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def curves_figure(report, metrics: Sequence[str]):
+    """:func:`plot_curves`' figure (open: the caller closes it) and its panels' names."""
+    plt = pyplot()
     names = list(dict.fromkeys(metric.partition("/")[2] or metric for metric in metrics))
     if not one_loss_scale(report):
         names = [name for name in names if name != "loss"] or names
@@ -55,16 +77,19 @@ def plot_curves(report, metrics: Sequence[str], path: Path) -> list[str]:
     figure, axes = plt.subplots(*grid, figsize=(5.5 * grid[1], 3.2 * grid[0] + 0.3 * len(report.rows) + 0.5),
                                 squeeze=False, layout="constrained")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    shown = shown_values(report)
     for panel, name in zip(axes.flat, names):
         for index, row in enumerate(report.rows):
             colour, labelled = colours[index % len(colours)], False
-            for split, style in (("train", "-"), ("eval", "--")):
+            style = line_style(index, len(report.rows))
+            for split, dashes in (("train", "-"), ("eval", "--")):
                 histories = [run.history(f"{split}/{name}") for run in row.runs]
                 curve = mean_curve(histories) if len(histories) > 1 else [(s, v, 0.0) for h in histories for s, v in h]
                 if curve:
                     steps, means, spreads = zip(*curve)
-                    panel.plot(steps, means, style, color=colour, marker="." if len(steps) < 30 else None,
-                               label=None if labelled else label(row))
+                    every = math.ceil(len(steps) / MARKS_PER_LINE)  # each line's markers at steps of their own
+                    panel.plot(steps, means, dashes, color=colour, markevery=(index % every, every),
+                               label=None if labelled else label(row, shown[index]), **style)
                     if len(row.runs) > 1:
                         panel.fill_between(steps, [m - d for m, d in zip(means, spreads)],
                                            [m + d for m, d in zip(means, spreads)], color=colour, alpha=0.2,
@@ -79,9 +104,23 @@ def plot_curves(report, metrics: Sequence[str], path: Path) -> list[str]:
         legend.update(zip(*reversed(panel.get_legend_handles_labels())))
     if legend:
         figure.legend(legend.values(), legend.keys(), loc="outside lower center", fontsize=8)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure, names
+
+
+def plot_curves(report, metrics: Sequence[str], path: Path) -> list[str]:
+    """One panel per metric name (``loss``, ``exact_match``...): its training curve solid and its held-out curve
+    dashed, one colour and one marker per row (an aggregated row: the mean over its seeds with a band of one
+    standard deviation; each row's line thinner than the one before, :func:`line_style`), the legend below the
+    panels from the values that differ, rounded. The loss panel only where the losses are one quantity
+    (:func:`one_loss_scale`). Returns the panels' names."""
+    figure, names = curves_figure(report, metrics)
+    _save(figure, path)
     return names
+
+
+def _save(figure, path: Path) -> None:
+    figure.savefig(path, dpi=110)
+    pyplot().close(figure)
 
 
 def is_number(value: Any) -> bool:
@@ -106,41 +145,79 @@ def searched_parameters(report) -> tuple[list[str], list[str]]:
     return searched, naming
 
 
-def plot_objective(report, metric: str, path: Path) -> bool:
-    """``metric``'s final value against each searched parameter (:func:`searched_parameters`), one panel each, one
-    line per combination of the other values (``optimizer``, the other searched parameters); a log axis where the
-    values span 10x or more. Runs without the value (crashed) are left out. False (nothing written) when nothing
-    was searched."""
+def objective_figure(report, metric: str):
+    """:func:`plot_objective`'s figure (open: the caller closes it), or None where nothing was searched."""
     columns, naming = searched_parameters(report)
     if not columns:
-        return False
-    import matplotlib
+        return None
+    plt = pyplot()
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.lines import Line2D
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, len(columns), figsize=(5.5 * len(columns), 3.8), squeeze=False,
+    shown = shown_values(report)
+    names = [", ".join(f"{c}={shown[i][c]}" for c in naming if row.values[c] != "") or metric
+             for i, row in enumerate(report.rows)]
+    series = list(dict.fromkeys(names))  # one marker (and, without a colour scale, one colour) each
+    colours, colour_map = plt.rcParams["axes.prop_cycle"].by_key()["color"], plt.get_cmap("viridis")
+    figure, axes = plt.subplots(1, len(columns), figsize=(6 * len(columns), 4.2), squeeze=False,
                                 layout="constrained")
     for panel, column in zip(axes.flat, columns):
-        series: dict[str, list[tuple[float, float]]] = {}
-        for row in report.rows:
+        others = [c for c in columns if c != column]  # the first of them as a colour scale
+        scale = _norm([row.values[others[0]] for row in report.rows]) if others else None
+        lines: dict[tuple, list[tuple[float, float]]] = {}  # (series, the other searched values) -> points
+        for i, row in enumerate(report.rows):
             x, y = row.values[column], row.figures.get(f"{metric} end")
             if is_number(x) and y is not None and math.isfinite(y):
-                name = ", ".join(f"{c}={row.values[c]}" for c in [*naming, *(c for c in columns if c != column)]
-                                 if row.values[c] != "")
-                series.setdefault(name or metric, []).append((x, y))
-        for name, points in series.items():
-            panel.plot(*zip(*sorted(points)), marker="o", label=name)
-        xs = [x for points in series.values() for x, _ in points]
+                lines.setdefault((names[i], *(row.values[c] for c in others)), []).append((x, y))
+        for (name, *rest), points in lines.items():
+            index = series.index(name)
+            if scale is None:
+                colour = colours[index % len(colours)]
+            else:  # the colour scale's value; grey for a row without it
+                colour = colour_map(scale(rest[0])) if is_number(rest[0]) else "0.5"
+            panel.plot(*zip(*sorted(points)), linestyle="-" if len(points) > 1 else "none", color=colour,
+                       markeredgecolor=colour if scale is None else "black", markeredgewidth=0.5,
+                       **line_style(index, len(series)))
+        xs = [x for points in lines.values() for x, _ in points]
         if xs and min(xs) > 0 and max(xs) >= 10 * min(xs):
             panel.set_xscale("log")
+        if scale is not None:
+            figure.colorbar(ScalarMappable(scale, colour_map), ax=panel, label=f"{others[0]} (colour)")
         panel.set_xlabel(column)
         panel.set_ylabel(f"{metric} (end)")
-        panel.set_title(f"{metric} against {column}", fontsize=9)
-        if len(series) > 1:
-            panel.legend(fontsize=7)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+        panel.set_title(f"{metric} against {column}" + (f", colour: {others[0]}" if others else ""), fontsize=9)
+    if len(series) > 1:  # the series by marker (and colour): few entries, below the panels, over no point
+        scaled = len(columns) > 1  # each panel coloured by another searched parameter: the series by marker alone
+        handles = [Line2D([], [], color="0.4" if scaled else colours[i % len(colours)],
+                          linestyle="none" if scaled else "-", **line_style(i, len(series)))
+                   for i in range(len(series))]
+        figure.legend(handles, series, loc="outside lower center", fontsize=8, ncols=min(len(series), 4))
+    return figure
+
+
+def _norm(values: Sequence[Any]):
+    """A colour scale over the numbers among ``values``: logarithmic where they are positive and span 10x or
+    more."""
+    from matplotlib.colors import LogNorm, Normalize
+
+    numbers = [float(v) for v in values if is_number(v)] or [0.0]
+    low, high = min(numbers), max(numbers)
+    if low > 0 and high >= 10 * low:
+        return LogNorm(low, high)
+    return Normalize(low, high if high > low else low + (abs(low) or 1.0))
+
+
+def plot_objective(report, metric: str, path: Path) -> bool:
+    """``metric``'s final value against each searched parameter (:func:`searched_parameters`), one panel each; a
+    log axis where the values span 10x or more. Each series (the values not searched: ``optimizer``) has its own
+    marker; where another parameter was searched too (a learning rate and a beta), its value is the points' colour,
+    read on a colour bar, and the points that share it are joined; else each series is one line of its own colour.
+    The legend, below the panels, names the series only (none for one). Runs without the value (crashed) are left
+    out. False (nothing written) when nothing was searched."""
+    figure = objective_figure(report, metric)
+    if figure is None:
+        return False
+    _save(figure, path)
     return True
 
 
@@ -160,11 +237,12 @@ def objective_name(run) -> str:
 def frontier_points(report) -> list[dict[str, Any]]:
     """One point per row with both metrics at its end: ``kl`` and ``reward`` (means over the row's runs, the seeds
     of an aggregated row), their standard deviations over those runs (``kl_sd``, ``reward_sd``: 0 for one run),
-    ``objective`` (:func:`objective_name`), ``label`` (what varies within its objective), ``runs`` (the row's runs),
-    ``trajectories`` (each run's (KL, reward) at every evaluation that has both) and ``front`` (whether no other
-    point has at least its reward for at most its KL, one of them strictly)."""
+    ``objective`` (:func:`objective_name`), ``label`` (what varies within its objective, rounded as the report
+    shows it), ``runs`` (the row's runs), ``trajectories`` (each run's (KL, reward) at every evaluation that has
+    both) and ``front`` (whether no other point has at least its reward for at most its KL, one of them
+    strictly)."""
     points = []
-    for row in report.rows:
+    for row, shown in zip(report.rows, shown_values(report)):
         ends, trajectories = [], []
         for run in row.runs:
             rewards, kls = dict(run.history(REWARD)), dict(run.history(KL))
@@ -177,12 +255,13 @@ def frontier_points(report) -> list[dict[str, Any]]:
         kls, rewards = [k for k, _ in ends], [r for _, r in ends]
         points.append({"kl": sum(kls) / len(kls), "reward": sum(rewards) / len(rewards),
                        "kl_sd": _sd(kls), "reward_sd": _sd(rewards), "objective": objective_name(row.runs[0]),
-                       "label": "", "trajectories": trajectories, "values": row.values, "runs": row.runs})
+                       "label": "", "trajectories": trajectories, "values": row.values, "shown": shown,
+                       "runs": row.runs})
     for point in points:
         siblings = [other["values"] for other in points if other["objective"] == point["objective"]]
-        point["label"] = _point_label(point["values"], siblings)
+        point["label"] = _point_label(point["values"], point["shown"], siblings)
     for point in points:
-        del point["values"]
+        del point["values"], point["shown"]
     for point in points:
         point["front"] = not any(
             other is not point and other["kl"] <= point["kl"] and other["reward"] >= point["reward"]
@@ -190,11 +269,12 @@ def frontier_points(report) -> list[dict[str, Any]]:
     return points
 
 
-def _point_label(values: dict[str, Any], siblings: list[dict[str, Any]]) -> str:
-    """A frontier point's annotation: the values that differ between the rows of its objective (``beta=0.1``), not
-    the objective itself (its colour says it) nor what is the same for all of its rows (its batch size)."""
+def _point_label(values: dict[str, Any], shown: dict[str, str], siblings: list[dict[str, Any]]) -> str:
+    """A frontier point's annotation: the values (as ``shown``) that differ between the rows of its objective
+    (``beta=0.1``), not the objective itself (its colour says it) nor what is the same for all of its rows (its
+    batch size)."""
     varying = [key for key in values if key != "algo" and len({repr(s.get(key)) for s in siblings}) > 1]
-    return ", ".join(f"{key}={values[key]}" for key in varying if values[key] != "")
+    return ", ".join(f"{key}={shown[key]}" for key in varying if values[key] != "")
 
 
 def _sd(values: list[float]) -> float:
@@ -204,37 +284,48 @@ def _sd(values: list[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def plot_frontier(report, path: Path) -> bool:
-    """The reward-KL frontier (``eval=generate``'s ``eval/gen/reward`` against ``eval/gen/kl``): a point per row at
-    its end (seeds as error bars), one colour per objective, the non-dominated front as a line, and each run's
-    trajectory over its evaluations, faint. False (nothing written) when no run has both metrics."""
+def frontier_figure(report):
+    """:func:`plot_frontier`'s figure (open: the caller closes it), or None where no run has both metrics."""
     points = frontier_points(report)
     if not points:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        return None
+    plt = pyplot()
+    from matplotlib.lines import Line2D
 
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     objectives = list(dict.fromkeys(point["objective"] for point in points))
-    figure, axis = plt.subplots(figsize=(7, 4.8), layout="constrained")
+    figure, axis = plt.subplots(figsize=(8, 4.8), layout="constrained")
     for point in points:
-        colour = colours[objectives.index(point["objective"]) % len(colours)]
+        index = objectives.index(point["objective"])
+        colour = colours[index % len(colours)]
         for trajectory in point["trajectories"]:
             axis.plot(*zip(*trajectory), "-", color=colour, alpha=0.25, linewidth=1)
         axis.errorbar(point["kl"], point["reward"], xerr=point["kl_sd"] or None, yerr=point["reward_sd"] or None,
-                      fmt="o", color=colour, capsize=3, markersize=6)
+                      fmt=MARKERS[index % len(MARKERS)], color=colour, capsize=3, markersize=6)
         axis.annotate(point["label"], (point["kl"], point["reward"]), fontsize=6, xytext=(4, 3),
                       textcoords="offset points")
     front = sorted((p for p in points if p["front"]), key=lambda p: p["kl"])
-    axis.plot([p["kl"] for p in front], [p["reward"] for p in front], "k--", linewidth=1, label="non-dominated")
-    for index, objective in enumerate(objectives):
-        axis.plot([], [], "o", color=colours[index % len(colours)], label=objective)
+    ring = {"color": "black", "marker": "o", "markersize": 12, "markerfacecolor": "none", "markeredgewidth": 1.2,
+            "linewidth": 1, "linestyle": "--" if len(front) > 1 else "none"}  # a line only between two points or more
+    axis.plot([p["kl"] for p in front], [p["reward"] for p in front], zorder=3, **ring)
+    handles = [Line2D([], [], label="non-dominated", **ring)]
+    handles += [Line2D([], [], linestyle="none", marker=MARKERS[i % len(MARKERS)], color=colours[i % len(colours)],
+                       label=objective) for i, objective in enumerate(objectives)]
     axis.set_xlabel("KL(policy || reference) per sequence (eval/gen/kl)")
     axis.set_ylabel("reward of sampled completions (eval/gen/reward)")
     axis.set_title("reward against KL: each point a run's end (error bars: seeds), faint: its evaluations", fontsize=9)
-    axis.legend(fontsize=8)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    figure.legend(handles=handles, loc="outside right upper", fontsize=8)
+    return figure
+
+
+def plot_frontier(report, path: Path) -> bool:
+    """The reward-KL frontier (``eval=generate``'s ``eval/gen/reward`` against ``eval/gen/kl``): a point per row at
+    its end (seeds as error bars), one colour and one marker per objective, the non-dominated points ringed (and
+    joined by a dashed line where there are two or more), each run's trajectory over its evaluations, faint; the
+    legend beside the axes, over no point, each entry drawn as its mark. False (nothing written) when no run has
+    both metrics."""
+    figure = frontier_figure(report)
+    if figure is None:
+        return False
+    _save(figure, path)
     return True

@@ -5,7 +5,9 @@ A row holds the effective values that differ between the runs (read from each ru
 so that a preset's or a config group's values show, not only the command line's), the held-out metrics at step 0,
 at the end and at their best (with the step), the final train loss, speed, peak memory, wall time and the run's
 status. Runs that crashed or still run get a row with what they have. :func:`aggregate_seeds` folds runs that
-differ only in ``seed`` into one row of mean and standard deviation.
+differ only in ``seed`` into one row of mean and standard deviation. The text (numbers rounded to what they can
+show, and a note above the table where the runs did not run alike: their ``environment.json``) is
+:mod:`rlhf.sweeps.tables`; the figures, :mod:`rlhf.sweeps.plots`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ from rlhf.sweeps.plots import (  # noqa: F401  (the report's figures)
 )
 from rlhf.sweeps.points import FAILED
 from rlhf.sweeps.results import Run, Status
+from rlhf.sweeps.tables import (  # noqa: F401  (the report's text)
+    csv_rows,
+    markdown,
+    number,
+    run_name,
+    table,
+    text,
+)
 
 FINISHED, RUNNING, CRASHED = "finished", "running", "crashed"
 IGNORED = ("output_dir", "resume", "resume_changes")  # differ by run folder or by attempt, not by setting
@@ -197,13 +207,6 @@ class Report:
         return [column for metric in self.metrics for column in metric_columns(metric)] + PERF_COLUMNS
 
 
-def run_name(run: Run) -> str:
-    """A multirun job's number (``3`` of ``3_optimizer=lion,...``: the values are columns), else the folder's name
-    (:func:`build` keeps whole names where numbers would repeat)."""
-    number, _, rest = run.path.name.partition("_")
-    return number if number.isdigit() and rest else run.path.name
-
-
 def build(runs: Sequence[Run], metrics: Sequence[str] | None = None, now: float | None = None) -> Report:
     """The report of ``runs``: one row each. ``metrics``: the held-out metrics to show (default
     :func:`default_metrics`)."""
@@ -260,12 +263,30 @@ def implied(key: str, groups: Sequence[str], runs: Sequence[Run]) -> bool:
     return False
 
 
+def seed_of(run: Run) -> Any:
+    """The run's ``seed``: its config's, else its ``summary.json``'s; None where neither says (no ``.hydra/``)."""
+    seed = (run.config or {}).get("seed")
+    return seed if seed is not None else (run.summary or {}).get("seed")
+
+
+def seeds_name(runs: Sequence[Run]) -> str:
+    """An aggregated row's name, from its runs' own seeds (whether or not ``seed`` is a column): ``3 seeds (0,1,2)``,
+    ``1 seed (1)``; where runs share a seed or do not say theirs, the runs counted too: ``2 runs, 1 seed (0)``,
+    ``1 run (seed unknown)``."""
+    count = lambda n, word: f"{n} {word}{'' if n == 1 else 's'}"  # noqa: E731
+    seeds = list(dict.fromkeys(str(seed) for seed in map(seed_of, runs) if seed is not None))
+    if not seeds:
+        return f"{count(len(runs), 'run')} (seed unknown)"
+    named = f"{count(len(seeds), 'seed')} ({','.join(seeds)})"
+    return named if len(seeds) == len(runs) else f"{count(len(runs), 'run')}, {named}"
+
+
 def aggregate_seeds(report: Report) -> Report:
     """Runs whose differing values are the same but for ``seed`` folded into one row each: every figure's mean over
     the group's finished runs that have it (over all its runs where none finished), and its standard deviation
     (:attr:`Row.spread`, over two or more), except a metric's best and best step: those of the seeds' mean curve
     (:func:`~rlhf.sweeps.plots.mean_curve`, at the steps every seed logged), without a spread; the status counts
-    the runs by status."""
+    the runs by status; the name, their seeds (:func:`seeds_name`)."""
     keys = [key for key in report.keys if key != "seed"]
     groups: dict[tuple, list[Row]] = {}
     for row in report.rows:
@@ -289,59 +310,10 @@ def aggregate_seeds(report: Report) -> Report:
                 spread.pop(f"{metric} best step", None)
         counts = {state: sum(row.status == state for row in members) for state in (FINISHED, RUNNING, CRASHED)}
         state = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
-        seeds = ",".join(str(row.values.get(report.names.get("seed", "seed"), "?")) for row in members)
-        rows.append(Row(f"{len(members)} seeds ({seeds})", {report.names[key]: members[0].values[report.names[key]]
-                                                            for key in keys},
-                        state, figures_, [run for row in members for run in row.runs],
-                        "; ".join(row.note for row in members if row.note), spread))
+        runs = [run for row in members for run in row.runs]
+        rows.append(Row(seeds_name(runs), {report.names[key]: members[0].values[report.names[key]] for key in keys},
+                        state, figures_, runs, "; ".join(row.note for row in members if row.note), spread))
     return Report(rows, keys, {key: report.names[key] for key in keys}, report.metrics, aggregated=True)
-
-
-def number(value: float | None, spread: float | None = None) -> str:
-    if value is None:
-        return ""
-    text = f"{value:.4g}"
-    return text if spread is None else f"{text} ± {spread:.2g}"
-
-
-def table(report: Report) -> tuple[list[str], list[list[str]]]:
-    """The header and the rows as text (mean ± std where aggregated)."""
-    header = ["run", *report.value_columns, *report.figure_columns, "status", "note"]
-    rows = [[row.name, *(str(row.values[c]) for c in report.value_columns),
-             *(number(row.figures.get(c), row.spread.get(c)) for c in report.figure_columns), row.status, row.note]
-            for row in report.rows]
-    return header, rows
-
-
-def csv_rows(report: Report) -> list[list[Any]]:
-    """The table for CSV: plain numbers (repr, so exact), and for an aggregated report a ``<column> std`` column
-    after each figure."""
-    figure_header = [name for c in report.figure_columns for name in ((c, f"{c} std") if report.aggregated else (c,))]
-    header = ["run", *report.value_columns, *figure_header, "status", "note"]
-    rows = []
-    for row in report.rows:
-        cells = []
-        for c in report.figure_columns:
-            cells.append("" if row.figures.get(c) is None else repr(row.figures[c]))
-            if report.aggregated:
-                cells.append(repr(row.spread[c]) if c in row.spread else "")
-        rows.append([row.name, *(row.values[c] for c in report.value_columns), *cells, row.status, row.note])
-    return [header, *rows]
-
-
-def markdown(report: Report) -> str:
-    header, rows = table(report)
-    escape = lambda cell: str(cell).replace("|", "\\|")  # noqa: E731
-    lines = [header, ["---"] * len(header), *rows]
-    return "".join("| " + " | ".join(map(escape, line)) + " |\n" for line in lines)
-
-
-def text(report: Report) -> str:
-    """The table aligned in columns, for a terminal."""
-    header, rows = table(report)
-    widths = [max(len(x) for x in column) for column in zip(header, *rows)]
-    return "".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() + "\n"
-                   for line in [header, ["-" * w for w in widths], *rows])
 
 
 def objective_of(runs: Sequence[Run]) -> str | None:

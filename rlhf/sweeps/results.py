@@ -2,7 +2,8 @@
 
 A run folder (Hydra's run dir) holds ``.hydra/config.yaml`` and ``overrides.yaml``, ``metrics.jsonl`` (one JSON
 object per log call: ``{"step": N, "train/loss": ...}``), ``checkpoints/step_<N>/`` and, once the run has finished,
-``summary.json`` (``{"final": {...}}``). :class:`Run` reads one folder, each file when first asked; :func:`find`
+``summary.json`` (``{"final": {...}}``), and ``environment.json`` (:data:`ENVIRONMENT`: how the run ran, for
+reports to say where compared runs did not run alike). :class:`Run` reads one folder, each file when first asked; :func:`find`
 finds them under multirun folders. Only reading: the lock is tested for an instant, never held.
 """
 
@@ -21,7 +22,7 @@ import yaml
 
 from rlhf.core.errors import UserError
 from rlhf.run.checkpoint import complete
-from rlhf.run.folder import ATTEMPT, LOCK, RECORDED, RESUMED_FROM
+from rlhf.run.folder import ATTEMPT, ENVIRONMENT, LOCK, RECORDED, RESUMED_FROM
 
 MARKERS = ("metrics.jsonl", "summary.json", ".hydra")  # a folder holding any of these is a run folder
 NONFINITE = ("nan", "inf", "-inf")  # metrics.jsonl writes a non-finite value as one of these strings
@@ -130,6 +131,18 @@ class Run:
         except ValueError as error:
             raise UserError(f"{file} is not JSON ({error}): the run was killed while writing it. Fix: finish it "
                             "again with resume=auto (or delete summary.json).") from None
+
+    @cached_property
+    def environment(self) -> dict[str, Any] | None:
+        """``environment.json``: how the run ran (``threads_per_process``, ``mixed_precision``, ``machine``,
+        ``num_processes``, ``torch``), or None: a run older than the file, or one killed while writing it (what it
+        holds only annotates a report, so an unreadable file is no error)."""
+        file = self.path / ENVIRONMENT
+        try:
+            environment = json.loads(file.read_text()) if file.is_file() else None
+        except (OSError, ValueError):
+            return None
+        return environment if isinstance(environment, dict) else None
 
     @property
     def final(self) -> dict[str, Any] | None:

@@ -310,17 +310,20 @@ def markdown(summary: Mapping[str, Any]) -> str:
 
 
 def write(study: Study, sweep_dir: Path) -> list[Path]:
-    """``selection.json`` and ``selection.md`` in the sweep folder, and the reports of its two stages."""
-    from rlhf.sweeps import report
+    """``selection.json`` and ``selection.md`` in the sweep folder (below a note where the runs of the two stages did
+    not run alike, :func:`rlhf.sweeps.tables.environment_note`), and the reports of its two stages."""
+    from rlhf.sweeps import report, tables
     from rlhf.sweeps.results import find
 
     summary = study.summary()
+    staged = {stage: find([sweep_dir / stage]) if (sweep_dir / stage).is_dir() else [] for stage in STAGES}
+    note = tables.environment_note([(f"{stage}/{tables.run_name(run)}", run) for stage, runs in staged.items()
+                                    for run in runs])
     written = [sweep_dir / SELECTION, sweep_dir / "selection.md"]
     written[0].write_text(json.dumps(summary, indent=2))
-    written[1].write_text(markdown(summary))
-    for stage in STAGES:
+    written[1].write_text(tables.note_markdown(note) + markdown(summary))
+    for stage, runs in staged.items():
         folder = sweep_dir / stage
-        runs = find([folder]) if folder.is_dir() else []
         if not runs:
             continue
         made = report.build(runs, sorted({study.metric} | set(report.default_metrics(runs))))

@@ -272,8 +272,23 @@ def test_objectives_over_their_strengths_show_the_option_and_the_strength_alone(
                       [(0.0, 0.5), (1.0 + i, 0.6 + i / 10)], f"  beta: {beta}\n{extra}")
     report = aggregate_seeds(build(find([tmp_path])))
     assert report.value_columns == ["algo", "beta"]
-    assert sorted(p["label"] for p in plots.frontier_points(report)) == ["beta=0.0", "beta=0.1", "beta=0.2",
+    assert sorted(p["label"] for p in plots.frontier_points(report)) == ["beta=0", "beta=0.1", "beta=0.2",
                                                                          "beta=0.3"]
+
+
+def test_a_folded_row_is_named_by_its_runs_own_seeds(tmp_path):
+    """The seeds come from each run's config, whether or not ``seed`` is a column: one seed shared by all runs (not
+    a column) is ``1 seed (1)``, not ``1 seeds (?)`` (red with the seeds read from the columns); two runs of one
+    seed count as runs; a run that does not say its seed is counted as a run."""
+    from rlhf.sweeps.report import aggregate_seeds, build, seeds_name
+
+    for i, beta in enumerate([0.1, 0.3, 0.3]):
+        _frontier_run(tmp_path / f"{i}_algo.beta={beta}", "dpo", 1, [(0.0, 0.5), (1.0, 0.6)], f"  beta: {beta}\n")
+    runs = find([tmp_path])
+    assert [row.name for row in aggregate_seeds(build(runs)).rows] == ["1 seed (1)", "2 runs, 1 seed (1)"]
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "metrics.jsonl").write_text("")
+    assert seeds_name(find([tmp_path / "bare"])) == "1 run (seed unknown)"
 
 
 def test_a_value_set_on_the_command_line_stays_a_column_though_one_option_has_one(tmp_path):
