@@ -32,7 +32,7 @@ def one_run(steps: int, precision: str, threads: int, overrides: list[str], fold
     """(final eval loss, sha256 of the saved weights) of one run."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     out = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={folder}", f"train.max_steps={steps}",
-                          f"train.eval_every_steps={steps}", f"hardware.mixed_precision={precision}",
+                          f"train.eval_every_steps={steps}", "hardware=cpu", f"hardware.mixed_precision={precision}",
                           f"hardware.threads_per_process={threads}", *overrides],
                          cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     args, overrides = parser.parse_known_args()
     counts = sorted({1, cpus_available()})
+    if len(counts) == 1:
+        sys.exit("one CPU here: nothing to compare (run it where there are two or more)")
     precisions = ["no", "bf16"] if cpu_has_bf16_matmul() else ["no"]
     import torch
 

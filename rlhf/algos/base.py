@@ -67,7 +67,8 @@ class Algorithm:
 
     columns: tuple[str, ...] = ()  # the columns each row must have (rlhf.data checks them): text, or typed (label)
     # The names of evaluate()'s metrics that every held-out evaluation reports, whatever the batch or option (one
-    # that depends on them is left out): what a sweep's objective may name (rlhf.sweeps.points), as eval/<name>.
+    # that depends on them is left out; answer_metrics only on the embedded task): what a sweep's objective may name
+    # (rlhf.sweeps.points), as eval/<name>.
     eval_metrics: tuple[str, ...] = ("loss",)
     # Metrics that count a completion right only when it is *the* answer (exact_match: the greedy tokens are the
     # chosen/target completion's): read on data with one checkable answer per prompt (the embedded task), left out of

@@ -149,8 +149,8 @@ def check_fields(values: dict[str, Any], target: Callable, where: str, nullable:
         if _takes_a_function(hints.get(key)) and value is not None and not isinstance(value, dict):
             function = value if isinstance(value, str) else "<module.function>"
             raise UserError(f"{name}={value!r}: {target.__qualname__} takes a function for {key!r}, not a "
-                            f"{type(value).__name__}. Fix: {name}={{_target_:{function},_partial_:true}} (the "
-                            "function, built by Hydra)")
+                            f"{type(value).__name__}. Fix: '{name}={{_target_:{function},_partial_:true}}' (the "
+                            "function, built by Hydra; quoted for the shell)")
         allowed = _allowed_types(hints.get(key, inspect.Parameter.empty))
         if allowed is None or (value is None and key in nullable):
             continue
@@ -330,8 +330,8 @@ def _walk(node: Any, where: str) -> None:
             ranges = {**(shared or {}), **getattr(obj, "__limits__", {})}
             check_fields(node, obj, where, nullable={k for k, r in ranges.items() if r.null})
             validate.check_limits(node, obj, where, shared)
-            if callable(getattr(obj, "check_node", None)):  # a component's own check of its values
-                obj.check_node(node)
+            if isinstance(inspect.getattr_static(obj, "check_options", None), staticmethod):
+                obj.check_options(node, where)  # a component's own check of its values, before it is built
         for key, value in node.items():
             _walk(value, f"{where}.{key}" if where else str(key))
     elif isinstance(node, (list, ListConfig)):

@@ -45,7 +45,7 @@ def problem(argv: Sequence[str], folder: Path | None = None) -> str | None:
     if not known:
         return None
     folder = folder or validate.conf_dir()
-    flag = _flag_problem(argv)
+    flag = _flag_problem(argv, folder)
     if flag:
         return flag
     for arg in argv:
@@ -100,11 +100,12 @@ _HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--r
                 *_OTHER_PRIMARY)
 
 
-def _flag_problem(argv: Sequence[str]) -> str | None:
-    """``--learning_rate 5e-6`` (argparse's style, TRL's scripts'): the override it means, ``key=value``."""
+def _flag_problem(argv: Sequence[str], folder: Path) -> str | None:
+    """``--learning_rate 5e-6`` (argparse's style, TRL's scripts'): the override it means, ``key=value``, itself
+    checked (``--lr 5e-6``: ``lr`` is no key either)."""
     for index, arg in enumerate(argv):
         name, equals, value = arg.partition("=")
-        if not name.startswith("--") or name in _HYDRA_FLAGS:
+        if not name.startswith("--") or name in _HYDRA_FLAGS or name == "--":
             continue
         key, written = name[2:], arg
         following = argv[index + 1] if index + 1 < len(argv) else ""
@@ -113,6 +114,9 @@ def _flag_problem(argv: Sequence[str]) -> str | None:
         value = value or "<value>"
         trl = trl_names.TRL_NAMES.get(key)
         fix = f"{trl.replace('<value>', value)} ({key} is TRL's name)" if trl else f"{key}={value}"
+        undashed = None if trl else problem([f"{key}={value}"], folder)
+        if undashed:  # no key of ours either: what that override would get
+            fix = f"{key}={value}, but {undashed}"
         return f"{written}: overrides are written key=value, without dashes (Hydra's command line). Fix: {fix}"
     return None
 

@@ -116,3 +116,9 @@ def all_columns(data_path: str) -> list[str] | None:
             return None  # a file that cannot be read: the reader says so when the run loads it
         return records.columns
     return first_columns(data_path)
+
+
+def one_answer_per_prompt(path: str | None, task: Any) -> bool:
+    """Whether the data's every prompt has one checkable answer (the embedded task: no ``data.path``, a ``task``):
+    what an algorithm's answer metrics (``exact_match``) need to mean anything. Data of one's own is not assumed to."""
+    return path is None and task is not None

@@ -176,7 +176,7 @@ class DataSource:
     def one_answer_per_prompt(self) -> bool:
         """Whether every prompt has one checkable answer (the embedded task): what an algorithm's answer metrics
         (``exact_match``) need to mean anything. Data of one's own (``path``) is not assumed to."""
-        return self.path is None and self.task is not None
+        return paths.one_answer_per_prompt(self.path, self.task)
 
     @staticmethod
     def check_columns(values: Mapping[str, Any], columns: Sequence[str]) -> None:

@@ -190,9 +190,9 @@ class DataParallel:
         self._sharding = ""  # set by a sharding strategy's prepare(): what this process holds of the policy
 
     @staticmethod
-    def check_node(node: dict[str, Any]) -> None:
-        """Before anything is built (:func:`rlhf.config.checks.check_config`): a ``compile`` backend torch does not
-        have."""
+    def check_options(node: dict[str, Any], where: str = "hardware") -> None:
+        """Before anything is built (:func:`rlhf.config.checks.check_config`, with the config node and its key): a
+        ``compile`` backend torch does not have."""
         backend = node.get("compile")
         if isinstance(backend, str):
             import torch._dynamo  # only for a backend named: its import takes seconds
@@ -200,8 +200,8 @@ class DataParallel:
             if backend not in torch._dynamo.list_backends(exclude_tags=()):  # with its debugging ones
                 shown = torch._dynamo.list_backends()
                 close = difflib.get_close_matches(backend, shown, n=1)
-                fix = f"hardware.compile={close[0]}" if close else "hardware.compile=true (inductor), or one of them"
-                raise UserError(f"hardware.compile={backend}: torch.compile has no backend {backend!r} (its "
+                fix = f"{where}.compile={close[0]}" if close else f"{where}.compile=true (inductor), or one of them"
+                raise UserError(f"{where}.compile={backend}: torch.compile has no backend {backend!r} (its "
                                 f"backends: {', '.join(shown)}). Fix: {fix}")
 
     # --- processes ---------------------------------------------------------------------------------------
@@ -225,7 +225,8 @@ class DataParallel:
         return num_processes if num_processes is not None else 1
 
     def threads(self, local_processes: int, resumed: int | None = None, busy: float | None = None) -> int:
-        """Torch threads per process, decided once per run and kept (:attr:`threads_settled`):
+        """Torch threads per process, decided by the first call and kept (:attr:`threads_settled`; a later call's
+        arguments change nothing):
         ``threads_per_process``, else ``OMP_NUM_THREADS``, else ``resumed`` (the count a resumed run used), else the
         job's CPUs shared out between its processes on this machine, leaving out those that other work keeps busy
         (``busy``: a sweep's one measurement; else measured as the run starts, :func:`rlhf.hardware.cpus.busy_cpus`;

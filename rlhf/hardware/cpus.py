@@ -65,27 +65,30 @@ def threads_beside(busy: float, cpus: int, local_processes: int) -> int:
 
 
 def choose_threads(threads_per_process: int | None, local_processes: int, resumed: int | None = None,
-                   busy: float | None = None, measure: bool = True) -> tuple[int, str]:
+                   busy: float | None = None) -> tuple[int, str]:
     """(torch threads per process, why: for the start-up line). In order: ``threads_per_process``; else
-    ``OMP_NUM_THREADS``; else ``resumed``, the count of the run a resume continues (in bf16 the thread count changes
-    the numbers); else the job's CPUs shared out between its ``local_processes``, leaving out those other work keeps
-    busy as the run starts: ``busy`` when given (a sweep's one measurement, :func:`sweep_load`), else measured now
-    (``measure``; never inside a Slurm job, whose CPUs are its own)."""
+    ``OMP_NUM_THREADS``; else ``resumed``, the count of the bf16 run a resume continues (in bf16 on a CPU the thread
+    count changes the numbers: docs/threads/2026-11-28-same-numbers.md); else the job's CPUs shared out between its
+    ``local_processes``, leaving out those other work keeps busy: ``busy`` when given (a sweep's one measurement,
+    :func:`sweep_load`), else measured as the run starts (never inside a Slurm job, whose CPUs are its own)."""
     if threads_per_process is not None:
         return threads_per_process, ""
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"])), os.environ.get(THREADS_WHY, "")
-    if resumed is not None:
-        return resumed, (" (the count of the run this resume continues, so that its steps are computed the same "
-                         "way; hardware.threads_per_process sets it)")
     total = cpus_available()
     even = max(1, total // max(1, local_processes))
-    if busy is None and measure and not os.environ.get("SLURM_JOB_ID"):
+    if resumed is not None:
+        over = (f"; more than the {total} CPU(s) here give each process: slower, the same numbers. To change it: "
+                f"hardware.threads_per_process={even} resume_changes=[hardware.threads_per_process]"
+                if resumed > even else "; hardware.threads_per_process sets it")
+        return resumed, f" (the count of the bf16 run this resume continues, whose numbers depend on it{over})"
+    when = "as the sweep's first point started" if busy is not None else "as the run started"
+    if busy is None and not os.environ.get("SLURM_JOB_ID"):
         busy = busy_cpus()
     if busy is None or threads_beside(busy, total, local_processes) >= even:
         return even, ""
     chosen = threads_beside(busy, total, local_processes)
-    return chosen, (f" ({busy:.1f} of the {total} CPUs were busy with other work as the run started: {chosen} "
+    return chosen, (f" ({busy:.1f} of the {total} CPUs were busy with other work {when}: {chosen} "
                     f"thread(s) a process, not {even}; hardware.threads_per_process sets it)")
 
 
@@ -94,27 +97,34 @@ def sweep_load(folder: Path) -> float | None:
     kept in ``folder/busy_cpus.json``; measured now and kept there by the point that finds no such file. Every point
     shares its CPUs out by this one load, so that points of the same hardware use the same thread count whatever the
     machine was doing as each began (their results in bf16 depend on it). None inside a Slurm job, whose CPUs are its
-    own, and where the load cannot be read."""
+    own, and where the load cannot be read. A file that cannot be read (edited by hand) leaves each point its own
+    measurement."""
     if os.environ.get("SLURM_JOB_ID"):
         return None
     file = Path(folder) / SWEEP_LOAD
-    for _ in range(50):  # a point that started at the same moment may be writing it
+    for _attempt in range(2):
+        for _ in range(50):  # a point that started at the same moment may be writing it
+            try:
+                return float(json.loads(file.read_text())["busy_cpus"])
+            except FileNotFoundError:
+                break
+            except (OSError, ValueError, KeyError, TypeError):
+                time.sleep(0.02)
+        else:
+            return busy_cpus()  # there, but never readable
+        busy = busy_cpus()
+        if busy is None:  # not Linux: nothing to share
+            return None
+        draft = file.with_name(f".{SWEEP_LOAD}.{os.getpid()}")
         try:
-            return json.loads(file.read_text())["busy_cpus"]
-        except FileNotFoundError:
-            break
-        except (OSError, ValueError, KeyError, TypeError):
-            time.sleep(0.02)
-    busy = busy_cpus()
-    file.parent.mkdir(parents=True, exist_ok=True)
-    draft = file.with_name(f".{SWEEP_LOAD}.{os.getpid()}")
-    draft.write_text(json.dumps({"busy_cpus": busy}))
-    try:
-        os.link(draft, file)  # atomic, and refused where another point got there first: then its value counts
-    except FileExistsError:
-        return sweep_load(folder)
-    except OSError:  # a file system without links: the point's own measurement
-        return busy
-    finally:
-        draft.unlink(missing_ok=True)
-    return busy
+            file.parent.mkdir(parents=True, exist_ok=True)
+            draft.write_text(json.dumps({"busy_cpus": busy}))
+            os.link(draft, file)  # atomic, and refused where another point got there first: then its value counts
+            return busy
+        except FileExistsError:
+            continue
+        except OSError:  # a full disk, a file system without links: the point's own measurement
+            return busy
+        finally:
+            draft.unlink(missing_ok=True)
+    return busy_cpus()

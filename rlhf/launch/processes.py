@@ -86,7 +86,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if started_here or (processes == 1 and strategy.num_nodes == 1):
             return loop.train(cfg, strategy, resume)
         return _start(cfg, resume, processes, strategy.threads_settled, strategy.num_nodes, strategy.node_rank,
-                      strategy.rdzv_endpoint, strategy_why=strategy._threads_why)
+                      strategy.rdzv_endpoint, strategy_why=getattr(strategy, "_threads_why", ""))
 
 
 def _start(cfg: DictConfig, resume: Path | None, processes: int, threads: int, nodes: int, node_rank: int,

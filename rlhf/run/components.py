@@ -101,7 +101,7 @@ class BuiltRun:
         epochs = self.epochs()
         log.info("global batch %d = %d per device x %d process(es) x %d accumulation step(s); %d optimizer steps "
                  "(%s epoch(s) of the training rows)", settings.per_device_batch_size * processes * self.accumulation,
-                 settings.per_device_batch_size, processes, self.accumulation, self.max_steps, f"{epochs:.3g}")
+                 settings.per_device_batch_size, processes, self.accumulation, self.max_steps, _figure(epochs))
         log.info("parameters: %s (%s trainable); %d training rows, %d held-out rows",
                  f"{total:,}", f"{trainable:,}", self.rows["train"], self.rows["eval"])
         if self.left_out:
@@ -109,10 +109,10 @@ class BuiltRun:
                      "task, and this data is of one's own (eval=generate with a reward for it scores completions)",
                      ", ".join(f"{split}/{name}" for name in sorted(self.left_out) for split in ("train", "eval")))
         if epochs > EPOCHS_WARNING and settings.num_epochs is None:
-            log.warning("train.max_steps=%d is %.3g passes over the %d training rows: past a few, a model learns the "
+            log.warning("train.max_steps=%d is %s passes over the %d training rows: past a few, a model learns the "
                         "rows themselves, and held-out scores stop telling much. Fix: train.num_epochs=3 (with "
-                        "train.max_steps=null), a smaller train.max_steps, or more rows", self.max_steps, epochs,
-                        self.rows["train"])
+                        "train.max_steps=null), a smaller train.max_steps, or more rows", self.max_steps,
+                        _figure(epochs), self.rows["train"])
         if self.rows["eval"] < EVAL_ROWS_WARNING:
             error = 0.5 / math.sqrt(self.rows["eval"])
             log.warning("the held-out split has %d rows: an accuracy measured on them (a share of rows, e.g. "
@@ -147,6 +147,11 @@ class BuiltRun:
                 "threads_per_process": torch.get_num_threads(), "mixed_precision": self.strategy.mixed_precision,
                 "machine": perf.machine_name(self.accelerator.device), "num_processes": self.accelerator.num_processes,
                 "torch": torch.__version__}, indent=2) + "\n")
+
+
+def _figure(value: float) -> str:
+    """3 significant digits, a large figure written out (``5000``, not ``5e+03``)."""
+    return f"{value:.0f}" if value >= 1000 else f"{value:.3g}"
 
 
 TRUNCATION_WARNING = 0.05  # a larger share of training rows cut by truncation is a warning, not an info line

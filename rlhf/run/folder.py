@@ -88,7 +88,7 @@ def prepare(run_dir: Path, resume: str | None) -> Path | None:
 
 
 # What a run leaves in its folder before it trains: Hydra's record and log, the lock, the tokenized data.
-_BEFORE_TRAINING = {".hydra", "train.log", LOCK, ".cache"}
+_BEFORE_TRAINING = {".hydra", "train.log", LOCK, ".cache", ENVIRONMENT}
 # (run folder, the outermost folder made with it) when Hydra made this process's single run folder, which did not
 # exist before; else None (a sweep, a Python caller, an existing folder). Told by rlhf.config.checks.CheckBeforeRun.
 _made_by_hydra: tuple[str, str] | None = None

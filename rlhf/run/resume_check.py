@@ -22,6 +22,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ NOT_OPTIMIZING = (
     "hardware.timeout_s", "hardware.rdzv_endpoint", "hardware.node_rank",
     "model.gradient_checkpointing",  # recomputes the same activations: the same gradients bit for bit (tested)
 )
-THREADS = "hardware.threads_per_process"  # recorded as the count the run used (on a CPU, where it changes the numbers)
+THREADS = "hardware.threads_per_process"  # recorded as the count a CPU run in bf16 used: it changes those numbers
 # Leaf names that say where files are kept, wherever they appear (the tiny model's warm-start cache, $RLHF_CACHE).
 WHERE_FILES_ARE = ("cache_dir",)
 
@@ -81,17 +82,24 @@ def recorded_config(cfg: DictConfig, strategy) -> dict[str, Any]:
         flat["hardware.mixed_precision"] = strategy.mixed_precision  # resolved when the strategy was built
     if "hardware.num_processes" in flat:
         flat["hardware.num_processes"] = strategy.processes_per_node()
-    if THREADS in flat:  # on a CPU, bf16 steps differ with the thread count (docs/threads/); a GPU's do not
-        if strategy.uses_cuda():
+    if THREADS in flat:  # bf16 steps on a CPU differ with the thread count; float32's and a GPU's do not (docs/threads/)
+        if strategy.uses_cuda() or not _computes_in_bf16(flat):
             del flat[THREADS]
         else:
             flat[THREADS] = getattr(strategy, "threads_settled", None) or flat[THREADS]
     return json.loads(json.dumps(flat))
 
 
+def _computes_in_bf16(flat: dict[str, Any]) -> bool:
+    """Whether a run computes in bf16: autocast, or a model loaded in bfloat16 (``auto``: the checkpoint's dtype,
+    often bfloat16)."""
+    return flat.get("hardware.mixed_precision") == "bf16" or flat.get("model.dtype") in ("bfloat16", "auto")
+
+
 def recorded_threads(folder: Path) -> int | None:
-    """The torch threads per process of the run that wrote the checkpoint ``folder`` (None: not recorded, or on a
-    GPU): what a resume uses unless told otherwise (:func:`rlhf.hardware.cpus.choose_threads`)."""
+    """The torch threads per process of the run that wrote the checkpoint ``folder``, recorded where they change the
+    numbers (a CPU run in bf16; else None): what a resume uses unless told otherwise
+    (:func:`rlhf.hardware.cpus.choose_threads`)."""
     recorded = read(folder)
     value = recorded["config"].get(THREADS) if recorded else None
     return value if isinstance(value, int) else None
@@ -133,13 +141,15 @@ def check_config(cfg: DictConfig, strategy, folder: Path) -> None:
     before = {k: current_path(v) if k.endswith("_target_") else v for k, v in before.items()}
     now, listed = recorded_config(cfg, strategy), listed_changes(cfg)
     _check_listed(folder, listed, [*before, *flatten(OmegaConf.to_container(cfg, resolve=True))])
-    if THREADS not in before:  # a checkpoint written before the thread count was recorded
+    if THREADS not in before or THREADS not in now:  # compared where both runs compute in bf16 on a CPU (or an older
+        before.pop(THREADS, None)  # checkpoint, which recorded no count)
         now.pop(THREADS, None)
     missing = object()
     changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k, missing) != now.get(k, missing)]
     refused = [k for k in changed if not _allowed(k, listed)]
     if refused:
-        pairs = "; ".join(f"{k} (checkpoint: {_shown(before, k)}, now: {_shown(now, k)})" for k in refused)
+        pairs = "; ".join(f"{k} (checkpoint: {_shown(before, k)}, now: {_shown(now, k)}{_source(cfg, k)})"
+                          for k in refused)
         schedule = (" A longer train.max_steps stretches cosine and linear schedules: the steps already taken "
                     "followed the shorter one." if any(k in ("train.max_steps", "train.num_epochs") for k in refused)
                     else "")
@@ -198,6 +208,14 @@ def _how_to_keep(cfg: DictConfig, folder: Path) -> str:
     if source.resolve() == Path(str(cfg.get("output_dir", ""))).resolve():
         return f"`python train.py hydra.run.dir={source} resume=auto` alone re-applies the run's own overrides"
     return f"the overrides of the run that wrote it are in {source}/.hydra/"
+
+
+def _source(cfg: DictConfig, key: str) -> str:
+    """Where a refused value comes from when not from the config: the thread count from ``OMP_NUM_THREADS``."""
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if key == THREADS and omp.isdigit() and OmegaConf.select(cfg, THREADS) is None:
+        return f", from OMP_NUM_THREADS={omp}: unset it to keep the checkpoint's"
+    return ""
 
 
 def _shown(values: dict[str, Any], key: str) -> str:

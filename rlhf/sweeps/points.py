@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from rlhf.core.errors import UserError
 from rlhf.core.instantiate import in_a_sweep  # noqa: F401  (train.py and the sweeps read it here)
+from rlhf.data.paths import one_answer_per_prompt
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +86,17 @@ def check_objective(container: dict) -> None:
     algo_class = get_object(algo["_target_"])
     produced = produced_metrics(algo_class)
     data = container.get("data")
-    if isinstance(data, dict) and data.get("path") is not None:  # data of one's own: no answer metrics logged
-        produced = [m for m in produced if m.removeprefix("eval/") not in getattr(algo_class, "answer_metrics", ())]
+    answers = getattr(algo_class, "answer_metrics", ())
+    metric = objective.get("metric")
+    if isinstance(data, dict) and not one_answer_per_prompt(data.get("path"), data.get("task")) and \
+            str(metric).removeprefix("eval/") in answers:
+        raise UserError(f"objective.metric={metric}: on data.path={data.get('path')} (data of one's own) it is not "
+                        "logged: it counts a completion right only when it is the embedded task's one answer. Fix: "
+                        "objective.metric=eval/loss objective.direction=minimize, or eval=generate with a reward for "
+                        "this data and objective.metric=eval/gen/reward (docs/how-to/your-reward.md)")
     evaluation = container.get("eval")
     if isinstance(evaluation, dict) and isinstance(evaluation.get("_target_"), str):  # eval=generate: eval/gen/*
         produced += list(getattr(get_object(evaluation["_target_"]), "produced", lambda options: ())(evaluation))
-    metric = objective.get("metric")
     if metric not in produced:
         close = difflib.get_close_matches(str(metric), produced, n=1)
         fix = f"objective.metric={close[0]}" if close else f"one of {', '.join(produced)}"

@@ -391,7 +391,7 @@ def test_a_judge_given_as_a_name_and_an_unknown_compile_backend_are_refused_befo
     """Both passed the check and ended in a traceback once built (red: ``'str' object is not callable``, dynamo's
     ``InvalidBackend``); a judge given as a function node and a backend torch has pass."""
     with pytest.raises(UserError, match=r"eval.judge='my_judges.pairwise': GenerationEval takes a function for "
-                                        r"'judge', not a str. Fix: eval.judge=\{_target_:my_judges.pairwise,_partial_:true\}"):
+                                        r"'judge', not a str. Fix: 'eval.judge=\{_target_:my_judges.pairwise,_partial_:true\}'"):
         check_config(compose_config("eval=generate", "eval.judge=my_judges.pairwise", output_dir=tmp_path))
     check_config(compose_config("eval=generate", "eval.judge={_target_:builtins.max,_partial_:true}",
                                 output_dir=tmp_path))

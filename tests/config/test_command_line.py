@@ -56,6 +56,8 @@ def test_a_misspelt_algorithm_lists_algorithms_only_and_a_dashed_flag_gets_its_o
         "--learning_rate 5e-6: overrides are written key=value, without dashes (Hydra's command line). Fix: "
         "optimizer.lr=5e-6 (learning_rate is TRL's name)")
     assert problem(["--train.max_steps=10"]).endswith("Fix: train.max_steps=10")
-    assert problem(["--cfg", "job", "-m", "algo=dpo"]) is None  # Hydra's own flags
+    assert problem(["--cfg", "job", "-m", "algo=dpo", "--"]) is None  # Hydra's own flags
+    assert problem(["--lr", "5e-6"]).startswith("--lr 5e-6: overrides are written key=value, without dashes "
+                                                "(Hydra's command line). Fix: lr=5e-6, but lr is not a config group")
     assert problem(["train.epochs=3"]).endswith("Did you mean train.num_epochs=3 train.max_steps=null?")
     assert problem(["train.epochs=3", "train.max_steps=null"]).endswith("Did you mean train.num_epochs=3?")

@@ -46,12 +46,13 @@ def test_the_hardware_that_shapes_the_training_is_recorded():
     assert "hardware.stage" in _changed(["hardware=zero2"], ["hardware=zero3"])
     assert {"hardware.device", "hardware.mixed_precision"} <= _changed(["hardware=cpu"], ["hardware=gpu"], None,
                                                                       _Strategy(cuda=True))
-    assert _changed(["hardware=cpu"], ["hardware=cpu", "hardware.mixed_precision=bf16"]) == {"hardware.mixed_precision"}
+    assert _changed(["hardware=cpu"], ["hardware=cpu", "hardware.mixed_precision=bf16"]) == {
+        "hardware.mixed_precision", "hardware.threads_per_process"}  # a CPU run in bf16 records its thread count
     assert "hardware._target_" in _changed(["hardware=cpu_ddp"], ["hardware=fsdp"], _Strategy(processes=2),
                                            _Strategy(processes=2))
     assert _changed(["hardware=auto"], ["hardware=cpu"]) == set()  # auto is the CPU on this (stub) machine
-    assert _changed(["hardware=auto"], ["hardware=cpu"], _Strategy(cuda=True)) == {
-        "hardware.device", "hardware.mixed_precision", "hardware.threads_per_process"}  # a GPU's record has no count
+    assert _changed(["hardware=auto"], ["hardware=cpu"], _Strategy(cuda=True)) == {"hardware.device",
+                                                                                 "hardware.mixed_precision"}
     # auto's bf16 on a GPU that has it is hardware=gpu's bf16: the same record
     assert _changed(["hardware=auto"], ["hardware=gpu"], _Strategy(cuda=True), _Strategy(cuda=True)) == set()
     where = ["hardware.timeout_s=60", "hardware.rdzv_endpoint=h:1",
@@ -157,21 +158,24 @@ def test_a_checkpoint_recorded_before_the_layer_packages_resumes_and_eval_may_ch
         check_resume(compose_config("algo=grpo", "seed=4"), _Strategy(), tmp_path)
 
 
-def test_the_thread_count_of_a_cpu_run_is_recorded_kept_by_a_resume_and_checked(tmp_path, monkeypatch):
-    """In bf16 on a CPU, 1 and 2 threads give different steps (benchmarks/threads_identical.py): the count a run used
-    is recorded (not on a GPU, where it changes nothing), a resume that is not told otherwise uses it whatever the
-    load, and a different count is refused like any other change unless resume_changes lists it; a checkpoint written
-    before counts were recorded resumes unchecked (red: with the key among those that may change freely)."""
+def test_the_thread_count_of_a_bf16_cpu_run_is_recorded_kept_by_a_resume_and_checked(tmp_path, monkeypatch):
+    """In bf16 on a CPU, 1 and 2 threads give different steps (benchmarks/threads_identical.py): the count such a run
+    used is recorded (not in float32 nor on a GPU, where it changes nothing), a resume that is not told otherwise uses
+    it whatever the load, saying so (and when it is more than the CPUs here give), and a different count is refused
+    like any other change unless resume_changes lists it, naming OMP_NUM_THREADS where that set it; a checkpoint
+    written before counts were recorded resumes unchecked (red: with the key among those that may change freely)."""
     import json
 
     from rlhf.hardware import cpus
     from rlhf.run.resume_check import check_config as check_resume
     from rlhf.run.resume_check import recorded_threads
 
-    assert recorded_config(compose_config("hardware=cpu"), _Strategy(threads=2))["hardware.threads_per_process"] == 2
+    bf16 = ["hardware=cpu", "hardware.mixed_precision=bf16"]
+    assert recorded_config(compose_config(*bf16), _Strategy(threads=2))["hardware.threads_per_process"] == 2
+    assert "hardware.threads_per_process" not in recorded_config(compose_config("hardware=cpu"), _Strategy(threads=2))
     assert "hardware.threads_per_process" not in recorded_config(compose_config("hardware=gpu"),
                                                                  _Strategy(cuda=True, threads=2))
-    recorded = recorded_config(compose_config("hardware=cpu"), _Strategy(threads=2))
+    recorded = recorded_config(compose_config(*bf16), _Strategy(threads=2))
     (tmp_path / checkpoint.CONFIG).write_text(json.dumps({"config": recorded, "tokenized_data": "x"}))
     assert recorded_threads(tmp_path) == 2
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -179,32 +183,20 @@ def test_the_thread_count_of_a_cpu_run_is_recorded_kept_by_a_resume_and_checked(
     monkeypatch.setattr(cpus, "cpus_available", lambda: 2)
     assert cpus.choose_threads(None, 1)[0] == 1
     count, why = cpus.choose_threads(None, 1, resumed=recorded_threads(tmp_path))
-    assert count == 2 and "the run this resume continues" in why
+    assert count == 2 and "the count of the bf16 run this resume continues" in why and "more than" not in why
+    count, why = cpus.choose_threads(None, 2, resumed=2)  # 2 processes on 2 CPUs: 1 each would fit
+    assert count == 2 and "more than the 2 CPU(s) here give each process" in why
+    assert "hardware.threads_per_process=1 resume_changes=[hardware.threads_per_process]" in why
     assert cpus.choose_threads(3, 1, resumed=2)[0] == 3  # an explicit count is the user's
-    check_resume(compose_config("hardware=cpu"), _Strategy(threads=2), tmp_path)
+    check_resume(compose_config(*bf16), _Strategy(threads=2), tmp_path)
     with pytest.raises(UserError, match=r"hardware.threads_per_process \(checkpoint: 2, now: 1\)"):
-        check_resume(compose_config("hardware=cpu", "hardware.threads_per_process=1"), _Strategy(threads=1), tmp_path)
-    check_resume(compose_config("hardware=cpu", "hardware.threads_per_process=1",
+        check_resume(compose_config(*bf16, "hardware.threads_per_process=1"), _Strategy(threads=1), tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(UserError, match=r"\(checkpoint: 2, now: 1, from OMP_NUM_THREADS=1: unset it to keep"):
+        check_resume(compose_config(*bf16), _Strategy(threads=1), tmp_path)
+    check_resume(compose_config(*bf16, "hardware.threads_per_process=1",
                                 "resume_changes=[hardware.threads_per_process]"), _Strategy(threads=1), tmp_path)
     del recorded["hardware.threads_per_process"]  # an older checkpoint
     (tmp_path / checkpoint.CONFIG).write_text(json.dumps({"config": recorded, "tokenized_data": "x"}))
     assert recorded_threads(tmp_path) is None
-    check_resume(compose_config("hardware=cpu"), _Strategy(threads=1), tmp_path)
-
-
-def test_the_points_of_a_sweep_share_one_measurement_of_the_load(tmp_path, monkeypatch):
-    """The first point measures the busy CPUs and keeps the figure in the sweep's folder; the next ones use it, so
-    points of the same hardware get the same thread count however busy the machine was as each began (red: each
-    point measuring its own)."""
-    from rlhf.hardware import cpus
-
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    loads = iter([1.8, 0.0, 0.0])
-    monkeypatch.setattr(cpus, "busy_cpus", lambda: next(loads))
-    assert cpus.sweep_load(tmp_path) == 1.8
-    assert cpus.sweep_load(tmp_path) == 1.8
-    assert cpus.sweep_load(tmp_path / "another") == 0.0
-    monkeypatch.setattr(cpus, "cpus_available", lambda: 2)
-    assert cpus.choose_threads(None, 1, busy=cpus.sweep_load(tmp_path))[0] == 1
-    monkeypatch.setenv("SLURM_JOB_ID", "7")
-    assert cpus.sweep_load(tmp_path) is None  # a Slurm job's CPUs are its own
+    check_resume(compose_config(*bf16), _Strategy(threads=1), tmp_path)

@@ -1,0 +1,27 @@
+"""rlhf/hardware/cpus.py: the thread count a run chooses, and the one load measurement a sweep's points share."""
+
+from __future__ import annotations
+
+from rlhf.hardware import cpus
+
+
+def test_the_points_of_a_sweep_share_one_measurement_of_the_load(tmp_path, monkeypatch):
+    """The first point measures the busy CPUs and keeps the figure in the sweep's folder; the next ones use it, so
+    points of the same hardware get the same thread count however busy the machine was as each began (red: each
+    point measuring its own)."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # which would decide instead (the test runner sets it)
+    loads = iter([1.8, 0.0, 0.5])
+    monkeypatch.setattr(cpus, "busy_cpus", lambda: next(loads))
+    assert cpus.sweep_load(tmp_path) == 1.8
+    assert cpus.sweep_load(tmp_path) == 1.8
+    assert cpus.sweep_load(tmp_path / "another") == 0.0
+    monkeypatch.setattr(cpus, "cpus_available", lambda: 2)
+    assert cpus.choose_threads(None, 1, busy=cpus.sweep_load(tmp_path))[0] == 1
+    count, why = cpus.choose_threads(None, 1, busy=cpus.sweep_load(tmp_path))
+    assert count == 1 and "as the sweep's first point started" in why
+    (tmp_path / "edited").mkdir()
+    (tmp_path / "edited" / cpus.SWEEP_LOAD).write_text("{}")  # never readable: the point's own measurement
+    assert cpus.sweep_load(tmp_path / "edited") == 0.5
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert cpus.sweep_load(tmp_path) is None  # a Slurm job's CPUs are its own
