@@ -132,15 +132,16 @@ def test_a_default_run_imports_no_library_it_does_not_use(tmp_path):
 # ---- a reward function of the user's own, outside the repository ----------------------------------------------------
 def test_a_reward_function_and_its_yaml_from_the_users_own_folder_run_and_its_error_names_it(tmp_path):
     """The documented recipe: my_rewards.py and conf/algo/reward_funcs/mine.yaml in the folder train.py runs in,
-    ``hydra.searchpath=[file://conf] algo/reward_funcs=mine``. The function is found (red before: "cannot import it")
-    and called; it raises in the first training step, and the message names it, its signature and its line, on a
-    line of its own after the training progress bar (red before: on the bar's line), without a traceback."""
+    ``hydra.searchpath=[file://conf] algo/reward_funcs=mine algo/scale_rewards=none``. The function is found (red
+    before: "cannot import it") and called; it raises in the first training step, and the message names it, its
+    signature and its line, on a line of its own after the training progress bar (red before: on the bar's line),
+    without a traceback."""
     (tmp_path / "my_rewards.py").write_text(  # held-out batches (8) score, a training rollout (4 x 8) raises
         "def boom(prompts, completions, **kwargs):\n    return [1 / 0] if len(completions) > 8 else [0.0] * len(completions)\n")
     (tmp_path / "conf" / "algo" / "reward_funcs").mkdir(parents=True)
     (tmp_path / "conf" / "algo" / "reward_funcs" / "mine.yaml").write_text(
         "# @package algo\nreward_funcs:\n  mine: {_target_: my_rewards.boom, _partial_: true}\nreward_weights: null\n")
-    out = run(*FAST, "algo=grpo", "hydra.searchpath=[file://conf]", "algo/reward_funcs=mine",
+    out = run(*FAST, "algo=grpo", "hydra.searchpath=[file://conf]", "algo/reward_funcs=mine", "algo/scale_rewards=none",
               f"output_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 1, out.stderr[-3000:]
     line = next(line for line in out.stderr.splitlines() if "error: " in line)

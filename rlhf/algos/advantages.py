@@ -12,7 +12,7 @@ A config chooses among alternatives by ``_target_`` (one function each); the dic
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -78,6 +78,9 @@ def scale_by_group_std(rewards: Tensor, num_generations: int) -> Tensor:
     A group whose rewards are all equal gets advantages 0.
     """
     return group_centered(rewards, num_generations) / (_group_std(rewards, num_generations) + STD_EPS)
+
+
+scale_by_group_std.divides_by_group_std = True  # read by GRPO's check of lightly weighted rewards (grpo.py)
 
 
 def scale_by_batch_std(rewards: Tensor, num_generations: int) -> Tensor:
@@ -220,6 +223,45 @@ def completions_in_kept_groups(rewards: Tensor, num_generations: int, atol: floa
 def frac_reward_zero_std(rewards: Tensor, num_generations: int, atol: float = 0.0) -> Tensor:
     """TRL's ``frac_reward_zero_std``: the fraction of groups whose rewards are all equal, a scalar in [0, 1]."""
     return (~groups_with_reward_variance(rewards, num_generations, atol)).float().mean()
+
+
+MINOR_WEIGHT = 0.25
+"""A reward function weighs little when its weight (in absolute value, above 0) is at most this fraction of the
+largest weight: under :func:`scale_by_group_std` it may then count for more than its weight says
+(:func:`minor_rewards_alone`)."""
+
+
+def light_weights(weights: Sequence[float] | None, count: int, minor: float = MINOR_WEIGHT) -> list[bool]:
+    """Which of ``count`` reward functions weigh little: ``0 < |w_f| ≤ minor · max |w|`` (``weights=None``: all 1,
+    none light)."""
+    sizes = [1.0] * count if weights is None else [abs(float(w)) for w in weights]
+    return [0 < size <= minor * max(sizes) for size in sizes]
+
+
+def minor_rewards_alone(per_function: Tensor, weights: Sequence[float] | None, num_generations: int,
+                        minor: float = MINOR_WEIGHT) -> Tensor:
+    """Where lightly weighted reward functions alone make a group's rewards differ, ``[B, F]`` → bool ``[B/G, F]``.
+
+    ``per_function [B, F]``: each reward function's values (NaN where one does not apply, which the weighted sum
+    counts as 0), in groups of ``num_generations``; ``weights [F]`` (``None``: all 1). Entry ``(g, f)`` is true where
+    function ``f`` weighs little (``0 < |w_f| ≤ minor · max |w|``) and its values differ within group ``g``, while
+    every function weighted more is equal within ``g`` and the weighted sum differs. In such a group a standard
+    deviation by group (GRPO's ``scale_rewards=group``) is that light function's alone, so dividing by it gives
+    the light function's differences advantages of about ±1, as large as a heavy function's right-or-wrong would
+    get in another group: its small weight has no effect there. ``.any(1)`` is which groups, ``.any(0)`` which
+    functions.
+    """
+    rows, count = per_function.shape
+    if num_generations < 1 or rows % num_generations:
+        raise ValueError(f"{rows} rows of rewards do not split into groups of num_generations={num_generations}")
+    grouped = per_function.nan_to_num(0.0).reshape(rows // num_generations, num_generations, count)
+    weight = per_function.new_ones(count) if weights is None else per_function.new_tensor(list(weights))
+    light = torch.tensor(light_weights(weights, count, minor), device=per_function.device)
+    differs = grouped.amax(1) != grouped.amin(1)  # [B/G, F]: the function's values differ within the group
+    total = (grouped * weight).sum(-1)  # the weighted sum, as reward_shaping.weighted_rewards forms it
+    total_differs = total.amax(1) != total.amin(1)
+    heavy_equal = ~(differs & ~light & (weight != 0)).any(1)
+    return differs & light & (heavy_equal & total_differs).unsqueeze(1)
 
 
 GroupAdvantage = Callable[[Tensor, int], Tensor]

@@ -212,8 +212,14 @@ class OnlineAlgorithm(Algorithm):
                 {"prompt": p, "completion": c, "reward": float(r),
                  **{f"rewards/{name}": float(v) for name, v in zip(self.reward_funcs, values)}}
                 for p, c, r, values in zip(texts, completions, reward.tolist(), per_function.tolist())]
+            self.watch_rewards(per_function, num_generations)
         device = sampled["completion_ids"].device
         return reward.to(device), per_function.to(device)
+
+    def watch_rewards(self, per_function: Tensor, num_generations: int) -> None:
+        """A training rollout's values of each reward function (``[N, F]``, on the CPU, in groups of
+        ``num_generations``) before they become advantages: for a check that warns (GRPO's of lightly weighted
+        rewards); nothing here."""
 
     def tables(self, step: int) -> dict[str, list[dict[str, Any]]]:
         """``{"samples": rows}``: the first ``num_completions_to_print`` completions of the latest rollout (this

@@ -56,12 +56,28 @@ def functions_and_weights(functions: Mapping[str, Callable] | None, weights: Seq
     """``(name -> function, weights)`` as configured under ``where`` (``algo``, ``eval``): the embedded task's exact
     match when none is given; one weight per function, or None (all 1), else a UserError naming the fix."""
     functions = dict(functions or {"exact_match": exact_match})
+    for name, function in functions.items():
+        if not callable(function):
+            raise UserError(not_a_function(f"{where}.reward_funcs", name, function))
     weights = None if weights is None else [float(w) for w in weights]
     if weights is not None and len(weights) != len(functions):
         raise UserError(f"{where}.reward_weights has {len(weights)} values for {len(functions)} reward functions "
                         f"({', '.join(functions)}). Fix: one weight per function, in their order, or "
                         f"{where}.reward_weights=null (all 1)")
     return functions, weights
+
+
+def not_a_function(where: str, name: str, value: Any) -> str:
+    """Why ``<where>.<name>`` (an entry of the reward functions, after instantiation) is refused: it is not callable
+    (no ``_target_``). An entry named ``reward_funcs`` or ``reward_weights`` is an option file's own keys one level
+    down: its ``# @package`` line was not the file's first (Hydra reads the header only above every other line)."""
+    text = f"{where}.{name} is a {type(value).__name__}, not a function (an entry without _target_)."
+    if name in ("reward_funcs", "reward_weights"):
+        return (f"{text} Its keys are a reward option file's own, one level down: the file's `# @package "
+                f"{where.rsplit('.', 1)[0]}` is not its first line, and Hydra reads that header only above every "
+                "other line, comments included. Fix: move `# @package ...` to the file's first line")
+    return (f"{text} Fix: {where}.{name}: {{_target_: my_module.my_function, _partial_: true}} (a function), or "
+            f"{{_target_: my_module.MyClass, ...}} (a callable object)")
 
 
 def score(functions: Mapping[str, RewardFunction], weights: Sequence[float] | None, prompts: Sequence[str],

@@ -169,6 +169,43 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ():
     assert A.frac_reward_zero_std(rewards, G).item() == pytest.approx(2 / 4)
 
 
+# Two reward functions, "correct" (0 or 1) and "short" (graded), over three groups of four completions.
+CORRECT_AND_SHORT = torch.tensor([
+    [0.0, 0.9], [0.0, 0.5], [0.0, 0.1], [0.0, 0.7],   # nobody right: only "short" differs
+    [1.0, 0.9], [0.0, 0.5], [1.0, 0.1], [0.0, 0.7],   # "correct" differs: the group has a real signal
+    [1.0, 0.2], [1.0, 0.2], [1.0, 0.2], [1.0, 0.2],   # all equal: no advantage at all
+])
+
+
+def test_a_lightly_weighted_reward_alone_differing_in_a_group_is_found():
+    alone = A.minor_rewards_alone(CORRECT_AND_SHORT, [1.0, 0.1], 4)
+    assert alone.tolist() == [[False, True], [False, False], [False, False]]
+    # why it matters: group scaling gives "short"'s differences of 0.08 (in the weighted reward) unit advantages
+    # there, the same size as the right-or-wrong of the second group, whose "short" is the smaller part
+    adv = A.scale_by_group_std(CORRECT_AND_SHORT @ torch.tensor([1.0, 0.1]), 4)
+    assert float(adv[:4].abs().max()) > 1.0 and float(adv[4:8].abs().max()) < 1.0
+    # none flagged where no weight is small (equal weights, None = all 1, exactly at a quarter is small, above not)
+    assert not A.minor_rewards_alone(CORRECT_AND_SHORT, [1.0, 1.0], 4).any()
+    assert not A.minor_rewards_alone(CORRECT_AND_SHORT, None, 4).any()
+    assert A.minor_rewards_alone(CORRECT_AND_SHORT, [1.0, 0.25], 4).any()
+    assert not A.minor_rewards_alone(CORRECT_AND_SHORT, [1.0, 0.26], 4).any()
+    assert not A.minor_rewards_alone(CORRECT_AND_SHORT, [-1.0, -0.3], 4).any()
+    assert A.minor_rewards_alone(CORRECT_AND_SHORT, [-1.0, 0.1], 4).tolist()[0] == [False, True]  # sizes: |w|
+    # at weight 0 a function is logged, not trained on: its differences change no reward
+    assert not A.minor_rewards_alone(CORRECT_AND_SHORT, [1.0, 0.0], 4).any()
+    # the heavy function differing too takes the group out, whatever the light one does
+    assert not A.minor_rewards_alone(CORRECT_AND_SHORT[4:8], [1.0, 0.1], 4).any()
+
+
+def test_minor_rewards_alone_reads_nan_as_the_weighted_sum_does_and_refuses_part_groups():
+    per_function = torch.tensor([[math.nan, 0.3], [0.0, 0.6]])  # NaN counts as 0: "correct" is 0 and 0, equal
+    assert A.minor_rewards_alone(per_function, [1.0, 0.1], 2).tolist() == [[False, True]]
+    per_function = torch.tensor([[math.nan, 0.3], [1.0, 0.6]])  # 0 and 1: the heavy function differs
+    assert not A.minor_rewards_alone(per_function, [1.0, 0.1], 2).any()
+    with pytest.raises(ValueError, match="groups of num_generations=4"):
+        A.minor_rewards_alone(CORRECT_AND_SHORT[:6], [1.0, 0.1], 4)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["algo=grpo"], "algo.num_generations=1: each completion's advantage is its reward against its prompt's group "
                     "mean, so one completion a prompt has nothing to be compared with"),

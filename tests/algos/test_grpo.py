@@ -18,8 +18,10 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from rlhf import train
+from rlhf.algos.advantages import no_scaling, scale_by_batch_std
 from rlhf.algos.grpo import GRPO
 from rlhf.algos.online import Rollouts, generation_seed, split_groups
+from rlhf.algos.policy_losses import kl_k1
 from rlhf.algos.reward_funcs import char_similarity, exact_match, score
 from rlhf.algos.rloo import RLOO
 from rlhf.core.errors import UserError
@@ -130,6 +132,79 @@ def test_reward_functions_and_their_weighted_sum():
     assert reward.tolist() == pytest.approx([3.0, 0.75]) and per_function.shape == (2, 2)
     with pytest.raises(UserError, match="one float"):
         score({"bad": lambda prompts, completions: [1.0]}, None, prompts, completions)
+
+
+def brevity(prompts, completions, **columns):
+    """The reward guide's second function (docs/how-to/your-reward.md): 1 for an empty answer, 0 from 16 letters."""
+    return [1.0 - min(len(c.strip()), 16) / 16 for c in completions]
+
+
+# Two prompts' groups of four: in the first nobody is right and only the brevity bonus differs
+CORRECT_AND_SHORT = torch.tensor([[0.0, 0.9], [0.0, 0.5], [0.0, 0.1], [0.0, 0.7],
+                                  [1.0, 0.9], [0.0, 0.5], [1.0, 0.1], [0.0, 0.7]])
+
+
+def _watched(algo: GRPO, per_function: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The metrics of one collected rollout whose reward functions gave ``per_function``."""
+    def rollout(model, prompts, seed):
+        algo.watch_rewards(per_function, algo.num_generations)
+        n = per_function.shape[0]
+        return {"completion_mask": torch.ones(n, 3, dtype=torch.long), "truncated": torch.zeros(n, dtype=torch.bool),
+                "rewards": per_function.sum(1)}, {}
+
+    algo.rollout = rollout
+    return algo.collect(None, lambda: (None, 0))[1]
+
+
+def test_a_lightly_weighted_reward_alone_scaled_up_is_warned_once_and_counted(caplog):
+    functions = {"correct": exact_match, "short": brevity}
+    algo = GRPO(num_generations=4, reward_funcs=functions, reward_weights=[1.0, 0.1])
+    with caplog.at_level("WARNING", logger="rlhf.algos.grpo"):
+        metrics = [_watched(algo, CORRECT_AND_SHORT) for _ in range(2)]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "rlhf.algos.grpo"]
+    assert len(warnings) == 1, warnings  # said once; the metric follows every rollout
+    assert warnings[0].startswith("reward function short (weight 0.1) alone made the rewards differ in 1 of 2 groups "
+                                  "(50%) of this rollout: correct gave each completion of those groups the same value")
+    assert "Fix: algo/scale_rewards=none (Dr. GRPO: no division) or algo/scale_rewards=batch" in warnings[0]
+    assert [float(m["frac_groups_scaled_by_minor_reward"]) for m in metrics] == [0.5, 0.5]
+    # a signal in every group: counted as 0, not warned
+    caplog.clear()
+    fine = GRPO(num_generations=4, reward_funcs=functions, reward_weights=[1.0, 0.1])
+    assert float(_watched(fine, CORRECT_AND_SHORT[4:]).get("frac_groups_scaled_by_minor_reward")) == 0.0
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("options", [
+    {"scale_rewards": no_scaling}, {"scale_rewards": scale_by_batch_std},  # no division by a group's own std
+    {"reward_weights": [1.0, 1.0]},  # no light weight
+    {"beta": 0.04, "kl_in_reward": True, "kl_estimator": kl_k1},  # the KL in the reward differs in every group
+])
+def test_nothing_is_watched_where_group_scaling_does_not_scale_a_light_reward_alone(options, caplog):
+    options = {"reward_weights": [1.0, 0.1], **options}
+    algo = GRPO(num_generations=4, reward_funcs={"correct": exact_match, "short": brevity}, **options)
+    with caplog.at_level("WARNING", logger="rlhf.algos.grpo"):
+        assert "frac_groups_scaled_by_minor_reward" not in _watched(algo, CORRECT_AND_SHORT)
+    assert not caplog.records
+
+
+def test_the_guides_reward_is_warned_in_a_run_and_one_reward_is_not(tmp_path, caplog):
+    """The reward guide's pair (exact match + 0.1 x brevity) under the default group scaling: the random-init model
+    answers nothing right, so every group differs by brevity alone, and the run says so and logs the fraction (1);
+    with one reward function neither is there."""
+    guide = ["+algo.reward_funcs.short={_target_: tests.algos.test_grpo.brevity, _partial_: true}",
+             "algo.reward_weights=[1.0,0.1]"]
+    with caplog.at_level("WARNING", logger="rlhf.algos.grpo"):
+        metrics = train(compose_config(*FAST, *GRPO_FAST[:1], "train.eval_at_start=false", *guide,
+                                       output_dir=tmp_path / "guide"))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "rlhf.algos.grpo"]
+    assert len(warnings) == 1 and warnings[0].startswith("reward function short (weight 0.1) alone"), warnings
+    assert metrics["train/frac_groups_scaled_by_minor_reward"] == 1.0
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlhf.algos.grpo"):
+        metrics = train(compose_config(*FAST, *GRPO_FAST[:1], "train.eval_at_start=false",
+                                       output_dir=tmp_path / "one"))
+    assert not [r for r in caplog.records if r.name == "rlhf.algos.grpo"]
+    assert "train/frac_groups_scaled_by_minor_reward" not in metrics
 
 
 def test_reward_functions_receive_the_datasets_other_columns():
