@@ -41,11 +41,11 @@ def at_init(n: int = 3) -> L.PairLogps:
 
 
 def logsig(x: float) -> float:
-    return -math.log1p(math.exp(-x))
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
 
 def sig(x: float) -> float:
-    return 1 / (1 + math.exp(-x))
+    return math.exp(logsig(x))
 
 
 def log_odds(average_logp: float) -> float:
@@ -54,40 +54,45 @@ def log_odds(average_logp: float) -> float:
     return math.log(p / (1 - p))
 
 
+def pair_loss(name: str, pc: float, pr: float, rc: float, rr: float, nc: float, nr: float, beta: float) -> float:
+    """One pair's loss written out from its paper / TRL's definition, in plain floats: policy and reference
+    log-probabilities of the chosen and rejected answers, their token counts, beta; the options as CASES sets them
+    (those of conf/algo/loss/ where both have the loss)."""
+    r_w, r_l = pc - rc, pr - rr
+    h = r_w - r_l
+    z = beta * h
+    hn = r_w / nc - r_l / nr
+    return {
+        "sigmoid": lambda: -logsig(z),
+        "cdpo": lambda: -0.9 * logsig(z) - 0.1 * logsig(-z),
+        "robust": lambda: (-0.9 * logsig(z) + 0.1 * logsig(-z)) / 0.8,
+        "hinge": lambda: max(0.0, 1 - z),
+        "ipo": lambda: (hn - 1 / (2 * beta)) ** 2,
+        "ipo_summed": lambda: (h - 1 / (2 * beta)) ** 2,
+        "exo_pair": lambda: sig(z) * (logsig(z) - math.log(1 - 1e-3)) + sig(-z) * (logsig(-z) - math.log(1e-3)),
+        "nca_pair": lambda: -logsig(beta * r_w) - 0.5 * logsig(-beta * r_w) - 0.5 * logsig(-beta * r_l),
+        "sppo_hard": lambda: (r_w - 1 / (2 * beta)) ** 2 + (r_l + 1 / (2 * beta)) ** 2,
+        "apo_zero": lambda: 1 - sig(beta * r_w) + sig(beta * r_l),
+        "apo_down": lambda: sig(beta * r_w) + 1 - sig(z),
+        "discopop": lambda: -logsig(z) * (1 - sig(z / 0.05)) + math.exp(-z) * sig(z / 0.05),
+        "sigmoid_norm": lambda: -logsig(beta * hn),
+        "js": lambda: -logsig(beta * (h - (math.log1p(math.exp(r_w)) - math.log1p(math.exp(r_l))))),
+        "bco_pair": lambda: -logsig(beta * r_w) - logsig(-beta * r_l),
+        "forward_kl": lambda: -logsig(beta * (math.exp(-r_l) - math.exp(-r_w))),
+        "alpha_0.5": lambda: -logsig(beta * (math.exp(-0.5 * r_l) - math.exp(-0.5 * r_w)) / 0.5),
+        # TRL's coefficient a: f'(u) = (u^(a-1) - 1)/(a-1); the paper's (1 - u^-alpha)/alpha with alpha = 1 - a
+        "alpha_0.2": lambda: -logsig(beta * (math.exp(-0.8 * r_l) - math.exp(-0.8 * r_w)) / 0.8),
+        # reference-free, on the policy's average log-probabilities a = logp / |y| (the reference is not read)
+        "simpo": lambda: -logsig(beta * (pc / nc - pr / nr) - 0.5),
+        "simpo_smoothed": lambda: (-0.9 * logsig(beta * (pc / nc - pr / nr) - 1.0)
+                                   - 0.1 * logsig(-(beta * (pc / nc - pr / nr) - 1.0))),
+        "orpo": lambda: -beta * logsig(log_odds(pc / nc) - log_odds(pr / nr)),
+    }[name]()
+
+
 def expected(name: str) -> list[float]:
-    """Each loss written out per pair from its paper / TRL's definition, in plain floats."""
-    out = []
-    for i in range(2):
-        r_w, r_l, h = RW[i], RL[i], H[i]
-        z = BETA * h
-        hn = r_w / NC[i] - r_l / NR[i]
-        out.append({
-            "sigmoid": -logsig(z),
-            "cdpo": -0.9 * logsig(z) - 0.1 * logsig(-z),
-            "robust": (-0.9 * logsig(z) + 0.1 * logsig(-z)) / 0.8,
-            "hinge": max(0.0, 1 - z),
-            "ipo": (hn - 1 / (2 * BETA)) ** 2,
-            "ipo_summed": (h - 1 / (2 * BETA)) ** 2,
-            "exo_pair": sig(z) * (logsig(z) - math.log(1 - 1e-3)) + sig(-z) * (logsig(-z) - math.log(1e-3)),
-            "nca_pair": -logsig(BETA * r_w) - 0.5 * logsig(-BETA * r_w) - 0.5 * logsig(-BETA * r_l),
-            "sppo_hard": (r_w - 1 / (2 * BETA)) ** 2 + (r_l + 1 / (2 * BETA)) ** 2,
-            "apo_zero": 1 - sig(BETA * r_w) + sig(BETA * r_l),
-            "apo_down": sig(BETA * r_w) + 1 - sig(z),
-            "discopop": -logsig(z) * (1 - sig(z / 0.05)) + math.exp(-z) * sig(z / 0.05),
-            "sigmoid_norm": -logsig(BETA * hn),
-            "js": -logsig(BETA * (h - (math.log1p(math.exp(r_w)) - math.log1p(math.exp(r_l))))),
-            "bco_pair": -logsig(BETA * r_w) - logsig(-BETA * r_l),
-            "forward_kl": -logsig(BETA * (math.exp(-r_l) - math.exp(-r_w))),
-            "alpha_0.5": -logsig(BETA * (math.exp(-0.5 * r_l) - math.exp(-0.5 * r_w)) / 0.5),
-            # TRL's coefficient a: f'(u) = (u^(a-1) - 1)/(a-1); the paper's (1 - u^-alpha)/alpha with alpha = 1 - a
-            "alpha_0.2": -logsig(BETA * (math.exp(-0.8 * r_l) - math.exp(-0.8 * r_w)) / 0.8),
-            # reference-free, on the policy's average log-probabilities a = logp / |y| (the reference is not read)
-            "simpo": -logsig(BETA * (PC[i] / NC[i] - PR[i] / NR[i]) - 0.5),
-            "simpo_smoothed": (-0.9 * logsig(BETA * (PC[i] / NC[i] - PR[i] / NR[i]) - 1.0)
-                               - 0.1 * logsig(-(BETA * (PC[i] / NC[i] - PR[i] / NR[i]) - 1.0))),
-            "orpo": -BETA * logsig(log_odds(PC[i] / NC[i]) - log_odds(PR[i] / NR[i])),
-        }[name])
-    return out
+    """Each loss of the two pairs above."""
+    return [pair_loss(name, *values, BETA) for values in zip(PC, PR, RC, RR, NC, NR)]
 
 
 CASES = {
@@ -275,12 +280,66 @@ def test_evaluation_reads_the_loss_state_but_only_training_updates_it():
     assert algo.loss_state["bco_reward_count"].item() == 2
 
 
-def test_every_dpo_variant_trains_two_steps(fast_config):
-    """`python train.py algo=<each>` on FAST settings, in one process: the loss is finite and evaluation runs."""
+FORMULA = {"dpo": "sigmoid", "dpo_js_divergence": "js", "dpo_forward_kl": "forward_kl",
+           "dpo_alpha_divergence": "alpha_0.5"}  # pair_loss's name of a variant's loss, where it has another
+
+
+def held_out_loss(variant: str, pc, pr, rc, rr, nc, nr, beta: float, nll: float) -> float:
+    """``algo=<variant>``'s loss of one batch of pairs with its YAML's options, in plain floats (lists of the
+    pairs' values as :func:`pair_loss` takes them, ``nll``: the NLL term where the variant adds one)."""
+    if variant in ("aot", "aot_unpaired"):  # sorted across the batch
+        if variant == "aot":  # policy log-odds against reference log-odds
+            ours, theirs = sorted(a - b for a, b in zip(pc, pr)), sorted(a - b for a, b in zip(rc, rr))
+        else:  # chosen log-ratios against rejected log-ratios
+            ours, theirs = sorted(a - b for a, b in zip(pc, rc)), sorted(a - b for a, b in zip(pr, rr))
+        return sum(-logsig(beta * (a - b)) for a, b in zip(ours, theirs)) / len(pc)
+    pairs = list(zip(pc, pr, rc, rr, nc, nr))
+    if variant == "mpo":  # 0.8 sigmoid + 0.2 bco_pair, and the NLL at weight 1
+        return sum(0.8 * pair_loss("sigmoid", *v, beta) + 0.2 * pair_loss("bco_pair", *v, beta)
+                   for v in pairs) / len(pairs) + nll
+    loss = sum(pair_loss(FORMULA.get(variant, variant), *v, beta) for v in pairs) / len(pairs)
+    return loss + nll if variant == "orpo" else loss  # ORPO's NLL at weight 1
+
+
+def test_every_dpo_variant_trains_two_steps(fast_config, tmp_path):
+    """`python train.py algo=<each>` on FAST settings, in one process, two steps: the held-out loss the run logs is
+    the variant's formula (pair_loss, the paper's / TRL's) on log-probabilities computed here, each held-out pair
+    through the final policy and the reference (algo/reference=copy: the initial policy; none for SimPO and ORPO).
+    The policy trains far enough from its reference that swapped answers (or a flipped sign) or a reference equal
+    to the policy would give another loss."""
+    from hydra.utils import instantiate
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.models.tokenizer import byte_tokenizer
+    from tests.conftest import fast_initial_model
+    from tests.independent_logps import answer_lengths, answer_logps, sequence_nll
+
+    overrides = ["train.max_steps=2", "data.task.num_train=8", "data.task.num_eval=8", "train.eval_at_start=false",
+                 "optimizer.lr=1e-2", "scheduler=constant", "scheduler.num_warmup_steps=0"]
+    cfg = fast_config(*overrides)
+    rows = instantiate(cfg.data.task).rows("eval", ["prompt", "chosen", "rejected"])
+    assert len(rows) <= cfg.train.eval_batch_size  # one held-out batch (AOT sorts across it)
+    prompts, chosen, rejected = ([r[k] for r in rows] for k in ("prompt", "chosen", "rejected"))
+    tokenizer = byte_tokenizer()
+    nc, nr = (answer_lengths(tokenizer, prompts, a) for a in (chosen, rejected))
+    initial = fast_initial_model()
+    rc, rr = (answer_logps(initial, tokenizer, prompts, a) for a in (chosen, rejected))
     for algo in DPO_VARIANTS:
-        metrics = train(fast_config(f"algo={algo}", "train.max_steps=2", "data.task.num_train=8",
-                                    "data.task.num_eval=8", "train.eval_at_start=false"))
-        assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["eval/loss"]), algo
+        cfg = fast_config(f"algo={algo}", *overrides)
+        metrics = train(cfg)
+        assert math.isfinite(metrics["train/loss"]), algo
+        trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+        pc, pr = (answer_logps(trained, tokenizer, prompts, a) for a in (chosen, rejected))
+        # the NLL term's tokens: every token of the chosen sequences but the first, or the chosen answers'
+        nll = sequence_nll(trained, tokenizer, prompts, chosen) if cfg.algo.nll_on_prompt else -sum(pc) / sum(nc)
+        beta = cfg.algo.beta  # SimPO's and ORPO's formulas do not read the reference's values
+        expected = held_out_loss(algo, pc, pr, rc, rr, nc, nr, beta, nll)
+        assert metrics["eval/loss"] == pytest.approx(expected, rel=1e-5, abs=1e-5), algo
+        swapped = held_out_loss(algo, pr, pc, rr, rc, nr, nc, beta, nll)  # the NLL term stays the chosen one's
+        apart = [abs(swapped - expected)]
+        if algo not in REFERENCE_FREE:
+            apart.append(abs(held_out_loss(algo, rc, rr, rc, rr, nc, nr, beta, nll) - expected))
+        assert min(apart) > 5e-4, f"{algo}: a broken loss would be within {apart} of the right one"  # 50x the tolerance
 
 
 def test_bco_resumed_from_a_checkpoint_equals_the_uninterrupted_run(fast_config, tmp_path):

@@ -17,6 +17,7 @@ from rlhf.algos.kto import KL, KTO, kl_estimate, kto_loss
 from rlhf.core.errors import UserError
 from rlhf.embedded.tiny_model import TinySpec
 from rlhf.models.reference import FrozenCopy
+from rlhf.models.tokenizer import byte_tokenizer
 from tests.conftest import ROOT
 
 
@@ -102,12 +103,40 @@ def test_kto_trains_on_the_embedded_pairs_split_into_rows(fast_config):
 
 
 def test_kto_trains_on_unpaired_rows_of_a_file(fast_config, tmp_path):
+    """A few steps on unpaired rows of a file: the held-out loss the run logs at the end is KTO's (Ethayarajh et al.
+    2024, eq. 7) on log-probabilities computed here, each held-out row and each mismatched pair (a row's prompt with
+    the completion of the row before it) through the final policy and through the reference (algo/reference=copy:
+    the initial policy). No evaluation at the start, so that the one at the end runs the reference rather than
+    reading values kept from the start. The policy trains far enough from its reference that a flipped sign, swapped
+    labels or a reference equal to the policy would give another loss."""
+    from hydra.utils import instantiate
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import fast_initial_model
+    from tests.independent_logps import answer_logps, kto_losses, mean
+
     path = tmp_path / "unpaired.jsonl"
     rows = [{"prompt": f"{w}=", "completion": w[::-1] if i % 3 else w, "label": bool(i % 3)}
             for i, w in enumerate(["abc", "de", "fgh", "ij", "klm", "no", "pqr", "st", "uvw", "xy"])]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    metrics = train(fast_config("algo=kto", f"data.path={path}", "data.eval_size=2", "train.max_steps=2"))
-    assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["eval/loss"])
+    cfg = fast_config("algo=kto", f"data.path={path}", "data.eval_size=4", "train.max_steps=3", "optimizer.lr=1e-2",
+                      "scheduler=constant", "scheduler.num_warmup_steps=0", "train.eval_at_start=false")
+    metrics = train(cfg)
+    assert math.isfinite(metrics["train/loss"])
+    held_out = instantiate(cfg.data).load_raw(["prompt", "completion", "label"])["eval"]  # one batch, in this order
+    assert len(held_out) == 4 <= cfg.train.eval_batch_size
+    prompts, completions, labels = held_out["prompt"], held_out["completion"], held_out["label"]
+    assert 0 < sum(labels) < len(labels)  # both kinds of rows
+    mismatched = completions[-1:] + completions[:-1]  # prompt i with completion i - 1
+    reference, trained = fast_initial_model(), AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    tokenizer, beta = byte_tokenizer(), cfg.algo.beta
+    r, kl = ([p - q for p, q in zip(answer_logps(trained, tokenizer, prompts, c),
+                                    answer_logps(reference, tokenizer, prompts, c))] for c in (completions, mismatched))
+    expected = mean(kto_losses(r, labels, kl, beta))
+    assert metrics["eval/loss"] == pytest.approx(expected, abs=1e-5)
+    flipped = mean(kto_losses(r, [not label for label in labels], kl, beta))  # a flipped sign, or swapped labels
+    apart = {"flipped": abs(flipped - expected), "at_reference": abs(0.5 - expected)}  # 0.5: every log-ratio 0
+    assert min(apart.values()) > 1e-3, f"a broken loss would be within {apart} of the right one: the test cannot fail"
 
 
 def test_a_reference_of_precomputed_rows_only_is_refused_before_anything_loads():

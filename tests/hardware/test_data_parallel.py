@@ -75,10 +75,29 @@ def test_cpus_busy_with_other_work_are_left_out_and_the_start_up_line_says_so(mo
     assert ranked.threads(local_processes=2) == 3 and ranked._threads_why == " (the launcher's reason)"
 
 
-def test_busy_cpus_reads_the_machine():
-    """A number between 0 and the CPUs this process may use (Linux's /proc/stat)."""
-    busy = cpus.busy_cpus()
-    assert busy is not None and 0.0 <= busy <= len(os.sched_getaffinity(0)) + 1e-6
+def test_busy_cpus_counts_a_cpu_kept_busy():
+    """A busy loop pinned to one of this process's CPUs, this process's measurement restricted to that CPU: it is
+    counted busy (Linux's /proc/stat), whatever else runs there (other work only adds to the count); on that CPU
+    and one more, it still counts at least that one, and at most the two."""
+    mine = sorted(os.sched_getaffinity(0))
+    cpu = mine[-1]
+    loop = subprocess.Popen([sys.executable, "-c", "import os, sys\n"
+                             f"os.sched_setaffinity(0, {{{cpu}}})\nprint('spinning', flush=True)\nwhile True: pass"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert loop.stdout.readline() == "spinning\n"
+        try:
+            os.sched_setaffinity(0, {cpu})
+            alone = cpus.busy_cpus()
+            os.sched_setaffinity(0, set(mine[-2:]))
+            beside = cpus.busy_cpus()
+        finally:
+            os.sched_setaffinity(0, mine)
+    finally:
+        loop.kill()
+        loop.wait()
+    assert alone is not None and 0.75 <= alone <= 1 + 1e-6
+    assert beside is not None and 0.75 <= beside <= len(mine[-2:]) + 1e-6
 
 
 def test_auto_precision_is_bf16_where_the_hardware_has_bf16_matrix_units(monkeypatch):
@@ -147,7 +166,9 @@ def test_each_train_call_in_one_process_gets_the_hardware_it_asks_for(tmp_path, 
         train(compose_config(*FAST, "algo=sft", f"hardware.mixed_precision={precision}",
                              output_dir=tmp_path / precision))
         line = next(r.message for r in reversed(caplog.records) if r.message.startswith("hardware:"))
-        words = "no mixed precision" if precision == "no" else f"{precision} mixed precision"
+        words = "no mixed precision" if precision == "no" else (
+            f"{precision} mixed precision (on a CPU, bf16 results depend on the thread count: "
+            f"hardware.threads_per_process={torch.get_num_threads()} repeats them)")
         assert line.endswith(words) and "1 process(es) (one process) on cpu" in line, line  # no Accelerate enum (NO)
         assert seen, "the model's forward never ran"
         expected = (True, torch.bfloat16) if precision == "bf16" else False

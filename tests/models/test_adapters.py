@@ -20,8 +20,10 @@ from rlhf.models.loading import Policy
 from rlhf.models.quantize import quantized_copy
 from rlhf.models.reference import FrozenCopy, Int8
 from rlhf.models.reference_adapters import AdapterOff, SecondAdapter
+from rlhf.models.tokenizer import byte_tokenizer
 from rlhf.ops.completion_logps import completion_stats
-from tests.conftest import FAST, compose_config
+from tests.conftest import FAST, compose_config, fast_initial_model
+from tests.independent_logps import answer_logps, dpo_losses, mean
 
 ROWS = [{"prompt": "abc=", "chosen": "cba", "rejected": "cab"}, {"prompt": "hello=", "chosen": "olleh", "rejected": "hello"},
         {"prompt": "xyz=", "chosen": "zyx", "rejected": "zxy"}]
@@ -89,14 +91,12 @@ def test_all_linear_and_a_list_of_names_choose_the_layers():
 
 # --- reference strategies --------------------------------------------------------------------------------------------
 def test_adapter_off_reference_gives_copys_first_loss_exactly_and_the_base_once_the_adapter_trained():
+    """Once the adapter trained, the loss is DPO's (Rafailov et al. 2023, eq. 7) on log-probabilities computed here:
+    the policy's through the model with its adapter, the reference's through a fresh copy of the base model."""
     policy = _tiny()
     policy.model = LoRA(r=4, dropout=0.1).apply(policy.model)
     _, _, with_copy, _ = _first(policy, FrozenCopy())
     policy = _tiny()
-    algo = DPO()
-    batch = algo.collate([algo.tokenize(r, policy.tokenizer) for r in ROWS])
-    with torch.no_grad():
-        base = completion_stats(policy.model.eval(), batch).logps
     policy.model = LoRA(r=4, dropout=0.1).apply(policy.model)
     algo, batch, with_adapter, _ = _first(policy, AdapterOff())
     assert algo.frozen == {} and with_adapter.item() == with_copy.item()
@@ -104,9 +104,17 @@ def test_adapter_off_reference_gives_copys_first_loss_exactly_and_the_base_once_
     _trained_adapter(policy)
     loss, _ = algo.loss(policy.model, batch)
     with torch.no_grad():
-        assert torch.equal(algo.reference.logps(batch, None, policy.model), base)  # the adapter is off: the base
-    assert abs(loss.item() - math.log(2)) > 1e-3
+        reference = algo.reference.logps(batch, None, policy.model).tolist()
     assert all(p.requires_grad == ("lora_" in n) for n, p in policy.model.named_parameters())
+    prompts, chosen, rejected = ([r[k] for r in ROWS] for k in ("prompt", "chosen", "rejected"))
+    base, tokenizer = _tiny().model, policy.tokenizer  # the policy's base, built apart
+    ref_chosen, ref_rejected = (answer_logps(base, tokenizer, prompts, a) for a in (chosen, rejected))
+    assert reference == pytest.approx(ref_chosen + ref_rejected, abs=1e-5)  # the adapter is off: the base
+    pc, pr = (answer_logps(policy.model, tokenizer, prompts, a) for a in (chosen, rejected))
+    expected = mean(dpo_losses(pc, pr, ref_chosen, ref_rejected, 0.1))
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+    flipped = mean(dpo_losses(pr, pc, ref_rejected, ref_chosen, 0.1))  # a flipped sign, or swapped answers
+    assert min(abs(flipped - expected), abs(math.log(2) - expected)) > 1e-3  # the test can fail
 
 
 def test_qlora_policy_with_its_adapter_off_starts_at_log_2_exactly():
@@ -143,10 +151,12 @@ def test_a_second_adapter_from_a_previous_run_is_the_reference(tmp_path):
     trained = {n for n, p in policy.model.named_parameters() if p.requires_grad}
     assert trained and all(".default." in n for n in trained)  # the reference adapter stays frozen
     assert SecondAdapter(str(adapter)).memory_bytes(policy.model) == (adapter / "adapter_model.safetensors").stat().st_size
-    # The same as a user runs it: the reference's path defaults to peft.init_from; the first step's loss is log 2.
-    train(compose_config(*FAST, "peft=lora", f"peft.init_from={adapter}", "algo/reference=ref_adapter",
-                         "train.max_steps=1", "train.eval_at_start=false", output_dir=tmp_path / "dpo"))
-    first = json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[0])
+    # The same as a user runs it: the reference's path defaults to peft.init_from; the first step's loss is log 2,
+    # and the held-out loss after training is DPO's on the trained adapter against the one it started from.
+    run = tmp_path / "dpo"
+    _run_and_check(run, ["peft=lora", f"peft.init_from={adapter}", "algo/reference=ref_adapter"],
+                   lambda: PeftModel.from_pretrained(tiny.build().model, str(run / "final")), independent)
+    first = next(line for line in _lines(run) if "train/loss" in line)
     assert first["step"] == 1 and first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
@@ -163,11 +173,58 @@ def test_int8_reference_gives_copys_first_loss_within_the_stated_tolerance():
     assert Int8().memory_bytes(policy.model) < 0.5 * NoAdapter().memory_bytes(policy.model)
 
 
-def test_dpo_runs_with_the_int8_reference_on_the_embedded_default(tmp_path):
+def _lines(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run_and_check(run: Path, overrides: list[str], trained_policy, reference: torch.nn.Module) -> dict:
+    """A DPO run of a few steps on the embedded default with ``overrides``; its held-out loss at the end must be
+    DPO's (Rafailov et al. 2023, eq. 7) on log-probabilities computed here, each held-out pair through the final
+    policy (``trained_policy()``, built once the run wrote it) and through ``reference``. No evaluation at the start,
+    so that the one at the end runs the reference rather than reading values kept from the start (int8's). The
+    policy must train far enough from its reference that a flipped sign, swapped answers or a reference equal to
+    the policy would give another loss."""
+    from hydra.utils import instantiate
+
     from rlhf import train
 
-    final = train(compose_config(*FAST, "algo/reference=int8", output_dir=tmp_path / "run"))
-    assert math.isfinite(final["train/loss"]) and (tmp_path / "run" / "final" / "model.safetensors").exists()
+    cfg = compose_config(*FAST, *overrides, "optimizer.lr=3e-2", "scheduler=constant", "scheduler.num_warmup_steps=0",
+                         "train.eval_at_start=false", output_dir=run)
+    final = train(cfg)
+    rows = instantiate(cfg.data.task).rows("eval", ["prompt", "chosen", "rejected"])
+    prompts, chosen, rejected = ([r[k] for r in rows] for k in ("prompt", "chosen", "rejected"))
+    tokenizer, beta = byte_tokenizer(), cfg.algo.beta
+    ref_chosen, ref_rejected = (answer_logps(reference, tokenizer, prompts, a) for a in (chosen, rejected))
+    pc, pr = (answer_logps(trained_policy(), tokenizer, prompts, a) for a in (chosen, rejected))
+    expected = mean(dpo_losses(pc, pr, ref_chosen, ref_rejected, beta))
+    assert final["eval/loss"] == pytest.approx(expected, abs=1e-5)
+    flipped = mean(dpo_losses(pr, pc, ref_rejected, ref_chosen, beta))  # a flipped sign, or swapped answers
+    apart = {"flipped": abs(flipped - expected), "at_reference": abs(math.log(2) - expected)}
+    assert min(apart.values()) > 1e-3, f"a broken loss would be within {apart} of the right one: the test cannot fail"
+    return final
+
+
+@pytest.mark.parametrize("option", ["adapter", "int8"])
+def test_dpo_runs_with_the_adapter_and_int8_references_on_the_embedded_default(option, tmp_path):
+    """The reference is the initial policy: with its adapter off (peft=lora; the adapter starts at zero), or loaded
+    in 8 bits (here through transformers and bitsandbytes directly, from the initial policy's saved weights)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if option == "adapter":
+        reference = fast_initial_model()
+        overrides = ["peft=lora", "algo/reference=adapter"]
+        trained = lambda: PeftModel.from_pretrained(fast_initial_model(), str(tmp_path / "run" / "final"))  # noqa: E731
+    else:
+        fast_initial_model().save_pretrained(tmp_path / "initial")
+        reference = AutoModelForCausalLM.from_pretrained(
+            tmp_path / "initial", dtype=torch.float32, device_map={"": "cpu"},
+            quantization_config=BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0))
+        overrides = ["algo/reference=int8"]
+        trained = lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")  # noqa: E731
+    _run_and_check(tmp_path / "run", overrides, trained, reference)
+    saved = "adapter_model.safetensors" if option == "adapter" else "model.safetensors"
+    assert (tmp_path / "run" / "final" / saved).exists()
 
 
 def test_fsdp_keeps_an_8bit_reference_whole():

@@ -3,6 +3,7 @@ loss that its definition says, on the tiny model and a small batch of preference
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -136,18 +137,73 @@ def test_a_reference_model_without_its_path_is_refused_before_anything_loads():
 
 @pytest.mark.parametrize("option", ["copy", "model", "shared_layers", "none"])
 def test_dpo_runs_with_each_reference_option_on_the_embedded_default(option, tmp_path):
+    """Three steps on the embedded default with each strategy, every step on the same 4 training rows. The loss the
+    run logs at its last step, and its held-out loss at the end, are DPO's (Rafailov et al. 2023, eq. 7) on
+    log-probabilities computed here: each pair through the policy (the step-2 checkpoint's, then the final one) and
+    through the reference the option says it is: the initial policy (copy; shared_layers, whose shared layer is
+    frozen in the policy and the layer above it a frozen copy), the model given (model: the initial policy
+    perturbed), or none (the log-ratios are the policy's log-probabilities). No evaluation at the start, so that the
+    one at the end runs the reference rather than reading values kept from the start. The policy trains far enough
+    from its reference that a flipped sign, swapped answers or a reference equal to the policy would give another
+    loss."""
+    from hydra.utils import instantiate
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     from rlhf import train
     from rlhf.core.instantiate import build
     from tests.conftest import FAST
+    from tests.independent_logps import answer_logps, dpo_losses, mean
 
-    overrides = [*FAST, "model.tiny.num_layers=2", "algo=dpo", f"algo/reference={option}"]
-    if option == "model":  # the run's own initial model, saved as a run's final/ would be
-        policy = build(compose_config(*overrides[:-1]).model)
-        policy.model.save_pretrained(tmp_path / "ref")
-        policy.tokenizer.save_pretrained(tmp_path / "ref")
+    overrides = [*FAST, "model.tiny.num_layers=2", "algo=dpo", f"algo/reference={option}", "data.task.num_train=4",
+                 "optimizer.lr=1e-2", "scheduler=constant", "scheduler.num_warmup_steps=0",
+                 "train.eval_at_start=false", "train.save_every_steps=2"]
+    initial = build(compose_config(*overrides).model)
+    reference = build(compose_config(*overrides).model).model
+    if option == "model":  # another model than the initial policy, saved as a run's final/ would be
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        reference.save_pretrained(tmp_path / "ref")
+        initial.tokenizer.save_pretrained(tmp_path / "ref")
         overrides.append(f"algo.reference.name_or_path={tmp_path / 'ref'}")
-    final = train(compose_config(*overrides, output_dir=tmp_path / "run"))
-    assert math.isfinite(final["train/loss"]) and (tmp_path / "run" / "final" / "model.safetensors").exists()
+    cfg = compose_config(*overrides, output_dir=tmp_path / "run")
+    assert cfg.train.per_device_batch_size == cfg.data.task.num_train and cfg.train.max_steps == 3  # one batch
+    final = train(cfg)
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+            if '"train/loss"' in line][-1]
+    assert last["step"] == 3
+    after_two = build(compose_config(*overrides).model).model
+    saved = load_file(tmp_path / "run" / "checkpoints" / "step_00000002" / "model.safetensors")
+    missing, unexpected = after_two.load_state_dict(saved, strict=False)
+    # not saved: one name of the tied embedding and output layer; a shared layer (frozen, never trained)
+    frozen = {f"model.layers.0.{name}" for name, _ in after_two.model.layers[0].named_parameters()}
+    assert not unexpected and set(missing) <= {"lm_head.weight", "model.embed_tokens.weight",
+                                               *(frozen if option == "shared_layers" else ())}
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    task, tokenizer, beta = instantiate(cfg.data.task), initial.tokenizer, cfg.algo.beta
+    apart = {"flipped": 0.0, "at_reference": 0.0}  # how far the losses of each break are from the right ones
+    for split, policy, logged in (("train", after_two, last["train/loss"]), ("eval", trained, final["eval/loss"])):
+        rows = task.rows(split, ["prompt", "chosen", "rejected"])
+        prompts, chosen, rejected = ([r[k] for r in rows] for k in ("prompt", "chosen", "rejected"))
+        if option == "none":
+            ref_chosen = ref_rejected = [0.0] * len(rows)
+        else:
+            ref_chosen, ref_rejected = (answer_logps(reference, tokenizer, prompts, a) for a in (chosen, rejected))
+        pc, pr = (answer_logps(policy, tokenizer, prompts, a) for a in (chosen, rejected))
+        expected = mean(dpo_losses(pc, pr, ref_chosen, ref_rejected, beta))
+        assert logged == pytest.approx(expected, abs=1e-5), (option, split)
+        flipped = mean(dpo_losses(pr, pc, ref_rejected, ref_chosen, beta))  # a flipped sign, or swapped answers
+        apart["flipped"] = max(apart["flipped"], abs(flipped - expected))
+        apart["at_reference"] = max(apart["at_reference"], abs(math.log(2) - expected))  # the reference = the policy
+        if option == "model":  # the initial policy in place of the model given
+            ic, ir = (answer_logps(initial.model, tokenizer, prompts, a) for a in (chosen, rejected))
+            apart["initial"] = max(apart.get("initial", 0.0), abs(mean(dpo_losses(pc, pr, ic, ir, beta)) - expected))
+    assert min(apart.values()) > 1e-3, f"a broken loss would be within {apart} of the right one: the test cannot fail"
+    if option == "shared_layers":  # the shared layer never trained; the one above it did
+        ours, theirs = trained.model.layers, initial.model.model.layers
+        assert all(torch.equal(a, b) for a, b in zip(ours[0].parameters(), theirs[0].parameters()))
+        assert not all(torch.equal(a, b) for a, b in zip(ours[1].parameters(), theirs[1].parameters()))
 
 
 def test_sharding_strategies_refuse_a_reference_that_shares_the_policys_layers():
