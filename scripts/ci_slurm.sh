@@ -16,7 +16,9 @@
 # checked too), prints a table and the timings. Last, the requeue test: a run under a short time limit gets USR2
 # mid-training, checkpoints, is requeued by submitit and resumes, and must end bit-identical (parameters and
 # metrics) to an uninterrupted run of the same command; and the same on 2 processes (hardware=cpu_ddp), where Slurm's
-# USR2 reaches the job's process and both ranks at once, against the cpu_ddp sweep job. Then it stops the cluster.
+# USR2 reaches the job's process and both ranks at once, against the cpu_ddp sweep job. And a warning while a job is
+# still starting: USR2 1 s after it is RUNNING, every CPU busy, must requeue it (tests/launch/test_submitit_job.py).
+# Then it stops the cluster.
 #   SLURM_CI_DIR  where the sweeps go (default outputs/ci-slurm; emptied first)
 #   RLHF_CACHE    the tiny model's warm-start cache, inherited by the jobs (default .ci-cache, as .ci/run)
 #   SLURM_CI_KEEP=1  leave the cluster running at the end (it is stopped by default, even one that was running)
@@ -266,4 +268,11 @@ wait $sweep || { tail -n 15 "$OUT/requeue_ddp.log" >&2; fail "the 2-process requ
 T_REQUEUE_DDP=$(since "$T")
 check_requeued "$OUT/requeue_ddp" "$(dirname "$(dirname "$(ls "$OUT"/cpu_ddp/*/.hydra/hydra.yaml)")")" || fail "see above"
 
-echo "== ok: cluster start $T_START s, sweeps $T_SWEEP s, requeue $T_REQUEUE s, 2-process requeue $T_REQUEUE_DDP s, total $(since "$T0") s (before stopping the cluster)"
+echo "== a preemption warning 1 s after a job starts, every CPU busy: requeued, then as an uninterrupted run"
+T=$(now)
+RLHF_TESTS_REQUIRE_SLURM=1 $PY -m pytest -q -p no:cacheprovider \
+  tests/launch/test_submitit_job.py::test_a_slurm_preemption_warning_one_second_after_the_job_starts_requeues_it \
+  >"$OUT/warning_at_start.log" 2>&1 || { tail -n 40 "$OUT/warning_at_start.log" >&2; fail "a warning at the start of a job: see $OUT/warning_at_start.log"; }
+T_WARNING=$(since "$T")
+
+echo "== ok: cluster start $T_START s, sweeps $T_SWEEP s, requeue $T_REQUEUE s, 2-process requeue $T_REQUEUE_DDP s, warning at start $T_WARNING s, total $(since "$T0") s (before stopping the cluster)"

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlhf.launch import submitit_job
 from rlhf.sweeps.points import FailedPoint, record_failure
 
 log = logging.getLogger(__name__)
@@ -105,14 +106,21 @@ class DeadPointsFail:
     @contextlib.contextmanager
     def _collecting(self) -> Iterator[None]:
         """The plugin builds its executor as ``submitit.AutoExecutor`` and reads each job's results in turn: for
-        this launch, its jobs are wrapped so that a dead one reads as a failed point."""
+        this launch, each job's Python holds the stop signals from its first statement, what it unpickles first is
+        light (a stop signal at any moment of the job is honoured: :mod:`rlhf.launch.submitit_job`), and its jobs are
+        wrapped so that a dead one reads as a failed point."""
         import submitit
 
         launcher, stock = self, submitit.AutoExecutor
 
         class Executor(stock):  # type: ignore[misc,valid-type]
+            def __init__(self, folder: Any, cluster: str | None = None, **kwargs: Any) -> None:
+                if cluster:  # the plugin names it ("slurm", "local"): the python of that executor
+                    kwargs.setdefault(f"{cluster}_python", submitit_job.python_command())
+                super().__init__(folder, cluster=cluster, **kwargs)
+
             def map_array(self, fn: Any, *iterable: Sequence[Any]) -> list:
-                jobs = super().map_array(fn, *iterable)
+                jobs = super().map_array(*submitit_job.deferred(fn, iterable))
                 overrides, nums = iterable[0], iterable[2]  # the plugin's arguments: overrides, dir key, job number
                 return [_Collected(job, launcher, o, n) for job, o, n in zip(jobs, overrides, nums)]
 
