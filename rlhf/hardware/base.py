@@ -226,15 +226,16 @@ class DataParallel:
 
     def threads(self, local_processes: int, resumed: int | None = None, busy: float | None = None) -> int:
         """Torch threads per process, decided by the first call and kept (:attr:`threads_settled`; a later call's
-        arguments change nothing):
-        ``threads_per_process``, else ``OMP_NUM_THREADS``, else ``resumed`` (the count a resumed run used), else the
-        job's CPUs shared out between its processes on this machine, leaving out those that other work keeps busy
-        (``busy``: a sweep's one measurement; else measured as the run starts, :func:`rlhf.hardware.cpus.busy_cpus`;
-        not inside a Slurm job, whose CPUs are its own). Why, when it is not the plain share, is said in the start-up
-        line."""
+        arguments change nothing): ``threads_per_process``, else ``OMP_NUM_THREADS``, else ``resumed`` (the count a
+        resumed bf16 run used), else the job's CPUs shared out between its processes on this machine, leaving out
+        those that other work keeps busy (``busy``: a sweep's one measurement; else measured as the run starts,
+        :func:`rlhf.hardware.cpus.busy_cpus`; not inside a Slurm job, whose CPUs are its own) unless the run computes
+        in bf16 on a CPU, whose numbers depend on the count (:func:`rlhf.hardware.cpus.choose_threads`). Why, when it
+        is not the plain share, is said in the start-up line."""
         if self.threads_settled is None:
             self.threads_settled, self._threads_why = cpus.choose_threads(
-                self.threads_per_process, local_processes, resumed=resumed, busy=busy)
+                self.threads_per_process, local_processes, resumed=resumed, busy=busy,
+                follow_load=self.mixed_precision != "bf16" or self.uses_cuda())
         return self.threads_settled
 
     # --- the Accelerator -----------------------------------------------------------------------------------

@@ -65,12 +65,14 @@ def threads_beside(busy: float, cpus: int, local_processes: int) -> int:
 
 
 def choose_threads(threads_per_process: int | None, local_processes: int, resumed: int | None = None,
-                   busy: float | None = None) -> tuple[int, str]:
+                   busy: float | None = None, follow_load: bool = True) -> tuple[int, str]:
     """(torch threads per process, why: for the start-up line). In order: ``threads_per_process``; else
     ``OMP_NUM_THREADS``; else ``resumed``, the count of the bf16 run a resume continues (in bf16 on a CPU the thread
     count changes the numbers: docs/threads/2026-11-28-same-numbers.md); else the job's CPUs shared out between its
-    ``local_processes``, leaving out those other work keeps busy: ``busy`` when given (a sweep's one measurement,
-    :func:`sweep_load`), else measured as the run starts (never inside a Slurm job, whose CPUs are its own)."""
+    ``local_processes``, leaving out those other work keeps busy (``follow_load``; not for bf16 on a CPU, where the
+    same command must give the same numbers whatever the load: there the load only adds a word to the line):
+    ``busy`` when given (a sweep's one measurement, :func:`sweep_load`), else measured as the run starts (never inside
+    a Slurm job, whose CPUs are its own)."""
     if threads_per_process is not None:
         return threads_per_process, ""
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
@@ -88,6 +90,10 @@ def choose_threads(threads_per_process: int | None, local_processes: int, resume
     if busy is None or threads_beside(busy, total, local_processes) >= even:
         return even, ""
     chosen = threads_beside(busy, total, local_processes)
+    if not follow_load:  # bf16 on a CPU: the count that an idle machine gives, so that the numbers repeat
+        return even, (f" ({busy:.1f} of the {total} CPUs were busy with other work {when}, but bf16 results on a "
+                      f"CPU depend on the thread count, so the run keeps {even}, as on an idle machine: slower here. "
+                      f"Faster, with numbers of its own: hardware.threads_per_process={chosen})")
     return chosen, (f" ({busy:.1f} of the {total} CPUs were busy with other work {when}: {chosen} "
                     f"thread(s) a process, not {even}; hardware.threads_per_process sets it)")
 

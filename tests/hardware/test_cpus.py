@@ -25,3 +25,19 @@ def test_the_points_of_a_sweep_share_one_measurement_of_the_load(tmp_path, monke
     assert cpus.sweep_load(tmp_path / "edited") == 0.5
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     assert cpus.sweep_load(tmp_path) is None  # a Slurm job's CPUs are its own
+
+
+def test_a_bf16_run_on_a_cpu_keeps_the_count_of_an_idle_machine_whatever_the_load(monkeypatch):
+    """bf16 results on a CPU depend on the thread count: the same command gives the same numbers on a busy machine
+    as on an idle one (the line says it is slower and names the faster count); float32, whose numbers do not depend on
+    it, leaves the busy CPUs out (red: bf16 following the load)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setattr(cpus, "cpus_available", lambda: 2)
+    monkeypatch.setattr(cpus, "busy_cpus", lambda: 1.8)
+    count, why = cpus.choose_threads(None, 1, follow_load=False)
+    assert count == 2 and "bf16 results on a CPU depend on the thread count, so the run keeps 2" in why
+    assert "Faster, with numbers of its own: hardware.threads_per_process=1" in why
+    assert cpus.choose_threads(None, 1)[0] == 1
+    monkeypatch.setattr(cpus, "busy_cpus", lambda: 0.0)
+    assert cpus.choose_threads(None, 1, follow_load=False) == (2, "")

@@ -97,21 +97,21 @@ def test_a_checkpoint_written_on_a_gpu_resumes_on_a_cpu(fast_config, tmp_path):
 
 def test_a_bf16_resume_keeps_the_thread_count_of_its_run_whatever_the_load(fast_config, tmp_path, monkeypatch,
                                                                            caplog):
-    """bf16 steps on a CPU depend on the thread count: a run started on 2 idle CPUs resumes with 2 threads on a
-    machine now so busy that a fresh run would take 1, and says why; it ends as the uninterrupted run did (red: the
-    count chosen again from the load)."""
+    """bf16 steps on a CPU depend on the thread count: a run started with 1 CPU resumes with 1 thread where it now has
+    2, which a fresh run would use, and says why; it ends as the uninterrupted run did (red: the count chosen again).
+    """
     from rlhf.hardware import cpus
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(cpus, "cpus_available", lambda: 2)
+    monkeypatch.setattr(cpus, "cpus_available", lambda: 1)
     monkeypatch.setattr(cpus, "busy_cpus", lambda: 0.0)
     bf16 = ["hardware.mixed_precision=bf16", "train.save_every_steps=2"]
-    train(fast_config(*bf16))  # 3 steps at 2 threads, a checkpoint at step 2
+    train(fast_config(*bf16))  # 3 steps at 1 thread, a checkpoint at step 2
     folder = tmp_path / "run" / checkpoint.FOLDER / f"{checkpoint.PREFIX}{2:08d}"
-    monkeypatch.setattr(cpus, "busy_cpus", lambda: 2.0)
+    monkeypatch.setattr(cpus, "cpus_available", lambda: 2)
     caplog.set_level(logging.INFO, logger="rlhf")
     train(compose_config(*FAST, *bf16, f"resume={folder}", output_dir=tmp_path / "resumed"))
-    assert "2 thread(s) each (the count of the bf16 run this resume continues" in caplog.text
+    assert "1 thread(s) each (the count of the bf16 run this resume continues" in caplog.text
     whole, resumed = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("run", "resumed"))
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
