@@ -245,8 +245,9 @@ def minor_rewards_alone(per_function: Tensor, weights: Sequence[float] | None, n
     ``per_function [B, F]``: each reward function's values (NaN where one does not apply, which the weighted sum
     counts as 0), in groups of ``num_generations``; ``weights [F]`` (``None``: all 1). Entry ``(g, f)`` is true where
     function ``f`` weighs little (``0 < |w_f| ≤ minor · max |w|``) and its values differ within group ``g``, while
-    every function weighted more is equal within ``g`` and the weighted sum differs. In such a group a standard
-    deviation by group (GRPO's ``scale_rewards=group``) is that light function's alone, so dividing by it gives
+    every function that does not weigh little is equal within ``g`` and the weighted sum differs (several light
+    functions may differ in one group: each is flagged). In such a group a standard deviation by group (GRPO's
+    ``scale_rewards=group``) is the light functions' alone, so dividing by it gives
     the light function's differences advantages of about ±1, as large as a heavy function's right-or-wrong would
     get in another group: its small weight has no effect there. ``.any(1)`` is which groups, ``.any(0)`` which
     functions.

@@ -18,7 +18,7 @@ import gc
 import logging
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,13 @@ def check_precision(mixed_precision: Any, key: str = "hardware.mixed_precision")
                         "same memory and speed as fp16 on GPUs since Ampere, and it runs on CPUs), or \"no\".")
     if mixed_precision not in PRECISIONS:
         raise UserError(f"{key}={mixed_precision!r} is not one of {list(PRECISIONS)}. Fix: e.g. {key}=bf16")
+
+
+def computes_in_bf16(mixed_precision: str, model_dtype: Any) -> bool:
+    """Whether a run computes in bf16: autocast (``mixed_precision``, resolved), or a model loaded in bfloat16
+    (``model.dtype``; ``auto``: the checkpoint's own dtype, often bfloat16). On a CPU its results then depend on the
+    thread count (docs/threads/2026-11-28-same-numbers.md)."""
+    return mixed_precision == "bf16" or model_dtype in ("bfloat16", "auto")
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -182,6 +189,7 @@ class DataParallel:
             self._precision_why = f" (auto: {where} {has} bf16 matrix units)"
         self.threads_per_process = threads_per_process
         self.threads_settled: int | None = None  # the count this run uses, once decided (threads())
+        self.threads_change_numbers = False  # bf16 on a CPU: results depend on the thread count (threads())
         self._threads_why = ""
         self.rdzv_endpoint, self.node_rank, self.timeout_s = rdzv_endpoint, node_rank, timeout_s
         self.compile = compile
@@ -224,18 +232,22 @@ class DataParallel:
         on a node given no GPU holds CPUs for (:func:`rlhf.launch.slurm.slurm_cpus`)."""
         return num_processes if num_processes is not None else 1
 
-    def threads(self, local_processes: int, resumed: int | None = None, busy: float | None = None) -> int:
+    def threads(self, local_processes: int, resumed: int | None = None,
+                busy: float | Callable[[], float | None] | None = None, bf16: bool | None = None) -> int:
         """Torch threads per process, decided by the first call and kept (:attr:`threads_settled`; a later call's
         arguments change nothing): ``threads_per_process``, else ``OMP_NUM_THREADS``, else ``resumed`` (the count a
         resumed bf16 run used), else the job's CPUs shared out between its processes on this machine, leaving out
         those that other work keeps busy (``busy``: a sweep's one measurement; else measured as the run starts,
         :func:`rlhf.hardware.cpus.busy_cpus`; not inside a Slurm job, whose CPUs are its own) unless the run computes
-        in bf16 on a CPU, whose numbers depend on the count (:func:`rlhf.hardware.cpus.choose_threads`). Why, when it
-        is not the plain share, is said in the start-up line."""
+        in bf16 on a CPU, whose numbers depend on the count (:func:`rlhf.hardware.cpus.choose_threads`; ``bf16``:
+        :func:`computes_in_bf16` of the run's config, else this option's mixed precision). Why, when it is not the
+        plain share, is said in the start-up line."""
         if self.threads_settled is None:
+            bf16 = self.mixed_precision == "bf16" if bf16 is None else bf16
+            self.threads_change_numbers = bf16 and not self.uses_cuda()
             self.threads_settled, self._threads_why = cpus.choose_threads(
                 self.threads_per_process, local_processes, resumed=resumed, busy=busy,
-                follow_load=self.mixed_precision != "bf16" or self.uses_cuda())
+                follow_load=not self.threads_change_numbers)
         return self.threads_settled
 
     # --- the Accelerator -----------------------------------------------------------------------------------
@@ -273,7 +285,7 @@ class DataParallel:
             if acc.num_processes > 1 else "one process"
         precision = "no mixed precision" if self.mixed_precision == "no" else f"{self.mixed_precision} mixed precision"
         precision += self._precision_why
-        if self.mixed_precision == "bf16" and not self.uses_cuda():  # docs/threads/: float32 steps are the same
+        if self.threads_change_numbers:  # docs/threads/: float32 steps are the same at any count
             precision += (f" (on a CPU, bf16 results depend on the thread count: hardware.threads_per_process="
                           f"{torch.get_num_threads()} repeats them)")
         if self.compile:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Set by the launching process for the ranks it starts: why their thread count (OMP_NUM_THREADS) is what it is.
@@ -65,14 +66,14 @@ def threads_beside(busy: float, cpus: int, local_processes: int) -> int:
 
 
 def choose_threads(threads_per_process: int | None, local_processes: int, resumed: int | None = None,
-                   busy: float | None = None, follow_load: bool = True) -> tuple[int, str]:
+                   busy: float | Callable[[], float | None] | None = None, follow_load: bool = True) -> tuple[int, str]:
     """(torch threads per process, why: for the start-up line). In order: ``threads_per_process``; else
     ``OMP_NUM_THREADS``; else ``resumed``, the count of the bf16 run a resume continues (in bf16 on a CPU the thread
     count changes the numbers: docs/threads/2026-11-28-same-numbers.md); else the job's CPUs shared out between its
     ``local_processes``, leaving out those other work keeps busy (``follow_load``; not for bf16 on a CPU, where the
     same command must give the same numbers whatever the load: there the load only adds a word to the line):
-    ``busy`` when given (a sweep's one measurement, :func:`sweep_load`), else measured as the run starts (never inside
-    a Slurm job, whose CPUs are its own)."""
+    ``busy`` when given (a sweep's one measurement, :func:`sweep_load`, or what reads it: called only where needed),
+    else measured as the run starts (never inside a Slurm job, whose CPUs are its own)."""
     if threads_per_process is not None:
         return threads_per_process, ""
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
@@ -85,6 +86,8 @@ def choose_threads(threads_per_process: int | None, local_processes: int, resume
                 if resumed > even else "; hardware.threads_per_process sets it")
         return resumed, f" (the count of the bf16 run this resume continues, whose numbers depend on it{over})"
     when = "as the sweep's first point started" if busy is not None else "as the run started"
+    if callable(busy):
+        busy = busy()
     if busy is None and not os.environ.get("SLURM_JOB_ID"):
         busy = busy_cpus()
     if busy is None or threads_beside(busy, total, local_processes) >= even:
@@ -102,7 +105,7 @@ def sweep_load(folder: Path) -> float | None:
     """The busy CPUs (:func:`busy_cpus`) that the first point of the sweep in ``folder`` measured as it started,
     kept in ``folder/busy_cpus.json``; measured now and kept there by the point that finds no such file. Every point
     shares its CPUs out by this one load, so that points of the same hardware use the same thread count whatever the
-    machine was doing as each began (their results in bf16 depend on it). None inside a Slurm job, whose CPUs are its
+    machine was doing as each began (and their speeds compare). None inside a Slurm job, whose CPUs are its
     own, and where the load cannot be read. A file that cannot be read (edited by hand) leaves each point its own
     measurement."""
     if os.environ.get("SLURM_JOB_ID"):

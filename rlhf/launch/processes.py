@@ -35,7 +35,7 @@ from rlhf.config.checks import check_config
 from rlhf.core.errors import UserError
 from rlhf.core.instantiate import build, in_a_sweep
 from rlhf.hardware import cpus
-from rlhf.hardware.base import free_port
+from rlhf.hardware.base import computes_in_bf16, free_port
 from rlhf.hardware.cpus import THREADS_WHY
 from rlhf.run import checkpoint, resume_check, signals
 from rlhf.run import folder as run_folder
@@ -78,8 +78,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
         # Decided once, before the resume check compares it: here for every process this one starts (they inherit
         # it), by each rank that someone else started. A sweep's points share one measurement of the machine's load.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if started_here else processes
+        sweep = Path(HydraConfig.get().sweep.dir) if in_a_sweep() else None
         strategy.threads(local, resumed=resume_check.recorded_threads(resume) if resume else None,
-                         busy=cpus.sweep_load(Path(HydraConfig.get().sweep.dir)) if in_a_sweep() else None)
+                         busy=(lambda: cpus.sweep_load(sweep)) if sweep is not None else None,
+                         bf16=computes_in_bf16(strategy.mixed_precision, OmegaConf.select(cfg, "model.dtype")))
         if resume is not None:  # before any process starts or anything loads: the config a resume must keep
             resume_check.check_config(cfg, strategy, resume)
             run_folder.record_resume(resume)

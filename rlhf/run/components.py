@@ -146,7 +146,8 @@ class BuiltRun:
             (self.run_dir / ENVIRONMENT).write_text(json.dumps({
                 "threads_per_process": torch.get_num_threads(), "mixed_precision": self.strategy.mixed_precision,
                 "machine": perf.machine_name(self.accelerator.device), "num_processes": self.accelerator.num_processes,
-                "torch": torch.__version__}, indent=2) + "\n")
+                "torch": torch.__version__,
+                "threads_change_numbers": getattr(self.strategy, "threads_change_numbers", False)}, indent=2) + "\n")
 
 
 def _figure(value: float) -> str:

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.core.errors import UserError
 from rlhf.core.limits import show
+from rlhf.hardware.base import computes_in_bf16
 from rlhf.old_paths import MOVED
 from rlhf.run.checkpoint import CONFIG as FILE  # in each checkpoint folder, beside meta.json
 
@@ -83,17 +84,11 @@ def recorded_config(cfg: DictConfig, strategy) -> dict[str, Any]:
     if "hardware.num_processes" in flat:
         flat["hardware.num_processes"] = strategy.processes_per_node()
     if THREADS in flat:  # bf16 steps on a CPU differ with the thread count; float32's and a GPU's do not (docs/threads/)
-        if strategy.uses_cuda() or not _computes_in_bf16(flat):
+        if strategy.uses_cuda() or not computes_in_bf16(flat.get("hardware.mixed_precision"), flat.get("model.dtype")):
             del flat[THREADS]
         else:
             flat[THREADS] = getattr(strategy, "threads_settled", None) or flat[THREADS]
     return json.loads(json.dumps(flat))
-
-
-def _computes_in_bf16(flat: dict[str, Any]) -> bool:
-    """Whether a run computes in bf16: autocast, or a model loaded in bfloat16 (``auto``: the checkpoint's dtype,
-    often bfloat16)."""
-    return flat.get("hardware.mixed_precision") == "bf16" or flat.get("model.dtype") in ("bfloat16", "auto")
 
 
 def recorded_threads(folder: Path) -> int | None:

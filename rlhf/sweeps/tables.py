@@ -68,18 +68,27 @@ def named_runs(report) -> list[tuple[str, Any]]:
 def environment_note(runs: Sequence[tuple[str, Any]]) -> list[str]:
     """For each of :data:`SETUP_KEYS` whose value differs between the runs that recorded their ``environment.json``
     (``(name, run)`` pairs), one line naming the runs of each value: ``threads_per_process: 1 (runs 0, 2); 2 (run
-    1)``. Runs without the file (older runs) take no part. Empty where they ran alike: their numbers then compare
+    1)``; the thread count only among runs whose numbers depend on it (bf16 on a CPU). Runs without the file (older
+    runs) take no part. Empty where they ran alike: their numbers then compare
     bit for bit as far as these settings go."""
     recorded = [(name, run.environment) for name, run in runs if getattr(run, "environment", None) is not None]
     lines = []
     for key in SETUP_KEYS:
         by_value: dict[str, list[str]] = {}
         for name, environment in recorded:
+            if key == "threads_per_process" and not _threads_change_numbers(environment):
+                continue  # float32 on a CPU, or a GPU: the same numbers at any thread count
             by_value.setdefault(str(environment.get(key, "not recorded")), []).append(name)
         if len(by_value) > 1:
             lines.append(f"{key}: " + "; ".join(f"{value} ({'runs' if len(names) > 1 else 'run'} {', '.join(names)})"
                                                  for value, names in by_value.items()))
     return lines
+
+
+def _threads_change_numbers(environment: dict[str, Any]) -> bool:
+    """Whether a run's numbers depend on its thread count (bf16 on a CPU), as its environment.json says (a file
+    written before it said so: bf16 autocast)."""
+    return bool(environment.get("threads_change_numbers", environment.get("mixed_precision") == "bf16"))
 
 
 NOTE = ("Not comparable bit for bit: these runs did not run alike (their environment.json), which alone changes "

@@ -41,3 +41,23 @@ def test_a_bf16_run_on_a_cpu_keeps_the_count_of_an_idle_machine_whatever_the_loa
     assert cpus.choose_threads(None, 1)[0] == 1
     monkeypatch.setattr(cpus, "busy_cpus", lambda: 0.0)
     assert cpus.choose_threads(None, 1, follow_load=False) == (2, "")
+
+
+def test_a_run_in_bf16_weights_or_autocast_keeps_its_count_on_a_busy_machine(fast_config, monkeypatch, caplog):
+    """A model loaded in bfloat16 computes in bf16 as autocast does: its run keeps the count of an idle machine
+    and says why (red: only hardware.mixed_precision consulted, the busy CPUs left out)."""
+    import logging
+
+    from rlhf import train
+    from rlhf.hardware.base import computes_in_bf16
+
+    assert computes_in_bf16("bf16", "float32") and computes_in_bf16("no", "bfloat16")
+    assert computes_in_bf16("no", "auto") and not computes_in_bf16("no", "float32")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpus, "cpus_available", lambda: 2)
+    monkeypatch.setattr(cpus, "busy_cpus", lambda: 2.0)
+    caplog.set_level(logging.INFO, logger="rlhf")
+    train(fast_config("model.dtype=bfloat16", "train.max_steps=1"))
+    line = next(r.message for r in caplog.records if r.message.startswith("hardware:"))
+    assert "2 thread(s) each (2.0 of the 2 CPUs were busy with other work as the run started, but bf16 results" in line
+    assert "on a CPU, bf16 results depend on the thread count" in line

@@ -113,3 +113,15 @@ def test_a_search_names_its_runs_by_stage_in_the_note_of_selection_md(tmp_path):
     assert lines[0].startswith("> **Not comparable bit for bit**")
     assert lines[1] == "> - mixed_precision: bf16 (runs search/0, search/1); no (run confirm/0)"
     assert lines[3].startswith("Objective: eval/loss (minimize).")
+
+
+def test_thread_counts_are_named_only_where_they_change_the_numbers(tmp_path):
+    """float32 on a CPU gives the same numbers at any thread count (docs/threads/2026-11-28-same-numbers.md): runs
+    that differ only in threads there get no note; in bf16 on a CPU they do (red: threads named for float32 runs)."""
+    for precision, changes in (("no", False), ("bf16", True)):
+        _run(tmp_path / precision / "0_seed=0", {"mixed_precision": precision, "threads_change_numbers": changes})
+        _run(tmp_path / precision / "1_seed=1", {"mixed_precision": precision, "threads_change_numbers": changes,
+                                                 "threads_per_process": 1}, seed=1)
+    assert tables.environment_note(tables.named_runs(report.build(find([tmp_path / "no"])))) == []
+    assert tables.environment_note(tables.named_runs(report.build(find([tmp_path / "bf16"])))) == [
+        "threads_per_process: 2 (run 0); 1 (run 1)"]
