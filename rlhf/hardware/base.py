@@ -39,60 +39,12 @@ from rlhf.hardware.holding import (
     linear_weights_to_bf16,
     local_numel,
 )
+from rlhf.hardware.precision import check_precision, resolve_precision
 from rlhf.ops.collectives import any_process
 
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("no", "bf16", "auto")
-
-
-FP16_REASON = ("fp16 needs a loss scaler that rlhf does not keep (it would have to be updated on every skipped step "
-               "and saved in every checkpoint, and under ZeRO an fp16 overflow would stop the run as a non-finite "
-               "gradient)")
-
-
-def check_precision(mixed_precision: Any, key: str = "hardware.mixed_precision") -> None:
-    """Refuse a mixed precision that no strategy trains with: fp16 (one message, pointing to bf16) or an unknown
-    name."""
-    if mixed_precision == "fp16":
-        raise UserError(f"{key}=fp16 is not supported by any hardware option: {FP16_REASON}. Fix: {key}=bf16 (the "
-                        "same memory and speed as fp16 on GPUs since Ampere, and it runs on CPUs), or \"no\".")
-    if mixed_precision not in PRECISIONS:
-        raise UserError(f"{key}={mixed_precision!r} is not one of {list(PRECISIONS)}. Fix: e.g. {key}=bf16")
-
-
-def computes_in_bf16(mixed_precision: str, model_dtype: Any) -> bool:
-    """Whether a run computes in bf16: autocast (``mixed_precision``, resolved), or a model loaded in bfloat16
-    (``model.dtype``; ``auto``: the checkpoint's own dtype, often bfloat16). On a CPU its results then depend on the
-    thread count (docs/threads/2026-11-28-same-numbers.md)."""
-    return mixed_precision == "bf16" or model_dtype in ("bfloat16", "auto")
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware: AVX-512 BF16 (Intel Cooper Lake and later Xeons, AMD
-    Zen 4 on) or AMX (Intel Sapphire Rapids on), as torch's own CPU checks read them. Without them (AVX2 laptops,
-    older servers) bf16 is emulated and slower than float32; ARM CPUs answer no until measured."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    try:
-        return any(check is not None and bool(check()) for check in checks)
-    except RuntimeError:  # a torch build without the CPU capability checks
-        return False
-
-
-def resolve_precision(mixed_precision: str, cuda: bool) -> str:
-    """What ``mixed_precision`` means on this machine. ``auto`` is ``bf16`` where the hardware computes in bf16: a
-    CUDA GPU with bf16 matrix units (compute capability 8.0 on: as fast as fp16 there, and no loss scaler) or a CPU
-    with bf16 matrix instructions (:func:`cpu_has_bf16_matmul`); else ``no``. Chosen by measurement: on a 2-core
-    AVX-512 BF16 CPU bf16 autocast ran the main job (the embedded default) in 195 s over five seeds against 208 s in
-    float32, DPO at 3.7M-106M parameters 1.4-1.6x as fast (docs/results/speed.md, Levers), and learned as well. ``hardware=cpu``
-    pins float32 (``no``), the same precision on every CPU."""
-    if mixed_precision != "auto":
-        return mixed_precision
-    if cuda:
-        return "bf16" if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 else "no"
-    return "bf16" if cpu_has_bf16_matmul() else "no"
-
 
 def _known_precision(values: Mapping[str, Any], where: str) -> None:
     check_precision(values.get("mixed_precision", "no"), f"{where}.mixed_precision")
@@ -240,7 +192,7 @@ class DataParallel:
         those that other work keeps busy (``busy``: a sweep's one measurement; else measured as the run starts,
         :func:`rlhf.hardware.cpus.busy_cpus`; not inside a Slurm job, whose CPUs are its own) unless the run computes
         in bf16 on a CPU, whose numbers depend on the count (:func:`rlhf.hardware.cpus.choose_threads`; ``bf16``:
-        :func:`computes_in_bf16` of the run's config, else this option's mixed precision). Why, when it is not the
+        :func:`rlhf.hardware.precision.computes_in_bf16` of the run's config, else this option's mixed precision). Why, when it is not the
         plain share, is said in the start-up line."""
         if self.threads_settled is None:
             bf16 = self.mixed_precision == "bf16" if bf16 is None else bf16

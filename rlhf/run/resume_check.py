@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.core.errors import UserError
 from rlhf.core.limits import show
-from rlhf.hardware.base import computes_in_bf16
+from rlhf.hardware.precision import computes_in_bf16
 from rlhf.old_paths import MOVED
 from rlhf.run.checkpoint import CONFIG as FILE  # in each checkpoint folder, beside meta.json
 

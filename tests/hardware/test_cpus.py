@@ -49,7 +49,7 @@ def test_a_run_in_bf16_weights_or_autocast_keeps_its_count_on_a_busy_machine(fas
     import logging
 
     from rlhf import train
-    from rlhf.hardware.base import computes_in_bf16
+    from rlhf.hardware.precision import computes_in_bf16
 
     assert computes_in_bf16("bf16", "float32") and computes_in_bf16("no", "bfloat16")
     assert computes_in_bf16("no", "auto") and not computes_in_bf16("no", "float32")

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from rlhf import train
 from rlhf.core.errors import UserError
 from rlhf.hardware import DataParallel, base, cpus, cpus_available, free_port
-from rlhf.hardware.base import resolve_precision
+from rlhf.hardware import precision as precisions
+from rlhf.hardware.precision import resolve_precision
 from tests.conftest import FAST, ROOT, compose_config, fast_initial_model
 
 
@@ -105,7 +106,7 @@ def test_auto_precision_is_bf16_where_the_hardware_has_bf16_matrix_units(monkeyp
     (AVX-512 BF16, AMX), float32 on an older GPU and on a CPU without them; an explicit choice is kept everywhere,
     and the log says what auto meant."""
     for cpu_bf16, expected in ((True, "bf16"), (False, "no")):
-        monkeypatch.setattr(base, "cpu_has_bf16_matmul", lambda v=cpu_bf16: v)
+        monkeypatch.setattr(precisions, "cpu_has_bf16_matmul", lambda v=cpu_bf16: v)
         strategy = DataParallel(device="cpu", mixed_precision="auto")
         assert strategy.mixed_precision == expected
         assert strategy._precision_why == f" (auto: a CPU {'with' if cpu_bf16 else 'without'} bf16 matrix units)"
@@ -124,15 +125,15 @@ def test_the_cpu_bf16_check_reads_torchs_own_checks(monkeypatch):
     for avx512_bf16, amx, expected in ((True, False, True), (False, True, True), (False, False, False)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
-        assert base.cpu_has_bf16_matmul() is expected
+        assert precisions.cpu_has_bf16_matmul() is expected
     def broken():
         raise RuntimeError("not compiled with CPU capability checks")
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", broken)
-    assert base.cpu_has_bf16_matmul() is False
+    assert precisions.cpu_has_bf16_matmul() is False
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
-    assert base.cpu_has_bf16_matmul() is False
+    assert precisions.cpu_has_bf16_matmul() is False
 
 
 def test_impossible_hardware_settings_are_clear_errors():
