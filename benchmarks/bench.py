@@ -79,8 +79,18 @@ SIZES = {
 STEPS = {"3m": 32, "25m": 12, "100m": 6, "1b": 2}
 STEPS_GPU = {"3m": 100, "25m": 100, "100m": 60, "1b": 30}
 CHECKPOINT_INTERVAL = 100  # steps: the interval whose cost is reported (train.save_every_steps=100)
-# (prompt tokens, completion tokens) at most; each row draws its lengths from [half, all] of them.
-SHAPES = {"short": (32, 32), "long": (128, 128)}
+# (prompt tokens, completion tokens) at most; each row draws its lengths from [half, all] of them: uniformly, or for
+# the shapes in SKEWED as chat data spreads, most rows short and a tail up to the maximum (make_rows).
+SHAPES = {"short": (32, 32), "long": (128, 128), "real": (256, 384)}
+SKEWED = {"real"}
+# GRPO's new tokens per completion where they are not the shape's completion length: the real shape samples 128.
+GRPO_NEW_TOKENS = {"real": 128}
+# TRL with its own best options on one GPU (TRL 1.16's DPOConfig / SFTConfig / GRPOConfig fields): Liger-Kernel's
+# Triton kernels (RMSNorm, RoPE, SwiGLU, the fused linear cross entropy; in DPO and GRPO also TRL's chunked
+# log-probabilities), and SFT without padding (each batch one flattened sequence). DPO's padding_free is left out: in
+# TRL 1.16 it "warns and falls back to standard padding" (its DPOConfig docstring).
+TRL_BEST = {"dpo": {"use_liger_kernel": True}, "sft": {"use_liger_kernel": True, "padding_free": True},
+            "grpo": {"use_liger_kernel": True}}
 
 # case -> (algorithm, our overrides, TRL config fields). Both sides get the shared settings of _our_command and
 # _trl_args on top.
@@ -110,14 +120,28 @@ PROFILED_STEPS = 3  # --profile: steps recorded by torch.profiler on each side, 
 
 
 # ---- data and models ----------------------------------------------------------------------------------------------
+def new_tokens(shape: str) -> int:
+    """Tokens a GRPO completion may have at ``shape``: :data:`GRPO_NEW_TOKENS`, else the shape's completion length."""
+    return GRPO_NEW_TOKENS.get(shape, SHAPES[shape][1])
+
+
+def row_length(rng: random.Random, most: int, skewed: bool) -> int:
+    """A length in ``[most // 2, most]``: uniform, or ``skewed``: half the maximum plus an exponential tail of mean
+    0.35 x that half, capped at the maximum (mean ~0.67 x most; ~6% of rows at the cap, as truncated chat rows are)."""
+    low = max(1, most // 2)
+    if not skewed:
+        return rng.randint(low, most)
+    return min(most, low + round(rng.expovariate(1.0 / (0.35 * low))))
+
+
 def make_rows(algo: str, shape: str, count: int, seed: int = 0) -> list[dict[str, str]]:
     """Random lowercase strings: prompt, and chosen/rejected (DPO) or completion (SFT); GRPO: the reverse task's
-    prompt of a random string (``"<string>="``)."""
+    prompt of a random string (``"<string>="``). Lengths: :func:`row_length`."""
     prompt_max, completion_max = SHAPES[shape]
     rng = random.Random(seed)
 
     def text(most: int) -> str:
-        return "".join(rng.choices(string.ascii_lowercase, k=rng.randint(max(1, most // 2), most)))
+        return "".join(rng.choices(string.ascii_lowercase, k=row_length(rng, most, shape in SKEWED)))
 
     if algo == "dpo":
         return [{"prompt": text(prompt_max), "chosen": text(completion_max), "rejected": text(completion_max)}
@@ -133,7 +157,7 @@ def tokens_per_sample(algo: str, rows: list[dict[str, str]], shape: str = "short
     """Mean tokens of a sample with the byte tokenizer (a character is a token; EOS after each completion). GRPO:
     a completion and its prompt, the completion at its most (a random model rarely samples EOS)."""
     if algo == "grpo":
-        return sum(len(r["prompt"]) for r in rows) / len(rows) + SHAPES[shape][1]
+        return sum(len(r["prompt"]) for r in rows) / len(rows) + new_tokens(shape)
     if algo == "dpo":
         return sum(2 * len(r["prompt"]) + len(r["chosen"]) + len(r["rejected"]) + 2 for r in rows) / len(rows)
     return sum(len(r["prompt"]) + len(r["completion"]) + 1 for r in rows) / len(rows)
@@ -302,7 +326,7 @@ def _algo_overrides(algo: str, batch: int, shape: str) -> list[str]:
         if batch % GROUP:
             raise ValueError(f"GRPO's batch counts completions: --batch {batch} is not a multiple of {GROUP}")
         return [f"train.per_device_batch_size={batch // GROUP}", f"algo.num_generations={GROUP}",
-                f"algo.max_completion_length={SHAPES[shape][1]}", "algo/reward_funcs=similarity",
+                f"algo.max_completion_length={new_tokens(shape)}", "algo/reward_funcs=similarity",
                 "algo.log_completions=false"]
     return [f"train.per_device_batch_size={batch}"]
 
@@ -362,10 +386,12 @@ def checkpoint_cost(model_dir: Path, work: Path, shape: str, batch: int, steps: 
 
 def run_trl(case: str, model_dir: Path, data: Path, work: Path, batch: int, steps: int, threads: int,
             device: str = "cpu", profile_to: Path | None = None, shape: str = "short",
-            profile_memory: bool = False) -> dict:
+            profile_memory: bool = False, fields: dict | None = None) -> dict:
+    """One TRL run in a process of its own (:func:`trl_worker`); ``fields``: TRL config fields over the case's
+    (e.g. :data:`TRL_BEST`'s)."""
     spec = {"case": case, "model_dir": str(model_dir), "data": str(data), "batch": batch, "steps": steps,
             "threads": threads, "out": str(work / f"trl-{case}"), "device": device, "shape": shape,
-            "profile_memory": profile_memory,
+            "profile_memory": profile_memory, "fields": fields or {},
             "profile_to": str(profile_to) if profile_to else None}
     result = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], capture_output=True,
                             timeout=TIMEOUT_S,
@@ -416,7 +442,8 @@ def trl_worker(spec: dict) -> None:
     common = {"output_dir": spec["out"], "per_device_train_batch_size": spec["batch"], "learning_rate": LR,
               "max_steps": 2 * steps, "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
               "max_grad_norm": 1.0, "report_to": [], "use_cpu": device.type == "cpu", "logging_steps": steps,
-              "save_strategy": "no", "eval_strategy": "no", "disable_tqdm": True, "seed": 0, **fields}
+              "save_strategy": "no", "eval_strategy": "no", "disable_tqdm": True, "seed": 0, **fields,
+              **spec.get("fields", {})}
     if algo == "dpo":
         trainer = DPOTrainer(model=model, args=DPOConfig(beta=BETA, **common), processing_class=tokenizer,
                              train_dataset=rows)
@@ -425,7 +452,7 @@ def trl_worker(spec: dict) -> None:
 
         from rlhf.algos.reward_funcs import char_similarity
 
-        args = GRPOConfig(num_generations=GROUP, max_completion_length=SHAPES[spec.get("shape", "short")][1],
+        args = GRPOConfig(num_generations=GROUP, max_completion_length=new_tokens(spec.get("shape", "short")),
                           temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", scale_rewards="group",
                           log_completions=False, disable_dropout=True, **common)
         trainer = GRPOTrainer(model=model, reward_funcs=char_similarity, args=args, processing_class=tokenizer,

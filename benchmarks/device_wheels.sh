@@ -2,8 +2,8 @@
 # The wheels the GPU check needs on a machine that has torch, transformers, accelerate and peft but cannot reach a
 # package index (the lent GPU machine: Python 3.12, x86-64): the packages it lacks (hydra-core, omegaconf and its
 # parser runtime, the submitit launcher plugin that Hydra's plugin scan imports from hydra_plugins/, datasets and
-# what it needs beyond that machine's packages, TRL, Liger-Kernel), and the versions of transformers, tokenizers,
-# peft and fsspec that this repository is tested with (constraints.txt), so that the GPU runs the code CI runs.
+# what it needs beyond that machine's packages, TRL, Liger-Kernel, DeepSpeed and the small packages it imports), and
+# the versions of transformers, tokenizers, peft and fsspec that this repository is tested with (constraints.txt), so that the GPU runs the code CI runs.
 # huggingface_hub stays that machine's (1.33 when last read; ours needs httpx2, which it lacks: transformers and
 # datasets take >= 1.31). Into .whl/ (ignored by git), about 21 MB; benchmarks/gpu_check.sh installs them there.
 #
@@ -28,8 +28,17 @@ $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implement
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $specs
 # Liger-Kernel (not a dependency: the GPU check compares our output layer's tiles with its fused linear cross
-# entropy; Triton is on that machine)
+# entropy, and runs TRL with use_liger_kernel=True; Triton is on that machine)
 $PIP download -q --no-deps --only-binary=:all: -d .whl "liger-kernel==$LIGER_VERSION"
+# DeepSpeed (an optional extra: the check runs hardware=zero3 on one GPU) is a source distribution only: its wheel is
+# built here (pure Python; its CUDA ops are compiled on first use, and the check uses none), with the small packages
+# it imports that the GPU machine may lack
+$PIP wheel -q --no-deps -w .whl "$(pin deepspeed)"
+# shellcheck disable=SC2046
+$PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_12_x86_64 --platform manylinux2010_x86_64 --platform manylinux_2_5_x86_64 \
+  --platform manylinux1_x86_64 -d .whl $(for p in hjson py-cpuinfo ninja msgpack einops; do pin "$p"; done)
 # omegaconf's parser runtime has no wheel on the index: build one (pure Python)
 $PIP wheel -q --no-deps -w .whl "$(pin antlr4-python3-runtime)"
 ls .whl

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check in one command (benchmarks/gpu_check.py): installs the wheels carried in .whl/ (benchmarks/device_wheels.sh)
 # into /tmp/site where there are any, runs the check (which first imports every package it needs, printing their
-# versions, and stops with exit 2 naming the missing one) and leaves its page, its JSON and its log in $OUT (the device tool's output folder; outputs/gpu_check elsewhere). Arguments go to gpu_check.py.
+# versions, and stops with exit 2 naming the missing one) and leaves its page, its JSON, its log and the profiles in
+# $OUT (the device tool's output folder; outputs/gpu_check elsewhere). Arguments go to gpu_check.py.
 #
 #   bash benchmarks/device_wheels.sh                         # here, once: the wheels (.whl/, ignored by git)
-#   device run, carry [".whl"]:  bash benchmarks/gpu_check.sh   # on the GPU machine: ~7 minutes
+#   device run, carry [".whl"], timeout_s 480:  bash benchmarks/gpu_check.sh --part headline --budget-s 400
+#   device run, carry [".whl"], timeout_s 330:  bash benchmarks/gpu_check.sh --part rest --budget-s 240
 #   WHEELS=none PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --device cpu   # the rehearsal on a CPU
 #                                                         (tests/test_gpu_check.py)
 set -euo pipefail

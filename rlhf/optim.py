@@ -1,5 +1,6 @@
 """Parameter groups for optimizers built from ``conf/optimizer/*.yaml``, the schedule of a run of known length,
-the warmup schedules of ``conf/scheduler/*.yaml``, and the values every optimizer and scheduler accepts."""
+the warmup schedules of ``conf/scheduler/*.yaml``, the values every optimizer and scheduler accepts, and which
+optimizers can skip a step on the device."""
 
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ def param_groups(model: torch.nn.Module) -> list[dict]:
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` can be told to skip the update by a flag on the device, so that the host need not
+    read whether the step is finite: torch's Adam and AdamW with ``fused=True`` in every parameter group. Their
+    ``step()`` passes the optimizer's ``found_inf`` attribute (a float32 tensor, set by torch's ``GradScaler``) to
+    the fused kernel, which leaves parameters and moments unchanged where it is 1, and subtracts it from the step
+    count it has just incremented (torch 2.13, ``torch/optim/adam.py``: ``_fused_adam``); where it is 0 the update
+    is the one without a flag, bit for bit (tested). Other optimizers (Lion, bitsandbytes' 8-bit ones, SGD, Adam
+    without the fused kernel) have no such flag: the host reads the verdict and skips the call."""
+    return isinstance(optimizer, torch.optim.Adam) and all(group.get("fused") for group in optimizer.param_groups)
 
 
 def schedule(make: functools.partial, optimizer: torch.optim.Optimizer, total_steps: int):

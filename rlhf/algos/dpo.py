@@ -18,9 +18,10 @@ from torch import Tensor
 from rlhf.algos.dpo_losses import Loss, LossState, PairLogps, sigmoid_loss
 from rlhf.algos.regularized import ReferenceRegularized
 from rlhf.algos.sft import nll_loss, require_packing
+from rlhf.core import auto_choices
 from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
-from rlhf.data import shared_prompt
+from rlhf.data import layout_masks, shared_prompt
 from rlhf.data.collate import collate_packed, collate_sequences, require_completion
 from rlhf.data.encoding import FORMAT_COLUMN, TEXT, TRUNCATED, encode_answers
 from rlhf.models.reference import FrozenCopy, Reference
@@ -30,14 +31,10 @@ from rlhf.ops.output_layer import check_when
 
 
 def packing_lays_out_alone(values: dict[str, Any], where: str) -> None:
-    """Refuse ``padding_free`` beside a layout it replaces (``shared_prompt=true``) or an NLL it cannot read
-    (``nll_on_prompt``, which reads the chosen sequences' padded rows)."""
+    """Refuse ``padding_free`` beside an NLL it cannot read (``nll_on_prompt``, which reads the chosen sequences'
+    padded rows)."""
     if values.get("padding_free") is not True:
         return
-    if values.get("shared_prompt") is True:
-        raise UserError(f"{where}.padding_free=true and {where}.shared_prompt=true are two layouts of one batch: "
-                        f"pick one. Fix: {where}.shared_prompt=auto (off beside padding_free) or "
-                        f"{where}.padding_free=false")
     if values.get("nll_on_prompt") is True:
         raise UserError(f"{where}.padding_free=true does not take {where}.nll_on_prompt=true (that NLL reads the "
                         f"chosen sequences as padded rows). Fix: {where}.padding_free=false")
@@ -76,12 +73,21 @@ class DPO(ReferenceRegularized):
             (policy and reference): ``auto`` (where the model can take it: a family checked to, an attention that
             takes a custom mask, no sliding window shorter than ``max_length``; :func:`shared_prompt.unsupported`),
             ``true`` (required: a model that cannot take it is an error) or ``false`` (two sequences a pair). Off by
-            itself with ``nll_on_prompt`` or ``padding_free``. Log-probabilities equal the two sequences' to rounding.
+            itself with ``nll_on_prompt``. Log-probabilities equal the two sequences' to rounding. Where every model
+            (policy and reference) runs ``flex_attention``, or with ``padding_free``, the micro-batch's pairs are
+            packed into one row of their tokens, no padding (:func:`shared_prompt.collate_packed`), under one
+            attention mask built once per batch for both models (:mod:`rlhf.data.layout_masks`: flex attention's
+            block mask skips whole blocks of another pair or the other branch); elsewhere each pair is a padded row
+            under a dense ``T x T`` mask (which takes sdpa off its causal kernel).
         padding_free: a micro-batch's ``2B`` sequences (chosen, then rejected) packed into one sequence without
             padding, position ids restarting in each (TRL's ``padding_free``; :func:`~rlhf.data.collate.collate_packed`),
-            for policy and reference: no token is padding. The same loss and metrics as padded pairs (tested); a model
-            whose attention does not keep packed rows apart is refused at setup. Takes neither ``shared_prompt=true``
-            nor ``nll_on_prompt``.
+            for policy and reference: no token is padding; with ``shared_prompt`` (``auto``: where the model can take
+            it) the pairs are packed around their prompts instead. The same loss and metrics as padded pairs
+            (tested). On a GPU, a model under ``sdpa`` or ``eager`` attention (which would keep the sequences apart
+            by a mask of the packed length squared) is switched to ``flex_attention``, or refused at setup where it
+            does not support it (:func:`~rlhf.data.layout_masks.attention_for_packing`); on a CPU (no backward pass
+            for flex attention there) it keeps its attention, and one that does not keep packed rows apart is
+            refused. Does not take ``nll_on_prompt``.
 
     The allowed values (``@limits`` above, and :class:`ReferenceRegularized`'s) are checked by
     :func:`rlhf.config.checks.check_config` before anything is built.
@@ -113,6 +119,7 @@ class DPO(ReferenceRegularized):
                                         "auto (pairs share their prompt where the model can take it)")
         self.padding_free = padding_free
         self.shares_prompt = shared_prompt is True and not nll_on_prompt  # auto: decided in setup() by the model
+        self.packs = padding_free  # also where every model runs flex attention and pairs share prompts: setup()
         self.completion_logits_only = completion_logits_only and not nll_on_prompt  # that NLL scores the prompt
         self.beta, self.loss_fn, self.nll_weight, self.nll_on_prompt = beta, loss, nll_weight, nll_on_prompt
         self.reference = reference if reference is not None else FrozenCopy()
@@ -133,18 +140,28 @@ class DPO(ReferenceRegularized):
 
     def setup(self, policy, tokenizer) -> None:
         super().setup(policy, tokenizer)
-        if self.padding_free:
-            for model in (policy, *(m for m in self.frozen.values() if isinstance(m, torch.nn.Module))):
-                require_packing(model, warn=model is policy)
-        if self.shared_prompt is False or self.nll_on_prompt or self.padding_free:
-            self.shares_prompt = False
-            return
         models = [policy, *(m for m in self.frozen.values() if isinstance(m, torch.nn.Module))]
+        if self.padding_free:
+            for model in models:  # on a GPU, flex attention where sdpa would need an N x N mask (or refused)
+                if (switch := layout_masks.attention_for_packing(model, on_gpu=torch.cuda.is_available())) is not None:
+                    model.set_attn_implementation(switch)
+                require_packing(model, warn=model is policy)
+        self.shares_prompt = self._shares_prompt(models)
+        self.packs = self.padding_free or (self.shares_prompt and all(
+            shared_prompt.attention_of(m) == layout_masks.FLEX for m in models))
+
+    def _shares_prompt(self, models: list[torch.nn.Module]) -> bool:
+        """Whether pairs are laid out around one prompt (``shared_prompt``; refused where ``true`` and a model
+        cannot take it)."""
+        if self.shared_prompt is False or self.nll_on_prompt:
+            return False
+        if self.shared_prompt == "auto" and not auto_choices.pick("algo.shared_prompt", _device_type(models[0])):
+            return False
         reasons = [reason for m in models if (reason := shared_prompt.unsupported(m, self.max_length))]
         if reasons and self.shared_prompt is True:
             raise UserError(f"algo.shared_prompt=true: this model cannot take pairs laid out around one prompt: "
                             f"{reasons[0]}. Fix: algo.shared_prompt=auto (on where it can) or false")
-        self.shares_prompt = not reasons
+        return not reasons
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """The pairs' sequences (:meth:`sequences`) and the reference strategy's columns (precomputed
@@ -155,13 +172,15 @@ class DPO(ReferenceRegularized):
     def sequences(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         """Chosen sequences first, then rejected: ``[2B, T]`` for one concatenated forward pass (sequence ``k`` is
         row ``k % B``'s ``k // B``-th); with :attr:`shares_prompt`, ``[B, T]`` pairs each after its one prompt
-        (:func:`rlhf.data.shared_prompt.collate`), or with :attr:`padding_free` the ``2B`` packed into ``[1, N]``
-        (:func:`rlhf.data.collate.collate_packed`): either way the statistics come out in the same ``2B`` order."""
+        (:func:`rlhf.data.shared_prompt.collate`) or, with :attr:`packs`, those pairs packed into ``[1, N]``
+        (:func:`rlhf.data.shared_prompt.collate_packed`); else with :attr:`packs` the ``2B`` sequences packed into
+        ``[1, N]`` (:func:`rlhf.data.collate.collate_packed`): every way the statistics come out in the same ``2B``
+        order."""
         if self.shares_prompt:
-            return shared_prompt.collate([r["chosen_input_ids"] for r in rows], [r["chosen_completion_mask"] for r in rows],
-                                         [r["rejected_input_ids"] for r in rows],
-                                         [r["rejected_completion_mask"] for r in rows], self.pad_id)
-        if not self.padding_free:
+            pairs = ([r["chosen_input_ids"] for r in rows], [r["chosen_completion_mask"] for r in rows],
+                     [r["rejected_input_ids"] for r in rows], [r["rejected_completion_mask"] for r in rows])
+            return shared_prompt.collate_packed(*pairs) if self.packs else shared_prompt.collate(*pairs, self.pad_id)
+        if not self.packs:
             return self._padded_sequences(rows)
         ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
         return collate_packed(ids, [r["chosen_completion_mask"] for r in rows] +
@@ -174,8 +193,7 @@ class DPO(ReferenceRegularized):
         """The reference strategy's columns (e.g. ``algo/reference=precomputed``'s log-probabilities), computed on
         padded pairs when training packs them (the reference model is built there, unchecked for packing; the
         values are the same to rounding)."""
-        return self.reference.precompute(rows, strategy, self._padded_sequences if self.padding_free else
-                                         self.sequences)
+        return self.reference.precompute(rows, strategy, self._padded_sequences if self.packs else self.sequences)
 
     def _padded_sequences(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
@@ -233,3 +251,8 @@ class DPO(ReferenceRegularized):
 
     def evaluate(self, model, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         return self.loss(model, batch, training=False)[1]
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    """Where ``model`` will compute: ``cuda`` when a GPU is there (the strategy places the models after setup)."""
+    return "cuda" if torch.cuda.is_available() else next(model.parameters()).device.type

@@ -101,10 +101,12 @@ class OnlineAlgorithm(Algorithm):
                  reward_weights: Sequence[float] | None = None, reward_columns: Sequence[str] = (),
                  log_completions: bool = True, log_completions_every_steps: int = 50,
                  num_completions_to_print: int = 4, cache_implementation: str | None = None,
-                 gather_for_generation: bool = True) -> None:
+                 gather_for_generation: bool = True, generation: str = "auto") -> None:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.cache_implementation = cache_implementation  # generate()'s KV cache: None (transformers' dynamic one)
         self.gather_for_generation = gather_for_generation  # FSDP2/ZeRO-3: the whole model gathered for a rollout
+        self.generation = generation  # the decoder: auto, transformers (generate) or static (rlhf.models.decoding)
+        Sampling(generation=generation)  # refuses an unknown decoder now, not at the first rollout
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
         self.num_generations, self.num_iterations = num_generations, num_iterations
         self.steps_per_generation, self.seed = steps_per_generation, seed
@@ -195,7 +197,7 @@ class OnlineAlgorithm(Algorithm):
         return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         max_new_tokens=self.max_completion_length, pad_id=self.pad_id, eos_ids=self.eos_ids,
                         tokenizer=self.tokenizer, cache_implementation=self.cache_implementation,
-                        gather=self.gather_for_generation)
+                        gather=self.gather_for_generation, generation=self.generation)
 
     def score(self, prompts: dict[str, Any], sampled: dict[str, Any], num_generations: int, keep: bool = True
               ) -> tuple[Tensor, Tensor]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
 from rlhf.core.limits import limits
+from rlhf.data import layout_masks
 from rlhf.data.collate import collate_packed, collate_sequences, require_completion
 from rlhf.data.encoding import FORMAT_COLUMN, TEXT, encode
 from rlhf.ops.completion_logps import completion_stats, keep_completion_logits
@@ -40,8 +42,11 @@ class SFT(Algorithm):
             (also on a CPU, where it measured 0.91-1.11x) or ``false``.
         padding_free: a micro-batch's rows packed into one sequence without padding, position ids restarting in
             each row (TRL's ``padding_free``; :func:`~rlhf.data.collate.collate_packed`): no token is padding, and
-            transformers keeps the rows apart by their position ids (a block-diagonal causal mask under sdpa and
-            eager, the variable-length kernel under flash attention). The same loss and metrics as padded batches
+            the rows are kept apart by their position ids (the variable-length kernel under flash attention, a
+            block mask of the rows under flex attention; on a CPU, a block-diagonal causal mask under sdpa and
+            eager). On a GPU, a model under ``sdpa`` or ``eager`` (whose mask grows with the packed length squared)
+            is switched to ``flex_attention``, or refused at setup where it does not support it
+            (:func:`~rlhf.data.layout_masks.attention_for_packing`). The same loss and metrics as padded batches
             (tested); a model that cannot take it is refused at setup.
     """
 
@@ -70,7 +75,9 @@ class SFT(Algorithm):
     def setup(self, policy, tokenizer) -> None:
         self.pad_id = tokenizer.pad_token_id
         tap_output_layer(policy, self.fused_output_layer)
-        if self.padding_free:
+        if self.padding_free:  # on a GPU, flex attention where sdpa would need an N x N mask (or refused)
+            if (switch := layout_masks.attention_for_packing(policy, on_gpu=torch.cuda.is_available())) is not None:
+                policy.set_attn_implementation(switch)
             require_packing(policy)
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:

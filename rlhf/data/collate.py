@@ -76,3 +76,35 @@ def collate_packed(input_ids: Sequence[Sequence[int]], completion_masks: Sequenc
         SEGMENT_IDS: flat([[i] * len(row) for i, row in enumerate(input_ids)]),
         PACKED_ROWS: len(input_ids),
     }
+
+
+def pad_to_multiple(batch: dict, multiple_tokens: int) -> dict:
+    """``batch`` (a right-padded :func:`collate_sequences` batch, maybe with more keys) with its sequence length
+    ``T`` (``input_ids``' second dimension) padded on the right to a multiple of ``multiple_tokens``: every 2-D tensor
+    of ``T`` columns gains zero columns (masked positions: no mask covers them, so no loss or statistic changes), and
+    an int ``logits_to_keep`` (:func:`rlhf.ops.completion_logps.keep_completion_logits`, counted from the end) as
+    many positions. A compiled model then sees few lengths (each new one a recompile). Layouts whose padding means
+    more than zeros are returned as they are: packed (:data:`PACKED_ROWS`), pairs around a shared prompt (their
+    ``position_ids``), and any batch without ``completion_mask`` (left-padded prompts)."""
+    ids = batch.get("input_ids")
+    if (not isinstance(ids, torch.Tensor) or ids.dim() != 2 or PACKED_ROWS in batch or "position_ids" in batch
+            or "completion_mask" not in batch):
+        return batch
+    length = ids.shape[1]
+    extra = -(-length // multiple_tokens) * multiple_tokens - length
+    if extra == 0:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == length:
+            value = torch.nn.functional.pad(value, (0, extra), value=0)
+        elif key == "logits_to_keep" and isinstance(value, int) and value:
+            value = value + extra
+        out[key] = value
+    return out
+
+
+def collate_in_buckets(collate, multiple_tokens: int, rows):
+    """``collate(rows)`` with its length padded to a multiple of ``multiple_tokens`` (:func:`pad_to_multiple`); a
+    loader's ``collate_fn`` as ``functools.partial(collate_in_buckets, collate, multiple_tokens)``."""
+    return pad_to_multiple(collate(rows), multiple_tokens)

@@ -4,7 +4,8 @@
   folder, a run whose rows, tokenizer, algorithm settings and code an earlier run had loads its tokens instead
   (:mod:`rlhf.data.token_cache`);
 - :func:`train_loader` and :class:`Batches`: training micro-batches epoch after epoch, resumable mid-epoch
-  (an algorithm's default ``batch_source``; online algorithms make theirs by generating);
+  (an algorithm's default ``batch_source``; online algorithms make theirs by generating), collated in worker
+  processes on a GPU (:func:`loader_workers`);
 - :func:`eval_loader`: whole held-out batches dealt out to the processes in turn, each with its row count.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,11 +70,35 @@ def tokenize_once(splits: DatasetDict, algo, tokenizer, accelerator, cache: Path
     return tokenized
 
 
-def train_loader(dataset, batch_size: int, collate: Callable, seed: int) -> DataLoader:
+GPU_WORKERS = 2  # data.num_workers=null on a GPU: collating beside the step, never behind it (a batch is small work)
+
+
+def loader_workers(num_workers: int | None, cuda: bool) -> int:
+    """Worker processes that collate training batches (``data.num_workers``): as set, else :data:`GPU_WORKERS` on a
+    GPU and none on a CPU, where a worker would take a core from the step's threads."""
+    if num_workers is not None:
+        return num_workers
+    return GPU_WORKERS if cuda else 0
+
+
+def train_loader(dataset, batch_size: int, collate: Callable, seed: int, num_workers: int = 0,
+                 pin_memory: bool = False) -> DataLoader:
     """Shuffled micro-batches of ``batch_size`` rows, the last partial one dropped; the strategy shards it over
-    the processes (Accelerate's seedable sampler: the same permutation everywhere, each process its share)."""
+    the processes (Accelerate's seedable sampler: the same permutation everywhere, each process its share).
+
+    ``num_workers`` processes collate them ahead of the step (:func:`loader_workers`), kept from epoch to epoch; the
+    order is the sampler's, drawn in this process, so it is the same with any count (tested), and a resumed run
+    continues with the same batches. The workers are forked where the system can (Linux: they share the tokenized
+    rows and the collate function, a bound method of the algorithm, without pickling it; under spawn it would be
+    pickled, the algorithm's frozen models with it). ``pin_memory``: batches in page-locked memory, for copies to a
+    GPU that do not make the host wait (the strategy moves them with ``non_blocking``)."""
+    workers = {}
+    if num_workers:
+        fork = "fork" in multiprocessing.get_all_start_methods()
+        workers = {"num_workers": num_workers, "persistent_workers": True,
+                   "multiprocessing_context": "fork" if fork else None}
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate,
-                      generator=torch.Generator().manual_seed(seed))
+                      generator=torch.Generator().manual_seed(seed), pin_memory=pin_memory, **workers)
 
 
 class Batches:

@@ -16,10 +16,12 @@ A pair costs ``p + 1 + |chosen| + |rejected|`` tokens instead of ``2p + |chosen|
 compute falls by the share of the prompt (the output layer scores completion tokens only either way:
 ``algo.completion_logits_only``).
 
-:func:`collate` makes the batch (``branch_ids`` and ``position_ids`` beside the usual keys), :func:`model_inputs`
-the 4D attention mask and position ids a model takes for it, :func:`split_branches` turns per-position statistics of
-``B`` such sequences into the usual ``[2B, ...]`` rows (chosen first), and :func:`unsupported` says why a model
-cannot take the layout, if it cannot.
+:func:`collate` makes the batch of ``B`` padded rows (``branch_ids`` and ``position_ids`` beside the usual keys),
+:func:`collate_packed` packs the ``B`` pairs into one row of their tokens, no padding (for flex attention's block
+mask, which skips whole blocks of what no token sees: the other pair, the other branch); the masks a model takes for
+either are :mod:`rlhf.data.layout_masks`'. :func:`split_branches` turns per-position statistics of ``B`` padded rows
+into the usual ``[2B, ...]`` rows (chosen first), and :func:`unsupported` says why a model cannot take the layout, if
+it cannot.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ import torch
 from torch import Tensor
 
 from rlhf.core.errors import UserError
-from rlhf.data.collate import PACKED_ROWS, pad
+from rlhf.data.collate import PACKED_ROWS, SEGMENT_IDS, pad
 
 BRANCH_IDS = "branch_ids"  # a batch key: [B, T] 0 shared prefix, 1 chosen's branch, 2 rejected's, -1 padding
 POSITION_IDS = "position_ids"  # a batch key: [B, T] each token's position in its pair's own sequence
+PAIR_IDS = "pair_ids"  # a batch key of a packed layout: [1, N] the pair each position belongs to
 PADDING = -1
 # Families whose forward was checked to compute the same log-probabilities in this layout as in a plain batch
 # (tests/data/test_shared_prompt.py builds each from a config): they take a custom 4D attention mask as it is and
@@ -55,61 +58,55 @@ def prefix_length(chosen_mask: Sequence[int], rejected_mask: Sequence[int]) -> i
     return prompt
 
 
+def _pair_layout(c_ids: Sequence[int], c_mask: Sequence[int], r_ids: Sequence[int], r_mask: Sequence[int]
+                 ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """One pair in the layout of the module docstring: its tokens, completion mask, branch ids and position ids."""
+    prompt = prefix_length(c_mask, r_mask)
+    if list(c_ids[:prompt]) != list(r_ids[:prompt]):
+        raise UserError("a pair's chosen and rejected sequences start with different prompts: they cannot share "
+                        "one. Fix: algo.shared_prompt=false")
+    shared = max(prompt - 1, 0)  # the prefix; each branch starts at the prompt's last token
+    c_branch, r_branch = list(c_ids[shared:]), list(r_ids[shared:])
+    ids = list(c_ids[:shared]) + c_branch + r_branch
+    # A branch's first token is predicted by the token before it, in the other branch (or the previous pair, packed):
+    # never scored (with a prompt it is the prompt's last token anyway; without one, as a sequence's first token,
+    # nothing predicts it).
+    completion = [0] * shared + [0] + list(c_mask[shared + 1:]) + [0] + list(r_mask[shared + 1:])
+    branches = [0] * shared + [1] * len(c_branch) + [2] * len(r_branch)
+    positions = (list(range(shared)) + list(range(shared, shared + len(c_branch)))
+                 + list(range(shared, shared + len(r_branch))))
+    return ids, completion, branches, positions
+
+
 def collate(chosen_ids: Sequence[Sequence[int]], chosen_masks: Sequence[Sequence[int]],
             rejected_ids: Sequence[Sequence[int]], rejected_masks: Sequence[Sequence[int]], pad_id: int
             ) -> dict[str, Tensor]:
     """``B`` pairs as ``B`` right-padded sequences in the layout of the module docstring: ``input_ids``,
     ``attention_mask`` (1 on tokens: what a step computes), ``completion_mask`` (1 on both answers' tokens, EOS
     included), :data:`BRANCH_IDS` and :data:`POSITION_IDS`, each ``[B, T]``."""
-    ids, completion, branches, positions = [], [], [], []
-    for c_ids, c_mask, r_ids, r_mask in zip(chosen_ids, chosen_masks, rejected_ids, rejected_masks, strict=True):
-        prompt = prefix_length(c_mask, r_mask)
-        if list(c_ids[:prompt]) != list(r_ids[:prompt]):
-            raise UserError("a pair's chosen and rejected sequences start with different prompts: they cannot share "
-                            "one. Fix: algo.shared_prompt=false")
-        shared = max(prompt - 1, 0)  # the prefix; each branch starts at the prompt's last token
-        c_branch, r_branch = list(c_ids[shared:]), list(r_ids[shared:])
-        ids.append(list(c_ids[:shared]) + c_branch + r_branch)
-        # A branch's first token is predicted by the token before it, in the other branch: never scored (with a
-        # prompt it is the prompt's last token anyway; without one, as a sequence's first token, nothing predicts it).
-        completion.append([0] * shared + [0] + list(c_mask[shared + 1:]) + [0] + list(r_mask[shared + 1:]))
-        branches.append([0] * shared + [1] * len(c_branch) + [2] * len(r_branch))
-        positions.append(list(range(shared)) + list(range(shared, shared + len(c_branch)))
-                         + list(range(shared, shared + len(r_branch))))
+    pairs = [_pair_layout(*pair) for pair in zip(chosen_ids, chosen_masks, rejected_ids, rejected_masks, strict=True)]
+    ids, completion, branches, positions = (list(column) for column in zip(*pairs, strict=True))
     return {"input_ids": pad(ids, pad_id), "attention_mask": pad([[1] * len(s) for s in ids], 0),
             "completion_mask": pad(completion, 0), BRANCH_IDS: pad(branches, PADDING), POSITION_IDS: pad(positions, 0)}
 
 
-def model_inputs(batch: dict[str, Tensor], model: torch.nn.Module) -> dict[str, Tensor]:
-    """``attention_mask`` and ``position_ids`` for a forward pass of a :func:`collate` batch: a ``[B, 1, T, T]``
-    mask (query, key) under which a token sees the keys before it in the shared prefix and in its own branch
-    (padding sees itself only, so no row is empty), boolean for sdpa, additive float for ``eager``."""
-    branch = batch[BRANCH_IDS]
-    length = branch.shape[1]
-    if _attention(model) == "flex_attention":  # a block mask: blocks no token may see are skipped, not computed
-        return {"attention_mask": _block_mask(branch), "position_ids": batch[POSITION_IDS]}
-    causal = torch.ones(length, length, dtype=torch.bool, device=branch.device).tril()
-    query, key = branch[:, :, None], branch[:, None, :]
-    allowed = causal & ((key == 0) | (key == query)) & (query != PADDING)
-    allowed |= torch.eye(length, dtype=torch.bool, device=branch.device)
-    allowed = allowed[:, None]
-    if _attention(model) == "eager":  # eager adds the mask to its scores
-        allowed = torch.zeros(allowed.shape, device=branch.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    return {"attention_mask": allowed, "position_ids": batch[POSITION_IDS]}
-
-
-def _block_mask(branch: Tensor):
-    """The layout's mask as flex attention's ``BlockMask`` (``torch.nn.attention.flex_attention``): the same rule
-    as the dense mask of :func:`model_inputs`, evaluated per block, so that whole blocks no query sees (the other
-    branch, padding) cost nothing."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def allowed(b, h, q, kv):
-        query, key = branch[b, q], branch[b, kv]
-        return ((kv <= q) & ((key == 0) | (key == query)) & (query != PADDING)) | (q == kv)
-
-    rows, length = branch.shape
-    return create_block_mask(allowed, rows, None, length, length, device=branch.device)
+def collate_packed(chosen_ids: Sequence[Sequence[int]], chosen_masks: Sequence[Sequence[int]],
+                   rejected_ids: Sequence[Sequence[int]], rejected_masks: Sequence[Sequence[int]]
+                   ) -> dict[str, Tensor | int]:
+    """``B`` pairs packed into one row ``[1, N]`` of their tokens, no padding: each pair in the layout of the module
+    docstring, one after the other. Beside :func:`collate`'s keys (``attention_mask`` all ones), :data:`PAIR_IDS`
+    (the pair of each position: a token sees no other pair's), :data:`~rlhf.data.collate.SEGMENT_IDS` (the answer
+    whose statistics each position's token counts in: pair ``i``'s chosen ``i``, its rejected ``B + i``, its
+    prefix ``i``, never scored) and :data:`~rlhf.data.collate.PACKED_ROWS` ``= 2B``: the statistics come out as a
+    plain batch's ``2B`` sequences, chosen first (:func:`rlhf.ops.completion_logps.completion_stats`)."""
+    pairs = [_pair_layout(*pair) for pair in zip(chosen_ids, chosen_masks, rejected_ids, rejected_masks, strict=True)]
+    rows = len(pairs)
+    answers = [[i if branch < 2 else rows + i for branch in layout[2]] for i, layout in enumerate(pairs)]
+    flat = lambda column: torch.tensor([t for row in column for t in row], dtype=torch.long).unsqueeze(0)  # noqa: E731
+    ids, completion, branches, positions = (flat(column) for column in zip(*pairs, strict=True))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion,
+            BRANCH_IDS: branches, POSITION_IDS: positions, PAIR_IDS: flat([[i] * len(p[0]) for i, p in enumerate(pairs)]),
+            SEGMENT_IDS: flat(answers), PACKED_ROWS: 2 * rows}
 
 
 def split_branches(branch: Tensor, *per_position: Tensor) -> list[Tensor]:
@@ -124,8 +121,9 @@ def split_branches(branch: Tensor, *per_position: Tensor) -> list[Tensor]:
 
 def scored_sequences(batch: dict[str, Tensor]) -> int:
     """How many sequences' statistics a forward pass of ``batch`` gives (:func:`rlhf.ops.completion_logps.completion_stats`):
-    two a row where the batch shares prompts (chosen and rejected), the rows it packs where it is padding-free
-    (:func:`rlhf.data.collate.collate_packed`), else one a row."""
+    the sequences it packs where it packs rows (padding-free, :func:`rlhf.data.collate.collate_packed`, or pairs
+    around their prompts, :func:`collate_packed`), two a row where its padded rows share prompts (chosen and
+    rejected), else one a row."""
     if PACKED_ROWS in batch:
         return int(batch[PACKED_ROWS])
     rows = int(batch["input_ids"].shape[0])
@@ -140,7 +138,7 @@ def unsupported(model: Any, max_length: int | None) -> str | None:
     family = getattr(config, "model_type", None)
     if family not in CHECKED_FAMILIES:
         return f"model family {family!r} is not one checked to take it ({', '.join(CHECKED_FAMILIES)})"
-    attention = _attention(model)
+    attention = attention_of(model)
     if attention not in MASKED_ATTENTION:
         return f"attention {attention!r} takes no custom mask (it needs one of {', '.join(MASKED_ATTENTION)})"
     window = getattr(config, "sliding_window", None)
@@ -154,7 +152,7 @@ def unsupported(model: Any, max_length: int | None) -> str | None:
     return None
 
 
-def _attention(model: Any) -> str | None:
+def attention_of(model: Any) -> str | None:
     """The attention implementation of ``model``, through the wrappers a strategy puts around it (DDP's and
     DeepSpeed's ``module``; DeepSpeed's engine has a ``config`` of its own, not the model's)."""
     while not hasattr(getattr(model, "config", None), "_attn_implementation") and hasattr(model, "module"):

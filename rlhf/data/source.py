@@ -105,6 +105,8 @@ def _validation(values: dict, where: str) -> None:
                           "count); null for none", fix=0.5),
     max_train_rows=Range(ge=1, integer=True, meaning="training rows used at most; null for all", fix="null"),
     seed=Range(ge=0, lt=2**32, integer=True, meaning="which rows are held out", fix=0),
+    num_workers=Range(ge=0, integer=True, meaning="worker processes collating training batches", fix=2,
+                      null="2 on a GPU, none on a CPU (rlhf.data.loaders.loader_workers)"),
 )
 class DataSource:
     """Train and held-out splits for one run.
@@ -139,6 +141,10 @@ class DataSource:
         cache_dir: where the tokenized data is kept across runs (under ``tokenized/``): a run with the rows,
             tokenizer, algorithm settings and code of an earlier run loads its tokens instead of tokenizing again
             (:mod:`rlhf.data.token_cache`). ``None``: tokenize on every run.
+        num_workers: worker processes that collate training batches ahead of the step (forked; the order is the
+            same with any count, so a resume may change it); ``None``: 2 on a GPU (whose batches are also pinned
+            and copied without a wait), none on a CPU, where a worker would take a core from the step's threads
+            (:func:`rlhf.data.loaders.loader_workers`).
 
     Attributes:
         skipped_rows: after :meth:`load`, the bad rows left out, over both splits (0 with ``on_bad_row="error"``).
@@ -159,6 +165,7 @@ class DataSource:
         evaluate_on: str = "held_out",
         cache_dir: str | None = "~/.cache/rlhf",
         columns: Mapping[str, str] | None = None,
+        num_workers: int | None = None,
     ) -> None:
         if path is None and task is None:
             raise UserError("data: set data.path=<file or hub dataset> (or use data=reverse for the embedded task)")
@@ -167,7 +174,7 @@ class DataSource:
         self.on_bad_row = check_on_bad_row(on_bad_row)
         self.validation_size, self.evaluate_on = validation_size, evaluate_on
         _validation({"validation_size": validation_size, "evaluate_on": evaluate_on}, "data")
-        self.cache_dir = cache_dir
+        self.cache_dir, self.num_workers = cache_dir, num_workers
         column_map({"columns": columns, "path": path}, "data")
         self.columns = dict(columns) if columns else None
         self.skipped_rows = 0

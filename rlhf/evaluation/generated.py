@@ -168,7 +168,8 @@ class GenerationEval:
                                  pad_id=tokenizer.pad_token_id, eos_ids=stop_ids(tokenizer, policy),
                                  tokenizer=tokenizer,
                                  cache_implementation=getattr(algo, "cache_implementation", None),
-                                 gather=getattr(algo, "gather_for_generation", True))
+                                 gather=getattr(algo, "gather_for_generation", True),
+                                 generation=getattr(algo, "generation", "auto"))
         self.algo = algo
         strategy = getattr(algo, "reference", None)
         has_model = isinstance(getattr(algo, "frozen", {}).get("reference"), torch.nn.Module)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import difflib
 import gc
 import logging
 import os
@@ -29,7 +28,7 @@ from accelerate.state import AcceleratorState
 from rlhf.core.errors import UserError
 from rlhf.core.file_io import save_safetensors, save_torch
 from rlhf.core.limits import limits
-from rlhf.hardware import cpus
+from rlhf.hardware import compiling, cpus
 from rlhf.hardware.cpus import cpus_available
 from rlhf.hardware.frozen import is_trainable_only, load_trainable, save_trainable
 from rlhf.hardware.holding import (
@@ -94,12 +93,15 @@ class DataParallel:
             free port on 127.0.0.1 (one machine).
         node_rank: this machine's rank among ``num_nodes`` (``multinode``; 0 is the main one).
         timeout_s: how long a process waits for the others in a collective before failing.
-        compile: ``torch.compile`` the policy and its frozen models (the reference), each in place
-            (``nn.Module.compile``: the checkpoints' keys are unchanged), shapes dynamic after the first recompile.
-            The first steps (and the first evaluation) wait for the compiler: tens of seconds on a CPU. One process
-            or DDP; the sharding options refuse it (not built there yet). ``true`` is torch's default backend
-            (inductor); a backend's name chooses another (``aot_eager``: the graphs captured and differentiated
-            ahead of time, run without generated code).
+        compile: ``auto`` (``layers`` on a GPU, off on a CPU, where compiling was measured slower to start than it
+            saves), ``layers`` (each decoder layer of the policy and its frozen models compiled in place: regional
+            compilation, :mod:`rlhf.hardware.compiling`; the output layer stays eager), ``true`` (each model
+            compiled whole with torch's default backend, inductor), a backend's name (whole, with that backend:
+            ``aot_eager``, the graphs captured and differentiated ahead of time, run without generated code), or
+            ``false``. In place (``nn.Module.compile``: the checkpoints' keys are unchanged); while compiling, training
+            batches are padded to a multiple of 64 positions (few lengths, few recompiles), shapes dynamic after
+            the first recompile. The first steps (and the first evaluation) wait for the compiler: tens of seconds
+            on a CPU. One process or DDP; the sharding options refuse it (``auto`` is off there).
     """
 
     compiles = True  # whether this strategy can compile the models it places (hardware.compile)
@@ -116,8 +118,9 @@ class DataParallel:
         timeout_s: int = 600,
         compile: bool | str = False,
     ) -> None:
+        asked, compile = compile, compiling.resolve_compile(compile, self._cuda(device), self.compiles)
         if compile and not self.compiles:
-            raise UserError(f"hardware.compile=true is not built for {type(self).__name__} (a sharding option). "
+            raise UserError(f"hardware.compile={str(asked).lower()} is not built for {type(self).__name__} (a sharding option). "
                             "Fix: hardware.compile=false, or hardware=cpu / cpu_ddp / gpu / ddp")
         if device not in DEVICES:
             raise UserError(f"hardware.device={device!r} is not one of {list(DEVICES)}. Fix: e.g. hardware.device=cpu")
@@ -144,7 +147,7 @@ class DataParallel:
         self.threads_change_numbers = False  # bf16 on a CPU: results depend on the thread count (threads())
         self._threads_why = ""
         self.rdzv_endpoint, self.node_rank, self.timeout_s = rdzv_endpoint, node_rank, timeout_s
-        self.compile = compile
+        self.compile, self._compile_asked = compile, asked  # resolved (auto decided), and as configured
         self.accelerator: Accelerator | None = None
         self.frozen_held: dict[str, FrozenHolding] = {}  # by name, what prepare_frozen left on this process
         self._sharding = ""  # set by a sharding strategy's prepare(): what this process holds of the policy
@@ -153,24 +156,15 @@ class DataParallel:
     def check_options(node: dict[str, Any], where: str = "hardware") -> None:
         """Before anything is built (:func:`rlhf.config.checks.check_config`, with the config node and its key): a
         ``compile`` backend torch does not have."""
-        backend = node.get("compile")
-        if isinstance(backend, str):
-            import torch._dynamo  # only for a backend named: its import takes seconds
-
-            if backend not in torch._dynamo.list_backends(exclude_tags=()):  # with its debugging ones
-                shown = torch._dynamo.list_backends()
-                close = difflib.get_close_matches(backend, shown, n=1)
-                fix = f"{where}.compile={close[0]}" if close else f"{where}.compile=true (inductor), or one of them"
-                raise UserError(f"{where}.compile={backend}: torch.compile has no backend {backend!r} (its "
-                                f"backends: {', '.join(shown)}). Fix: {fix}")
+        compiling.check_backend(node.get("compile"), where)
 
     # --- processes ---------------------------------------------------------------------------------------
     def uses_cuda(self) -> bool:
-        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        return self._cuda(self.device)
 
-    def _compile_options(self) -> dict[str, Any]:
-        """``torch.compile``'s options for ``compile``: its default backend for ``true``, else the one named."""
-        return {} if self.compile is True else {"backend": str(self.compile)}
+    @staticmethod
+    def _cuda(device: str) -> bool:
+        return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
     def processes_per_node(self) -> int:
         """How many processes :mod:`rlhf.launch.processes` starts on this machine."""
@@ -223,7 +217,9 @@ class DataParallel:
             # CPU-only machine and every rank trains its own copy.
             cpu=not self.uses_cuda(),
             mixed_precision=self.mixed_precision,
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+            # non_blocking on a GPU: a batch (pinned by the loader, rlhf.data.loaders) is copied without a wait
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed,
+                                                      non_blocking=self.uses_cuda()),
             kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=self.timeout_s))],
         )
         # After the Accelerator, which sets its own count (from the node's cores) for several CPU processes.
@@ -240,8 +236,7 @@ class DataParallel:
         if self.threads_change_numbers:  # docs/threads/: float32 steps are the same at any count
             precision += (f" (on a CPU, bf16 results depend on the thread count: hardware.threads_per_process="
                           f"{torch.get_num_threads()} repeats them)")
-        if self.compile:
-            precision += ", models compiled (torch.compile)"
+        precision += compiling.describe_compile(self.compile, self._compile_asked)
         frozen = "".join(f"; {name}: {held}" for name, held in self.frozen_held.items())
         return (f"{acc.num_processes} process(es) ({kind}) on {acc.device}, {torch.get_num_threads()} thread(s) "
                 f"each{self._threads_why}, {local} process(es) on {cpus_available()} CPU(s) here, {precision}{self._sharding}{frozen}")
@@ -260,8 +255,7 @@ class DataParallel:
         recorded in :attr:`frozen_held` and printed in :meth:`describe`."""
         module.eval().requires_grad_(False)
         placed = self._place_frozen(module)
-        if self.compile:
-            self.unwrap(placed).compile(**self._compile_options())
+        compiling.compile_model(self.unwrap(placed), self.compile)
         params = list(self.unwrap(placed).parameters())
         self.frozen_held[name] = FrozenHolding(
             local_elements=sum(local_numel(p) for p in params), total_elements=sum(global_numel(p) for p in params),
@@ -308,9 +302,9 @@ class DataParallel:
     def prepare(self, model, make_optimizer, train_loader):
         """Wrap the model for this hardware, build its optimizer with ``make_optimizer(model)`` and shard the
         training loader; return ``(model, optimizer, train_loader)``. The scheduler is built on that optimizer."""
+        train_loader = compiling.bucket_loader(train_loader, self.compile)  # few lengths while compiling
         model, optimizer, train_loader = self.accelerator.prepare(model, make_optimizer(model), train_loader)
-        if self.compile:  # in place, inside DDP's wrapper: DDP calls the compiled module
-            self.unwrap(model).compile(**self._compile_options())
+        compiling.compile_model(self.unwrap(model), self.compile)  # in place, inside DDP's wrapper: DDP calls the compiled module
         return model, optimizer, train_loader
 
     @contextlib.contextmanager
@@ -329,11 +323,30 @@ class DataParallel:
         limit = float("inf") if max_grad_norm is None else max_grad_norm  # inf: the norm only, gradients x 1.0
         return self.accelerator.clip_grad_norm_(model.parameters(), limit)
 
-    def step(self, model, optimizer) -> float | None:
-        """Step the optimizer and zero the gradients; return the gradient norm when only the step knows it."""
-        optimizer.step()
+    def step(self, model, optimizer, skip: torch.Tensor | None = None) -> float | None:
+        """Step the optimizer and zero the gradients; return the gradient norm when only the step knows it.
+        ``skip``: a float32 flag on the device, 1 where the step is not finite, given only where
+        :meth:`skip_flag_reader` names an optimizer (which reads it, :func:`rlhf.optim.skips_on_device`): the update
+        is made or left out on the device, and the host never reads the flag."""
+        if skip is None:
+            optimizer.step()
+        else:
+            reader = self.skip_flag_reader(optimizer)
+            reader.found_inf = skip  # the attribute torch's GradScaler sets for the same purpose
+            try:
+                optimizer.step()
+            finally:
+                del reader.found_inf
         optimizer.zero_grad(set_to_none=True)
         return None
+
+    def skip_flag_reader(self, optimizer) -> torch.optim.Optimizer | None:
+        """The torch optimizer that :meth:`step` calls, to be given a ``skip`` flag (the one inside Accelerate's
+        wrapper): on one process (several read their flags' all-reduce anyway) that holds its whole state (nothing
+        sharded) and steps without a loss scaler (which sets the flag itself); else None."""
+        if self.accelerator.num_processes > 1 or self.sharded_state() or getattr(optimizer, "scaler", None) is not None:
+            return None
+        return getattr(optimizer, "optimizer", optimizer)
 
     def skip_step(self, model, optimizer) -> None:
         """Drop this step's gradients without changing the parameters (a non-finite loss or gradient)."""

@@ -13,6 +13,10 @@ Under FSDP2 and ZeRO-3 every forward pass of a sharded model all-gathers each un
 them after; generating ``T`` tokens would gather the model ``T`` times, and every process would have to keep stepping
 until the last one's completions end (``synced_gpus``). :func:`gathered_for_generation` gathers it once for the
 block; the forward passes inside are no collectives.
+
+Two decoders: transformers' ``generate``, and :func:`rlhf.models.decoding.decode` (a static cache, the decode step
+compiled into CUDA graphs on a GPU, the end of the completions checked every few tokens), chosen by
+:attr:`Sampling.generation` (:func:`uses_static_decoding`); both give the same completions on a CPU (tested).
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ import torch
 import transformers
 from accelerate.utils import extract_model_from_parallel
 
+from rlhf.core import auto_choices
+from rlhf.core.errors import UserError
+from rlhf.models import decoding
+
 log = logging.getLogger(__name__)
 
 
@@ -35,7 +43,11 @@ class Sampling:
     """How completions are drawn: ``temperature``, ``top_p``, ``top_k`` (0: off) and at most ``max_new_tokens``
     each; the tokenizer's ``pad_id``, the ids a completion ends at (``eos_ids``: :func:`stop_ids`), and the tokenizer
     that decodes them; transformers' ``cache_implementation`` (None: its dynamic cache); ``gather``: a sharded
-    model's parameters gathered once for the whole generation (:func:`gathered_for_generation`)."""
+    model's parameters gathered once for the whole generation (:func:`gathered_for_generation`); ``generation``: the
+    decoder, ``transformers`` (its ``generate``), ``static`` (:func:`rlhf.models.decoding.decode`: one static cache,
+    the decode step compiled into CUDA graphs on a GPU, eager on a CPU, the ends checked every
+    ``check_every_tokens`` tokens), or ``auto``: ``static`` on a GPU where the model is not sharded over processes
+    and no ``cache_implementation`` is asked for, else ``transformers`` (:func:`uses_static_decoding`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -46,6 +58,29 @@ class Sampling:
     tokenizer: Any = None
     cache_implementation: str | None = None
     gather: bool = True
+    generation: str = "auto"
+    check_every_tokens: int = decoding.CHECK_EVERY_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.generation not in GENERATIONS:
+            raise UserError(f"generation={self.generation!r} is not one of {list(GENERATIONS)}. Fix: "
+                            "generation=auto (static decoding on a GPU, transformers' generate on a CPU)")
+        if self.check_every_tokens < 1:
+            raise UserError(f"check_every_tokens={self.check_every_tokens} must be at least 1. Fix: "
+                            f"check_every_tokens={decoding.CHECK_EVERY_TOKENS}")
+
+
+GENERATIONS = ("auto", "transformers", "static")
+
+
+def uses_static_decoding(settings: Sampling, device: torch.device, partitioned: bool) -> bool:
+    """Whether ``settings`` decode with :func:`rlhf.models.decoding.decode` on ``device``: ``static``, or ``auto``
+    on a GPU for a model whose parameters are not ``partitioned`` over processes (FSDP2's, ZeRO-3's: there the
+    gathered model runs transformers' ``generate``) when no ``cache_implementation`` is named."""
+    if settings.generation != "auto":
+        return settings.generation == "static"
+    chosen = auto_choices.pick("algo.generation", device.type)
+    return chosen == "static" and not partitioned and settings.cache_implementation is None
 
 
 @torch.no_grad()
@@ -68,15 +103,25 @@ def sample(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
     config = transformers.GenerationConfig(max_new_tokens=settings.max_new_tokens, pad_token_id=settings.pad_id,
                                            eos_token_id=list(settings.eos_ids) or None, **options)
     devices = [ids.device] if ids.device.type == "cuda" else []
+    partitioned = sharded(policy)  # before the block gathers it
+    static = uses_static_decoding(settings, ids.device, partitioned)
     try:  # FSDP2's and ZeRO-3's parameters gathered once for the whole rollout, not at every token
         with torch.random.fork_rng(devices=devices), gathered_for_generation(model, settings.gather) as still_sharded:
             if seed is not None:
                 torch.manual_seed(seed)
             # synced_gpus where the forward passes are still collectives: a process whose completions ended
             # keeps stepping until every process is done
-            with plain_defaults(policy):  # none of the model's own sampling defaults (the module docstring)
-                out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                      synced_gpus=still_sharded)
+            if static and not still_sharded:  # a process steps alone: no collective in its forward passes
+                out = decoding.decode(
+                    policy, ids, mask, settings.max_new_tokens, settings.pad_id, settings.eos_ids, seed is not None,
+                    settings.temperature, settings.top_k, settings.top_p, settings.check_every_tokens,
+                    compile_options=decoding.GPU_COMPILE if ids.device.type == "cuda" and not partitioned else None)
+            else:  # eager unless transformers compiles decoding itself (static cache): layers compiled for training
+                eager = torch.compiler.set_stance("force_eager") if settings.cache_implementation is None \
+                    else contextlib.nullcontext()  # would recompile for each layer's cache index
+                with plain_defaults(policy), eager:  # none of the model's own sampling defaults (the module docstring)
+                    out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                          synced_gpus=still_sharded)
     finally:
         policy.train(training)
     completion = out[:, ids.shape[1]:]

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from rlhf.core.errors import UserError
-from rlhf.data import shared_prompt
+from rlhf.data import layout_masks, shared_prompt
 from rlhf.data.collate import PACKED_ROWS, SEGMENT_IDS
 from rlhf.ops.output_layer import answer, token_request
 from rlhf.ops.token_logps import selective_log_softmax
@@ -26,10 +26,14 @@ class CompletionStats:
     greedy_match: Tensor  # [B] bool: argmax is the target at every completion position (= greedy decode matches)
     token_logps: Tensor  # [B, T-1] log-probability of each next completion token (0 elsewhere)
     mask: Tensor  # [B, T-1] bool, True on completion tokens
-    every_token_logps: Tensor  # [B, T-1] log-probability of each next token, prompt and padding included
+    every_token_logps: Tensor  # [B, T-1] log-probability of each next token, prompt and padding included (0 where
+    # keep_completion_logits left it out: before LOGITS_TO_KEEP's positions, and outside SCORED_ROWS on a tapped layer)
 
 
 LOGITS_TO_KEEP = "logits_to_keep"  # a batch key: compute the output layer only at the last this many positions
+SCORED_ROWS = "scored_rows"  # a batch key: [N] flat indices b * W + t of the positions that score a completion token
+SCORED_ROWS_WIDTH = "scored_rows_width"  # a batch key: W, an int: T - 1 when the batch was collated (padded later, the
+# batch keeps its indices: rlhf.data.collate.pad_to_multiple adds positions on the right only)
 
 
 def keep_completion_logits(batch: dict[str, Any]) -> dict[str, Any]:
@@ -37,12 +41,20 @@ def keep_completion_logits(batch: dict[str, Any]) -> dict[str, Any]:
     its log-softmax over the vocabulary) only from the position before the batch's earliest completion token on:
     the positions that score a completion token. The prompt's positions before it cost no ``[B, T, V]`` logits.
     Every model of transformers' ``*ForCausalLM`` takes ``logits_to_keep``. The forward pass's values are the same
-    bit for bit; the output layer's gradient sums fewer rows (zeros) and may differ in the last bits."""
+    bit for bit; the output layer's gradient sums fewer rows (zeros) and may differ in the last bits.
+
+    And :data:`SCORED_ROWS`, exactly those positions (flat indices ``b * (T - 1) + t`` into the ``[B, T - 1]`` grid
+    of next-token positions, where token ``t + 1`` of sequence ``b`` is a completion token; ``T - 1`` also as
+    :data:`SCORED_ROWS_WIDTH`), built here on the host where the batch is collated, a tensor that moves to the
+    device with the batch: a tapped output layer (:mod:`rlhf.ops.output_layer`) computes only those rows, none of the prompt
+    and padding positions after the earliest completion token either. Call it only where the statistics of the
+    completion tokens are all that is read (not the prompt's: ``every_token_logps`` is then 0 elsewhere)."""
     mask = batch["completion_mask"]
     scored = mask[:, 1:].any(0)  # positions 1..T-1 that hold some sequence's completion token
     first = int(scored.float().argmax()) + 1 if bool(scored.any()) else mask.shape[1] - 1
     # a Python int: it stays on the host when the batch moves to the device, so reading it waits for nothing
-    return {**batch, LOGITS_TO_KEEP: mask.shape[1] - first + 1}
+    return {**batch, LOGITS_TO_KEEP: mask.shape[1] - first + 1,
+            SCORED_ROWS: mask[:, 1:].reshape(-1).nonzero().squeeze(-1), SCORED_ROWS_WIDTH: mask.shape[1] - 1}
 
 
 def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> CompletionStats:
@@ -51,18 +63,22 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
     statistics keep their ``[B, T-1]`` shape, 0 (and masked out) before them. A model whose output layer is tapped
     (:func:`rlhf.ops.output_layer.tap_output_layer`) answers with the log-probabilities themselves, the logits
     never whole; any other computes logits and :func:`selective_log_softmax` reads them. A batch of pairs laid out
-    around a shared prompt (:mod:`rlhf.data.shared_prompt`: ``B`` sequences) gives the statistics of its ``2B``
-    answers, chosen first, as a plain batch of the pairs' ``2B`` sequences would."""
+    around a shared prompt (:mod:`rlhf.data.shared_prompt`: ``B`` padded rows, or one packed row) gives the
+    statistics of its ``2B`` answers, chosen first, as a plain batch of the pairs' ``2B`` sequences would."""
     keep = int(batch.get(LOGITS_TO_KEEP) or 0)
     extra = {"logits_to_keep": keep} if keep else {}
     shared = shared_prompt.BRANCH_IDS in batch
-    packed = PACKED_ROWS in batch  # padding-free: position ids keep the rows apart (no mask, no cache)
-    inputs = (shared_prompt.model_inputs(batch, model) if shared
-              else {"position_ids": batch["position_ids"], "use_cache": False} if packed
+    packed = PACKED_ROWS in batch  # several sequences in one row: padding-free, or pairs packed around their prompts
+    # their mask (or position ids), built at the batch's first forward pass and kept in it for the next (reference)
+    inputs = (layout_masks.model_inputs(batch, model) if shared or packed
               else {"attention_mask": batch["attention_mask"]})
     length = batch["input_ids"].shape[1]
+    rows = batch.get(SCORED_ROWS)
+    if rows is not None:  # b * W + t -> b * L + t - skipped: the [B, L] window from position skipped = T - keep
+        width, window = max(int(batch[SCORED_ROWS_WIDTH]), 1), (keep or length) - 1
+        rows = rows // width * window + rows % width - (length - (keep or length))
     # A tapped output layer answers only if it sees the positions asked for (the last `keep`, or all)
-    with token_request(batch["input_ids"][:, length - (keep or length) + 1:], with_argmax=True) as request:
+    with token_request(batch["input_ids"][:, length - (keep or length) + 1:], with_argmax=True, rows=rows) as request:
         logits = model(input_ids=batch["input_ids"], **inputs, **extra).logits
     answered = answer(request, logits)
     if answered is not None:
@@ -84,12 +100,12 @@ def completion_stats(model: torch.nn.Module, batch: dict[str, Tensor]) -> Comple
                                                                                              token_logps))
         mask, hits = (torch.nn.functional.pad(x, (skipped, 0), value=value) for x, value in ((mask, False),
                                                                                          (hits, True)))
-    if shared:  # B pairs -> 2B answers; every_token_logps holds both branches in each row (nll_on_prompt reads it)
+    if shared and not packed:  # B rows -> 2B answers; every_token_logps: both branches in each row (nll_on_prompt)
         token_logps, mask, hits = shared_prompt.split_branches(batch[shared_prompt.BRANCH_IDS], token_logps, mask,
                                                                hits)
         hits |= ~mask
         every_token_logps = torch.cat([every_token_logps, every_token_logps])
-    if packed:  # per row of the packed sequence: sums over the positions whose next token is the row's
+    if packed:  # per packed sequence (answer): sums over the positions whose next token is the sequence's
         rows, segments = batch[PACKED_ROWS], batch[SEGMENT_IDS][0, 1:]
 
         def per_row(values: Tensor) -> Tensor:

@@ -3,8 +3,11 @@
 A causal LM's forward pass ends with its output layer, ``logits = hidden @ W.T``: ``[B, T, V]`` values, and in
 training as many again for their gradient. Where only the log-probability of one given token per position is
 wanted (SFT, the DPO family, KTO, the online algorithms' completions), :func:`tap_output_layer` lets the output
-layer compute that directly, a tile at a time (:func:`rlhf.ops.token_logps.linear_log_softmax`), so the logits
-never exist whole: on a GPU they are the largest tensors of a step (``B x T x 152k`` at Qwen's vocabulary). It
+layer compute that directly, a block at a time (:func:`rlhf.ops.token_logps.linear_log_softmax`: on a GPU a Triton
+kernel over blocks of rows, each one matrix product over the whole vocabulary), so the logits never exist whole: on
+a GPU they are the largest tensors of a step (``B x T x 152k`` at Qwen's vocabulary). A request may name the only
+positions it needs (``rows``: those that score a completion token, :data:`rlhf.ops.completion_logps.SCORED_ROWS`):
+the layer then gathers just their hidden states, and prompt and padding positions cost nothing. It
 happens inside the output layer's own forward, so whatever a strategy hooks there (FSDP2's gathering of the sharded
 weight, DeepSpeed ZeRO-3's) runs as for any other forward, and the model's own forward is unchanged otherwise.
 
@@ -26,8 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf.core import auto_choices
 from rlhf.core.errors import UserError
-from rlhf.ops.token_logps import linear_log_softmax, tile_shape
+from rlhf.ops.token_logps import linear_log_softmax, tile_shape, uses_triton
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +45,15 @@ class TokenRequest:
     log-probabilities of ``index`` (``[B, L]``) at positions ``0 .. L-1`` of the layer's input, which must have
     ``L + 1`` positions (else the layer computes logits), and with them the greedy tokens or each position's entropy,
     all of ``softmax(logits / temperature)`` (an online algorithm's sampling temperature; 1 for every other use).
+    ``rows`` (optional): the only positions whose answers are wanted, flat indices into ``[B, L]`` (``b * L + l``) on
+    the layer's device; a tapped layer computes only those (the others answer 0, with no gradient).
     ``logps``, ``argmax`` and ``entropy`` are set when a tapped layer answered."""
 
     index: Tensor
     with_argmax: bool = False
     with_entropy: bool = False
     temperature: float = 1.0
+    rows: Tensor | None = field(default=None, repr=False)
     logps: Tensor | None = None
     argmax: Tensor | None = field(default=None, repr=False)
     entropy: Tensor | None = field(default=None, repr=False)
@@ -57,9 +64,10 @@ _PENDING: list[TokenRequest] = []  # at most one: the request of the forward pas
 
 @contextlib.contextmanager
 def token_request(index: Tensor, with_argmax: bool = False, with_entropy: bool = False,
-                  temperature: float = 1.0) -> Iterator[TokenRequest]:
-    """Ask the output layer of the forward pass run inside this block for log-probabilities (see the module)."""
-    request = TokenRequest(index, with_argmax, with_entropy, temperature)
+                  temperature: float = 1.0, rows: Tensor | None = None) -> Iterator[TokenRequest]:
+    """Ask the output layer of the forward pass run inside this block for log-probabilities (see the module and
+    :class:`TokenRequest`)."""
+    request = TokenRequest(index, with_argmax, with_entropy, temperature, rows)
     _PENDING.append(request)
     try:
         yield request
@@ -76,7 +84,8 @@ class FusedOutputLayer(torch.nn.Linear):
     answered = False  # set on the first answer, which is logged
 
     def answers_on(self, device: torch.device) -> bool:
-        return self.fused is True or device.type == "cuda"
+        return self.fused is True or (self.fused == "auto"
+                                      and auto_choices.pick("algo.fused_output_layer", device.type) is True)
 
     def forward(self, hidden: Tensor) -> Tensor:
         request = _PENDING[-1] if _PENDING else None
@@ -85,12 +94,14 @@ class FusedOutputLayer(torch.nn.Linear):
             return super().forward(hidden)  # not asked, or not the positions asked for: logits
         if not self.answered:
             self.answered = True
-            rows, chunk = tile_shape(request.index.numel(), self.out_features, hidden.device)
+            count = request.index.numel() if request.rows is None else request.rows.numel()
+            rows, chunk = tile_shape(count, self.out_features, hidden.device)
             log.info("the output layer computes the token log-probabilities itself, %d rows x %d vocabulary entries "
-                     "of logits at a time (algo.fused_output_layer=%s)", rows, chunk, str(self.fused).lower())
+                     "of logits at a time, with %s (algo.fused_output_layer=%s)", rows, chunk,
+                     "a Triton kernel" if uses_triton(hidden.device) else "torch operations", str(self.fused).lower())
         request.logps, request.argmax, request.entropy = linear_log_softmax(
             hidden, self.weight, self.bias, request.index, with_argmax=request.with_argmax,
-            with_entropy=request.with_entropy, temperature=request.temperature)
+            with_entropy=request.with_entropy, temperature=request.temperature, rows=request.rows)
         return request.logps
 
 

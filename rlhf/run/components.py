@@ -19,11 +19,12 @@ from accelerate.utils import set_seed
 from omegaconf import DictConfig
 
 from rlhf.algos.base import Algorithm
+from rlhf.core import auto_choices
 from rlhf.core.errors import UserError
 from rlhf.core.instantiate import build, in_a_sweep
 from rlhf.data.collate import truncated_rows
 from rlhf.data.fingerprint import data_fingerprint
-from rlhf.data.loaders import eval_loader, tokenize_once, train_loader
+from rlhf.data.loaders import eval_loader, loader_workers, tokenize_once, train_loader
 from rlhf.evaluation.generated import NoGenerationEval
 from rlhf.hardware import global_numel
 from rlhf.models import attention
@@ -32,6 +33,7 @@ from rlhf.ops.collectives import any_process
 from rlhf.ops.output_layer import logits_rows
 from rlhf.optim import param_groups, schedule
 from rlhf.run.folder import ENVIRONMENT
+from rlhf.run.nonfinite import Verdicts, verdicts_for
 from rlhf.run.resume_check import record
 from rlhf.run.train_settings import TrainSettings
 from rlhf.telemetry import mfu as perf
@@ -48,6 +50,15 @@ from rlhf.telemetry.memory_preflight import (
 from rlhf.telemetry.metrics import evaluate
 
 log = logging.getLogger(__name__)
+
+
+def auto_keys(algo: Any, strategy: Any) -> list[str]:
+    """The speed options of :data:`rlhf.core.auto_choices.CHOICES` this run left at ``auto`` (the algorithm's and
+    the hardware strategy's as configured), for the start-up line."""
+    owners = {"algo": algo, "hardware": strategy}
+    configured = {"hardware.compile": getattr(strategy, "_compile_asked", None)}
+    return [key for key in auto_choices.CHOICES
+            if configured.get(key, getattr(owners[key.split(".")[0]], key.split(".")[1], None)) == "auto"]
 
 
 @dataclass
@@ -79,6 +90,7 @@ class BuiltRun:
     peak_flops: float  # FLOP/s one process of this machine reaches in the run's precision (rlhf.telemetry.mfu.peak_flops)
     generation_eval: Any = None  # the eval option (rlhf.evaluation.generated): eval/gen/* beside the algorithm's
     left_out: frozenset[str] = frozenset()  # the algorithm's answer metrics, on data without one answer per prompt
+    verdicts: Verdicts | None = None  # the non-finite verdicts kept on the device; None: read every step (rlhf.run.nonfinite)
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics: the algorithm's own (``eval/<name>``) and the generation evaluation's
@@ -98,6 +110,9 @@ class BuiltRun:
         trainable = sum(global_numel(p) for p in parameters if p.requires_grad)
         log.info("run dir: %s", self.run_dir)
         log.info("hardware: %s", self.strategy.describe())
+        autos = auto_keys(self.algo, self.strategy)
+        if autos:
+            log.info("%s", auto_choices.describe(autos, self.accelerator.device.type))
         epochs = self.epochs()
         log.info("global batch %d = %d per device x %d process(es) x %d accumulation step(s); %d optimizer steps "
                  "(%s epoch(s) of the training rows)", settings.per_device_batch_size * processes * self.accumulation,
@@ -188,7 +203,9 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
                               for name, module in generation_eval.frozen.items()}
     fingerprint = data_fingerprint(tokenized["train"])  # of the tokens: precomputed columns are the model's
     tokenized = algo.precompute(tokenized, strategy)  # e.g. reference log-probabilities, computed or read once
-    training = train_loader(tokenized["train"], settings.per_device_batch_size, algo.collate, cfg.seed)
+    training = train_loader(tokenized["train"], settings.per_device_batch_size, algo.collate, cfg.seed,
+                            num_workers=loader_workers(getattr(data, "num_workers", None), strategy.uses_cuda()),
+                            pin_memory=strategy.uses_cuda())  # moved to the GPU without a wait (hardware.base)
     evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)
     # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
     make_optimizer = build(cfg.optimizer, _convert_="all")  # plain lists (betas): checkpoints load weights-only
@@ -209,7 +226,8 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
                     resume_record=record(cfg, strategy, fingerprint), memory=memory,
                     adapter=adapter, peak=peak, flops_per_token=perf.flops_per_token(policy, list(algo.frozen.values())),
                     peak_flops=peak_flops, generation_eval=generation_eval,
-                    left_out=frozenset(() if getattr(data, "one_answer_per_prompt", True) else algo.answer_metrics))
+                    left_out=frozenset(() if getattr(data, "one_answer_per_prompt", True) else algo.answer_metrics),
+                    verdicts=verdicts_for(settings, strategy, optimizer))
 
 
 def activation_checkpointing(model) -> bool:

@@ -31,9 +31,8 @@ from rlhf.run import folder as run_folder
 from rlhf.run.components import BuiltRun, build_run
 from rlhf.run.nonfinite import CAUSES, NonFinite, skip_or_stop
 from rlhf.run.signals import Stopped, catch_stop_signals
+from rlhf.run.window import settle, window_metrics
 from rlhf.telemetry.loggers import Loggers, log_file
-from rlhf.telemetry.metrics import window_means
-from rlhf.telemetry.mfu import mfu
 from rlhf.telemetry.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -177,10 +176,11 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: in
     :class:`rlhf.launch.step_trainer.StepTrainer` passes the micro-batches its caller gave. ``save_due``: this process's
     clock says a checkpoint is due; the outcome's ``save`` is whether any process's says so (every process saves).
 
-    The step waits for the device once, to read whether it is finite (skip or step: the one decision the host must
-    make; with several processes the flags' one all-reduce is read too); the metrics, token counts and gradient norm
-    stay on the device, summed into the log window, and are read when the window is logged (:func:`window_metrics`).
-    So a GPU runs ahead of the host between log windows."""
+    The metrics, token counts and gradient norm stay on the device, summed into the log window, and are read when
+    the window is logged (:func:`window_metrics`). Whether the step is finite stays there too where the optimizer
+    skips on the device (``run.verdicts``, :mod:`rlhf.run.nonfinite`): then the step never waits for the device, and
+    a GPU runs ahead of the host through the log window. Elsewhere the step waits once, to read it (skip or step:
+    the one decision the host makes; with several processes the flags' one all-reduce is read too)."""
     strategy, model, accum = run.strategy, run.model, accumulation or run.accumulation
     step_sums: dict[str, torch.Tensor | float] = {}
     step_weights: dict[str, float] = {}
@@ -201,50 +201,36 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: in
     norm = strategy.clip_gradients(model, run.settings.max_grad_norm)
     if norm is not None:
         nonfinite = nonfinite | ~torch.isfinite(torch.as_tensor(norm, device=nonfinite.device))
-    finite = not bool(nonfinite)  # the step's one read of the device
-    # One all-reduce for all: any process's NaN, stop signal or due checkpoint acts on every process at this step.
-    flags = any_process({"nonfinite": not finite, "stop": stop.signum is not None, "save": save_due},
-                        run.accelerator)
     state.step += 1
-    if flags["nonfinite"]:
-        skip_or_stop(state, run.settings, strategy, model, run.optimizer, None if norm is None else float(norm))
-        norm = None
+    if run.verdicts is not None:  # the verdict stays on the device: the optimizer's kernel skips there
+        flags = any_process({"stop": stop.signum is not None, "save": save_due}, run.accelerator)  # one process
+        strategy.step(model, run.optimizer, skip=nonfinite.to(torch.float32))
+        run.verdicts.add(state, nonfinite, norm, step_sums, step_weights, step_tokens, step_samples)
+        norm = torch.where(nonfinite, float("nan"), norm) if norm is not None else None  # a skipped step's: none
     else:
-        after = strategy.step(model, run.optimizer)  # ZeRO: the norm is known only now, after its step
-        if after is not None and not math.isfinite(after):
-            raise NonFinite(f"step {state.step}: the gradient norm is {after} and DeepSpeed has already applied the "
-                            "step; stopping without saving. " + CAUSES)
-        norm = after if norm is None else norm
-        state.nonfinite_in_row = 0
-        for key, value in step_sums.items():
-            state.window_sums[key] += value
-            state.window_weights[key] += step_weights[key]
-        state.window_tokens += step_tokens
-        state.window_samples += step_samples
+        # One all-reduce for all: any process's NaN, stop signal or due checkpoint acts on every process at this step.
+        flags = any_process({"nonfinite": bool(nonfinite), "stop": stop.signum is not None, "save": save_due},
+                            run.accelerator)  # bool(): the step's one read of the device
+        if flags["nonfinite"]:
+            skip_or_stop(state, run.settings, strategy, model, run.optimizer, None if norm is None else float(norm))
+            norm = None
+        else:
+            after = strategy.step(model, run.optimizer)  # ZeRO: the norm is known only now, after its step
+            if after is not None and not math.isfinite(after):
+                raise NonFinite(f"step {state.step}: the gradient norm is {after} and DeepSpeed has already applied "
+                                "the step; stopping without saving. " + CAUSES)
+            norm = after if norm is None else norm
+            state.nonfinite_in_row = 0
+            for key, value in step_sums.items():
+                state.window_sums[key] += value
+                state.window_weights[key] += step_weights[key]
+            state.window_tokens += step_tokens
+            state.window_samples += step_samples
     with warnings.catch_warnings():  # a skipped first step: torch warns that the optimizer has not stepped
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         run.scheduler.step()
     state.window_steps += 1
     return StepOutcome(norm, flags["stop"], flags["save"])
-
-
-def window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, elapsed_s: float) -> dict[str, float]:
-    """The log window's training metrics (means over its steps and every process), speed, lr and counters."""
-    processes = run.accelerator.num_processes
-    tokens_per_s = int(state.window_tokens) * processes / elapsed_s
-    metrics = {**run.shown(window_means(state, "train/", run.accelerator), "train/"), "train/lr": run.scheduler.get_last_lr()[0],
-               "perf/tokens_per_s": tokens_per_s,
-               "perf/samples_per_s": state.window_samples * processes / elapsed_s,
-               "perf/mfu": mfu(run.flops_per_token, tokens_per_s, run.peak_flops, processes),
-               "perf/step_time_s": elapsed_s / max(state.window_steps, 1),
-               "perf/peak_mem_mb": max_over_processes(run.peak.mb(), run.accelerator)}
-    for phase, seconds in run.algo.timings().items():  # e.g. an online algorithm's sampling, per step
-        metrics[f"perf/{phase}_time_s"] = max_over_processes(seconds, run.accelerator) / max(state.window_steps, 1)
-    if grad_norm is not None and math.isfinite(grad_norm):
-        metrics["train/grad_norm"] = grad_norm
-    if state.nonfinite_steps:
-        metrics["train/nonfinite_steps"] = state.nonfinite_steps
-    return metrics
 
 
 def _evaluate(run: BuiltRun, record, step: int) -> None:
@@ -254,6 +240,7 @@ def _evaluate(run: BuiltRun, record, step: int) -> None:
 
 
 def _save_checkpoint(run: BuiltRun, state: TrainState) -> Path:
+    settle(run, state)  # a stop the verdicts call for comes before the save
     if not run.strategy.all_finite(run.model):
         raise NonFinite(f"step {state.step}: the model's parameters are not finite; no checkpoint was written over "
                         "the good ones. " + CAUSES)

@@ -48,6 +48,8 @@ NOT_OPTIMIZING = (
     "train.log_every_steps", "train.eval_every_steps", "train.eval_at_start", "train.eval_batch_size",
     "train.save_every_steps", "train.save_every_minutes", "train.keep_last", "train.save_final",
     "train.empty_cache_every_steps", "train.profile_steps", "train.profile_memory", "train.memory_check",
+    "train.nonfinite_on_device",  # the same steps skipped, the others the same bit for bit; only when a stop acts
+    "data.num_workers",  # the batches are the same with any count of workers (rlhf.data.loaders.train_loader)
     "hardware.timeout_s", "hardware.rdzv_endpoint", "hardware.node_rank",
     "model.gradient_checkpointing",  # recomputes the same activations: the same gradients bit for bit (tested)
 )

@@ -79,7 +79,16 @@ def _memory_needs_steps(values: Mapping[str, Any], where: str) -> None:
 @dataclass(frozen=True)
 class TrainSettings:
     """The ``train:`` block (see ``conf/config.yaml`` for what each field does and its default). Units are in the
-    names: ``*_steps`` are optimizer steps, ``*_batch_size`` are examples (pairs for DPO)."""
+    names: ``*_steps`` are optimizer steps, ``*_batch_size`` are examples (pairs for DPO).
+
+    ``on_nonfinite``, ``max_nonfinite_in_row`` and ``nonfinite_on_device``: a step whose loss or gradient norm is NaN
+    or Inf (on any process) is skipped, counted in ``train/nonfinite_steps``, or stops the run. Where the verdict
+    is kept on the device (:mod:`rlhf.run.nonfinite`: ``nonfinite_on_device`` true, or null on a GPU; one process
+    with torch's fused Adam/AdamW, ``conf/optimizer/adamw.yaml``), the optimizer's kernel leaves the step out there
+    and the host reads the verdicts when the log window is written or a checkpoint is about to be: the step never
+    waits for the device, and ``stop`` and ``max_nonfinite_in_row`` act then, at the next log window or save,
+    naming the step (nothing non-finite was applied in between, and nothing is saved before they act). Elsewhere
+    (other optimizers, several processes, DeepSpeed) every step reads its verdict and acts at once."""
 
     max_steps: int | None
     num_epochs: int | None
@@ -97,6 +106,7 @@ class TrainSettings:
     keep_last: int | None
     on_nonfinite: str
     max_nonfinite_in_row: int
+    nonfinite_on_device: bool | None
     empty_cache_every_steps: int
     profile_steps: int
     profile_memory: bool

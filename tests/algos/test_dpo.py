@@ -202,12 +202,11 @@ def test_padding_free_pairs_give_the_loss_metrics_and_gradients_of_padded_ones(c
     assert packed[3] == padded[3] == 3
 
 
-def test_padding_free_refuses_the_layouts_it_replaces():
+def test_padding_free_refuses_the_nll_it_cannot_read_and_takes_shared_prompts():
     from rlhf.config.checks import check_config
     from rlhf.core.errors import UserError
     from tests.conftest import compose_config
 
-    for extra, message in (("algo.shared_prompt=true", "two layouts of one batch"),
-                           ("algo.nll_on_prompt=true", "does not take algo.nll_on_prompt")):
-        with pytest.raises(UserError, match=message):
-            check_config(compose_config("algo=dpo", "algo.padding_free=true", extra))
+    with pytest.raises(UserError, match="does not take algo.nll_on_prompt"):
+        check_config(compose_config("algo=dpo", "algo.padding_free=true", "algo.nll_on_prompt=true"))
+    check_config(compose_config("algo=dpo", "algo.padding_free=true", "algo.shared_prompt=true"))  # packed pairs

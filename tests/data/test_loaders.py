@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
@@ -44,3 +45,45 @@ def test_batches_continue_mid_epoch_and_into_the_next():
     resumed = Batches(loader, resumed_state, _Rank(0, 1))  # the loader's own seeded generator: the same order
     assert resumed.next()["row"].tolist() == seen[2]
     assert sorted(r for batch in seen[:3] for r in batch) == list(range(6))  # one epoch: every row once
+
+
+def _slow_first(rows):
+    """A batch with row 0 takes longer to collate: a worker that finishes the next batch first must wait its turn."""
+    if any(r["row"] == 0 for r in rows):
+        time.sleep(0.1)
+    return _collate(rows)
+
+
+def _ordered(loader, state: TrainState, accelerator, count: int) -> list[list[int]]:
+    batches = Batches(loader, state, accelerator)
+    return [batches.next()["row"].tolist() for _ in range(count)]
+
+
+def test_worker_processes_collate_the_same_batches_in_the_same_order():
+    """Through the strategy's prepared loader (Accelerate's seedable sampler, set_epoch, skip_first_batches): 2
+    worker processes give the batches 0 workers give, over epochs and after a resume mid-epoch, and leave the global
+    random state as they found it, as 0 workers do (a resumed run's dropout masks depend on it)."""
+    from rlhf.hardware import DataParallel
+
+    rows = [{"row": i} for i in range(10)]  # 5 batches of 2 an epoch
+    seen = {}
+    for workers in (0, 2):
+        strategy = DataParallel(device="cpu", threads_per_process=1)
+        accelerator = strategy.start(seed=3)
+        loader = accelerator.prepare(train_loader(rows, 2, _slow_first, seed=3, num_workers=workers))
+        assert loader.num_workers == workers
+        torch.manual_seed(0)
+        whole = _ordered(loader, TrainState(), accelerator, 12)  # into the third epoch
+        resumed = _ordered(loader, TrainState(epoch=1, batch_in_epoch=2), accelerator, 5)
+        seen[workers] = (whole, resumed, torch.get_rng_state())
+    assert seen[2][:2] == seen[0][:2]
+    assert seen[0][1] == seen[0][0][7:12]  # the resume continues with the very next batch
+    assert sorted(r for batch in seen[2][0][:5] for r in batch) == list(range(10))  # each row once an epoch
+    assert torch.equal(seen[2][2], seen[0][2])
+
+
+def test_workers_by_default_on_a_gpu_only():
+    from rlhf.data.loaders import GPU_WORKERS, loader_workers
+
+    assert (loader_workers(None, cuda=True), loader_workers(None, cuda=False)) == (GPU_WORKERS, 0)
+    assert loader_workers(3, cuda=False) == 3 and loader_workers(0, cuda=True) == 0

@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.algos.dpo import DPO
 from rlhf.core.errors import UserError
-from rlhf.data import shared_prompt
+from rlhf.data import layout_masks, shared_prompt
 from rlhf.models import attention
 from rlhf.models.reference import NoReference
 from rlhf.models.tokenizer import byte_tokenizer
@@ -58,11 +58,11 @@ def test_the_layout_repeats_the_prompts_last_token_and_restarts_positions_there(
     assert batch["completion_mask"].tolist() == [[0, 0, 0, 1, 1, 0, 1, 1, 1], [0, 1, 0, 1, 0, 0, 0, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1] * 9, [1] * 4 + [0] * 5]
     assert algo.samples(batch) == 2 and shared_prompt.scored_sequences(batch) == 4
-    mask = shared_prompt.model_inputs(batch, _model())["attention_mask"][0, 0]
+    mask = layout_masks.model_inputs(batch, _model())["attention_mask"][0, 0]
     sees = [[int(v) for v in row] for row in mask]
     assert sees[6] == [1, 1, 0, 0, 0, 1, 1, 0, 0]  # rejected's 'y': the prefix 'ab', its branch's '=', itself
     assert sees[3] == [1, 1, 1, 1, 0, 0, 0, 0, 0]  # chosen's 'x': the prefix and its branch
-    padding = shared_prompt.model_inputs(batch, _model())["attention_mask"][1, 0, 6]
+    padding = layout_masks.model_inputs(batch, _model())["attention_mask"][1, 0, 6]
     assert padding.tolist() == [False] * 6 + [True] + [False] * 2  # padding sees itself only: no empty row
 
 
@@ -93,7 +93,7 @@ def test_under_flex_attention_the_layout_is_a_block_mask_with_the_two_sequences_
     model = _model("llama", "flex_attention")
     assert shared_prompt.unsupported(model, 1024) is None
     plain, shared = _batches(model)
-    assert isinstance(shared_prompt.model_inputs(shared, model)["attention_mask"], BlockMask)
+    assert isinstance(layout_masks.model_inputs(shared, model)["attention_mask"], BlockMask)
     with torch.no_grad():
         x, y = completion_stats(model, plain), completion_stats(model, shared)
     assert torch.allclose(x.logps, y.logps, atol=1e-4) and x.logps.abs().min() > 1
@@ -136,9 +136,9 @@ def test_eager_gets_an_additive_mask_through_a_strategys_wrapper():
     eager, sdpa = _model(attn="eager"), _model()
     _, batch = _batches(eager)
     for model in (eager, Wrapped(eager), Wrapped(Wrapped(eager))):
-        mask = shared_prompt.model_inputs(batch, model)["attention_mask"]
+        mask = layout_masks.model_inputs(batch, model)["attention_mask"]
         assert mask.dtype == torch.float32 and mask.max() == 0 and mask.min() == torch.finfo(torch.float32).min
-    assert shared_prompt.model_inputs(batch, Wrapped(sdpa))["attention_mask"].dtype == torch.bool
+    assert layout_masks.model_inputs(batch, Wrapped(sdpa))["attention_mask"].dtype == torch.bool
 
 
 def test_dpo_shares_prompts_where_the_model_can_and_says_why_not_where_it_cannot():

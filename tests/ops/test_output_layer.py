@@ -10,7 +10,8 @@ from rlhf.algos.sft import SFT
 from rlhf.core.errors import UserError
 from rlhf.data.collate import collate_sequences
 from rlhf.embedded.tiny_model import TinySpec
-from rlhf.ops.completion_logps import completion_stats, keep_completion_logits
+from rlhf.ops.completion_logps import SCORED_ROWS, SCORED_ROWS_WIDTH, completion_stats, keep_completion_logits
+from rlhf.ops.linear_logps_torch import LinearLogSoftmaxTorch
 from rlhf.ops.output_layer import FusedOutputLayer, check_when, tap_output_layer, token_request
 
 
@@ -30,27 +31,54 @@ def _batch():
 def _stats_and_grads(model, batch):
     model.zero_grad()
     stats = completion_stats(model, batch)
-    (stats.token_logps.sum() + 0.5 * stats.every_token_logps.sum()).backward()
+    # every_token_logps: every kept position's, or (with scored rows) the completion's only
+    every = stats.every_token_logps if SCORED_ROWS not in batch else stats.every_token_logps * stats.mask
+    (stats.token_logps.sum() + 0.5 * every.sum()).backward()
     return stats, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def test_a_tapped_output_layer_answers_with_the_log_probabilities_the_logits_give():
+@pytest.mark.parametrize("scored_rows", [True, False], ids=["scored-rows", "kept-window"])
+def test_a_tapped_output_layer_answers_with_the_log_probabilities_the_logits_give(monkeypatch, scored_rows):
     """completion_stats on a tapped model: the same statistics and gradients as from the logits, and the output
-    layer returned [B, L] log-probabilities, never [B, T, V] logits."""
+    layer returned [B, L] log-probabilities, never [B, T, V] logits. With the batch's scored rows
+    (keep_completion_logits), it computed those rows only: the completion tokens, no prompt or padding position."""
     plain, tapped = _model(), _model()
     assert tap_output_layer(tapped, True) and type(tapped.lm_head) is FusedOutputLayer
-    shapes = []
+    shapes, computed = [], []
     tapped.lm_head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    apply = LinearLogSoftmaxTorch.apply
+    monkeypatch.setattr(LinearLogSoftmaxTorch, "apply", lambda h, *a: computed.append(h.shape[0]) or apply(h, *a))
     batch = _batch()
+    if not scored_rows:
+        batch = {k: v for k, v in batch.items() if k not in (SCORED_ROWS, SCORED_ROWS_WIDTH)}
     (want, want_grads), (got, got_grads) = _stats_and_grads(plain, batch), _stats_and_grads(tapped, batch)
     keep = int(batch["logits_to_keep"])
-    assert shapes == [(3, keep - 1)]  # one log-probability per scored position
-    for field in ("logps", "token_logps", "every_token_logps"):
+    assert shapes == [(3, keep - 1)]  # one log-probability per kept position
+    assert computed == [int(want.mask.sum()) if scored_rows else 3 * (keep - 1)]  # 12 rows, or the window's 21
+    every = (lambda s: s.every_token_logps * s.mask) if scored_rows else (lambda s: s.every_token_logps)
+    torch.testing.assert_close(every(got), every(want), atol=1e-6, rtol=1e-5)
+    for field in ("logps", "token_logps"):
         torch.testing.assert_close(getattr(got, field), getattr(want, field), atol=1e-6, rtol=1e-5)
     for field in ("num_tokens", "greedy_match", "mask"):
         assert torch.equal(getattr(got, field), getattr(want, field))
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5)
+
+
+def test_scored_rows_survive_padding_the_batch_to_a_longer_length():
+    """A compiled run pads a collated batch to a bucket's length (pad_to_multiple): the scored rows still name the
+    completion positions, and a tapped layer gives the statistics of the unpadded batch."""
+    from rlhf.data.collate import pad_to_multiple
+
+    tapped = _model()
+    tap_output_layer(tapped, True)
+    batch = _batch()
+    padded = pad_to_multiple(batch, 16)
+    assert padded["input_ids"].shape[1] == 16 and torch.equal(padded[SCORED_ROWS], batch[SCORED_ROWS])
+    want, got = completion_stats(_model(), batch), completion_stats(tapped, padded)
+    torch.testing.assert_close(got.logps, want.logps, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.token_logps[:, :8], want.token_logps, atol=1e-6, rtol=1e-5)
+    assert torch.equal(got.greedy_match, want.greedy_match) and torch.equal(got.num_tokens, want.num_tokens)
 
 
 def test_without_a_request_or_on_a_cpu_under_auto_the_layer_computes_logits():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rlhf.ops import token_logps
+from rlhf.ops import linear_logps_torch, token_logps
 from rlhf.ops.token_logps import selective_log_softmax
 
 
@@ -100,8 +100,8 @@ def test_linear_log_softmax_equals_the_output_layer_then_the_log_softmax(monkeyp
     states, weight and bias, up to rounding (bf16 autocast: bf16's; the weight's gradient is summed over row
     blocks in float32, so it is not less exact than one bf16 product)."""
     tile_bytes, min_chunk = tile
-    monkeypatch.setattr(token_logps, "LINEAR_TILE_BYTES_CPU", tile_bytes)
-    monkeypatch.setattr(token_logps, "MIN_VOCAB_CHUNK", min_chunk)
+    monkeypatch.setattr(linear_logps_torch, "LINEAR_TILE_BYTES_CPU", tile_bytes)
+    monkeypatch.setattr(linear_logps_torch, "MIN_VOCAB_CHUNK", min_chunk)
     torch.manual_seed(0)
     h0, w0, b0 = torch.randn(3, 7, 5), torch.randn(13, 5), torch.randn(13)
     w0[2], w0[9], b0[9] = torch.full((5,), 2.0), torch.full((5,), 2.0), b0[2]  # entries 2 and 9 (chunks 0, 2) ...
@@ -151,8 +151,8 @@ def test_linear_log_softmax_gives_each_positions_entropy_without_a_gradient(monk
     vocabulary chunks; it takes no part in the backward pass."""
     from rlhf.algos.policy_losses import entropy_from_logits
 
-    monkeypatch.setattr(token_logps, "MIN_VOCAB_CHUNK", min_chunk)
-    monkeypatch.setattr(token_logps, "LINEAR_TILE_BYTES_CPU", 4 * 4 * 3)
+    monkeypatch.setattr(linear_logps_torch, "MIN_VOCAB_CHUNK", min_chunk)
+    monkeypatch.setattr(linear_logps_torch, "LINEAR_TILE_BYTES_CPU", 4 * 4 * 3)
     torch.manual_seed(2)
     hidden, weight, index = torch.randn(2, 6, 5, requires_grad=True), torch.randn(13, 5) * 3, torch.randint(13, (2, 4))
     logps, _, entropy = token_logps.linear_log_softmax(hidden, weight, None, index, start=1, with_entropy=True)
@@ -194,8 +194,8 @@ def test_selective_log_softmax_at_a_temperature_is_log_softmax_of_the_logits_ove
 @pytest.mark.parametrize("min_chunk", [4, 1024], ids=["chunks", "whole-vocab"])
 def test_linear_log_softmax_at_a_temperature_gives_the_logps_entropy_and_gradients_of_logits_over_it(
         monkeypatch, temperature, min_chunk):
-    monkeypatch.setattr(token_logps, "MIN_VOCAB_CHUNK", min_chunk)
-    monkeypatch.setattr(token_logps, "LINEAR_TILE_BYTES_CPU", 4 * 4 * 3)
+    monkeypatch.setattr(linear_logps_torch, "MIN_VOCAB_CHUNK", min_chunk)
+    monkeypatch.setattr(linear_logps_torch, "LINEAR_TILE_BYTES_CPU", 4 * 4 * 3)
     torch.manual_seed(4)
     h0, w0, b0 = torch.randn(2, 6, 5), torch.randn(13, 5) * 2, torch.randn(13)
     index, g = torch.randint(13, (2, 4)), torch.randn(2, 4)

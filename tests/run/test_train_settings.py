@@ -25,7 +25,8 @@ def test_train_block_is_written_once_in_the_config():
 
 def test_every_field_has_declared_limits_or_a_type_that_is_enough():
     declared = set(TrainSettings.__limits__)
-    checked_elsewhere = {"eval_at_start", "save_final", "on_nonfinite", "profile_memory", "memory_check"}  # bools;
+    checked_elsewhere = {"eval_at_start", "save_final", "on_nonfinite", "profile_memory", "memory_check",
+                         "nonfinite_on_device"}  # bools;
     # choices checked across fields
     assert declared | checked_elsewhere == {f.name for f in dataclasses.fields(TrainSettings)}
 
@@ -39,6 +40,7 @@ def test_check_config_applies_the_limits_without_adding_a_target(tmp_path):
                               ("train.max_grad_norm=0", "train.max_grad_norm=0 must be > 0"),
                               ("train.num_epochs=2", "set exactly one of them"),
                               ("train.on_nonfinite=ignore", "is not one of ['skip', 'stop']"),
+                              ("train.nonfinite_on_device=gpu", "expects bool or null"),
                               ("train.memory_check=maybe", "is not one of ['refuse', 'warn', 'off']")]:
         with pytest.raises(UserError) as refused:
             check_config(compose_config(override, output_dir=tmp_path))

@@ -1,0 +1,176 @@
+"""What the GPU check runs, in which order, and how long each pair is expected to take (``benchmarks/gpu_check.py``).
+
+A plan entry is ``(size, batch, case, shape)``: a model size and a case of ``benchmarks/bench.py``, the samples a
+step, and a data shape (``bench.SHAPES``: ``real`` is prompts up to 256 and completions up to 384 tokens, GRPO
+sampling 128; ``short`` is 32 + 32). A pair runs each side ``rounds`` times, alternating: ours, TRL, TRL with its
+own best options (``bench.TRL_BEST``), ours, ...; a pair starts only while :func:`pair_seconds` says it fits the
+budget, its estimate corrected by how far the pairs before it were off (:func:`calibrated`).
+
+The estimate (:func:`pair_seconds`): per process a start-up (imports, CUDA, loading the model, the data) and
+``2 x steps`` steps (half untimed, half timed) of the padded tokens of a step at a rate measured on an H200 at
+32 + 32 tokens, batch 64, bf16 (docs/gpu/2026-11-27-nvidia-h200-second-run.md: DPO 1,188 pairs/s at 100m and 263
+at ~1B; SFT's and GRPO's training from DPO's by FLOPs per token, 6 against 8 x parameters: SFT's measured 1,295 rows/s
+at 100m was launch-bound at 49 tokens a row),
+scaled by tokens (lengths bring the GPU closer to its peak, so the estimate errs long); GRPO adds its sampling,
+one forward pass a new token (100m: 12 ms a token, from GRPO fp32's 168 completions/s at 32 new tokens; ~1B: the
+same per layer).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (benchmarks/bench.py: sizes, cases, shapes, the command of one of our runs)
+
+ROOT = bench.ROOT
+
+# ---- the plan ------------------------------------------------------------------------------------------------------
+# The headline (its own device call, --part headline): real lengths, what the goals read first; then, while the
+# budget lasts, the rest. The first entry is profiled (PROFILE_CASE).
+HEADLINE = [("1b", 16, "dpo_bf16", "real"), ("1b", 16, "sft_bf16", "real"), ("100m", 32, "dpo_bf16", "real"),
+            ("100m", 32, "sft_bf16", "real"), ("100m", 16, "grpo_bf16", "real"), ("1b", 32, "dpo_bf16", "real"),
+            ("1b", 32, "sft_bf16", "real"), ("100m", 16, "dpo_bf16", "real"), ("100m", 16, "sft_bf16", "real"),
+            ("1b", 16, "grpo_bf16", "real")]
+# Short rows (32 + 32 tokens): a step there is mostly kernel launches; the launch-overhead rows (--part rest).
+SHORT = [("100m", 64, "dpo_bf16", "short"), ("100m", 8, "dpo_shipped", "short"), ("100m", 64, "sft_bf16", "short"),
+         ("100m", 64, "grpo_bf16", "short")]
+PLAN = HEADLINE + SHORT
+PROFILE_CASE = HEADLINE[0]  # profiled on both sides (torch.profiler): top kernels, the GPU's idle share
+# The rehearsal on a CPU: one DPO pair at the smallest size on short rows (the real shape's rows:
+# tests/test_bench.py), float32 (bf16 is emulated on a CPU without bf16 units, ~15x slower: the bf16 twins differ by
+# one override, checked by check_plan), profiled. GRPO's and SFT's runners: tests/test_bench.py, and GRPO and PPO
+# through train.py in the paths section.
+TINY_PLAN = [("3m", 8, "dpo_fp32", "short")]
+TINY_PROFILE = TINY_PLAN[0]
+
+# Levers, our side only, each against our defaults on the same case in the same call (the speed row when it ran,
+# else one more run of the defaults): (size, batch, case, shape, name, overrides). ``None`` overrides: a lever whose
+# option is not built yet, listed so that its row says so; fill in the override when it lands.
+LEVERS = [
+    ("100m", 32, "dpo_bf16", "real", "two sequences a pair", ["algo.shared_prompt=false"]),
+    ("100m", 32, "dpo_bf16", "real", "plain output layer", ["algo.fused_output_layer=false"]),
+    ("100m", 32, "dpo_bf16", "real", "packed shared prompt (flex block mask)",
+     ["model.attn_implementation=flex_attention"]),
+    ("100m", 32, "dpo_bf16", "real", "padding-free pairs, no shared prompt (flex attention)",
+     ["algo.padding_free=true", "algo.shared_prompt=false"]),
+    ("100m", 32, "sft_bf16", "real", "padding-free (flex attention)", ["algo.padding_free=true"]),
+    ("100m", 32, "dpo_bf16", "real", "eager decoder layers (no regional compilation)", ["hardware.compile=false"]),
+    ("100m", 32, "dpo_bf16", "real", "the verdict read every step (found-inf not on the device)",
+     ["train.nonfinite_on_device=false"]),
+    ("100m", 16, "grpo_bf16", "real", "transformers' generate (dynamic cache)", ["algo.generation=transformers"]),
+    ("100m", 16, "grpo_bf16", "real", "transformers' generate, static cache", ["algo.cache_implementation=static"]),
+    ("1b", 16, "dpo_bf16", "real", "plain output layer", ["algo.fused_output_layer=false"]),
+]
+TINY_LEVERS = [("3m", 8, "dpo_fp32", "short", "plain output layer", ["algo.fused_output_layer=false"]),
+               ("3m", 8, "dpo_fp32", "short", "an option not built yet", None)]
+
+STEPS = {  # timed steps per (size, algorithm) at real lengths (as many untimed first): ~3 s of GPU work timed
+    ("100m", "dpo"): 15, ("100m", "sft"): 20, ("100m", "grpo"): 3, ("1b", "dpo"): 4, ("1b", "sft"): 8,
+    ("1b", "grpo"): 2, ("3m", "dpo"): 2, ("3m", "sft"): 2, ("3m", "grpo"): 1}
+SHORT_STEPS = {"100m": 30, "1b": 15, "3m": 2}  # timed steps at 32 + 32 (GRPO: its STEPS)
+
+
+def steps_for(size: str, case: str, shape: str) -> int:
+    algo = bench.CASES[case][0]
+    return STEPS[(size, algo)] if shape != "short" or algo == "grpo" else SHORT_STEPS[size]
+
+
+# ---- the estimate --------------------------------------------------------------------------------------------------
+STARTUP_S = {"3m": 8.0, "25m": 12.0, "100m": 20.0, "1b": 28.0}  # one process: imports, CUDA, model, data
+LIGER_FIRST_S = 20.0  # Triton compiles Liger-Kernel's kernels on first use in a call (cached for the later runs)
+TOKENS_PER_S = {  # a step's padded tokens per second, H200, bf16 (see the module's docstring); 3m: a CPU's
+    ("100m", "dpo"): 1188 * 122, ("100m", "sft"): 1188 * 122 * 8 / 6, ("100m", "grpo"): 1188 * 122 * 8 / 6,
+    ("1b", "dpo"): 263 * 122, ("1b", "sft"): 263 * 122 * 8 / 6, ("1b", "grpo"): 263 * 122 * 8 / 6,
+    ("3m", "dpo"): 20_000, ("3m", "sft"): 20_000, ("3m", "grpo"): 20_000}
+STEP_FLOOR_S = {"3m": 0.02, "100m": 0.055, "1b": 0.13}  # launch-bound: a step never takes less (H200, batch 8)
+DECODE_S_PER_TOKEN = {"3m": 0.01, "100m": 0.012, "1b": 0.012 * 22 / 8}  # GRPO's sampling, one token of a batch
+
+
+def step_seconds(size: str, batch: int, case: str, shape: str) -> float:
+    """One optimizer step's expected seconds: the step's padded tokens (each sequence at the shape's longest, as a
+    batch pads to its longest row) at :data:`TOKENS_PER_S`, at least :data:`STEP_FLOOR_S`; GRPO adds a forward
+    pass per new token."""
+    algo = bench.CASES[case][0]
+    prompt, completion = bench.SHAPES[shape]
+    if algo == "grpo":
+        completion = bench.new_tokens(shape)
+    sequences = 2 if algo == "dpo" else 1
+    tokens = batch * sequences * (prompt + completion + 1)
+    seconds = max(STEP_FLOOR_S[size], tokens / TOKENS_PER_S[(size, algo)])
+    if algo == "grpo":
+        seconds += bench.new_tokens(shape) * DECODE_S_PER_TOKEN[size]
+    return seconds
+
+
+def run_seconds(size: str, batch: int, case: str, shape: str) -> float:
+    """One process of one side: start-up and ``2 x steps`` steps."""
+    return STARTUP_S[size] + 2 * steps_for(size, case, shape) * step_seconds(size, batch, case, shape)
+
+
+def pair_seconds(size: str, batch: int, case: str, shape: str, rounds: int, sides: int) -> float:
+    """A pair's expected seconds: ``sides`` processes a round (ours, TRL, TRL's best), ``rounds`` rounds."""
+    return rounds * sides * run_seconds(size, batch, case, shape)
+
+
+def plan_seconds(plan: list[tuple], rounds: int, sides: int = 3) -> float:
+    """The whole plan's expected seconds (what the budget is compared with), Liger's first compile included."""
+    return LIGER_FIRST_S + sum(pair_seconds(*entry, rounds, sides) for entry in plan)
+
+
+def calibrated(estimate_s: float, measured: list[tuple[float, float]]) -> float:
+    """``estimate_s`` corrected by the pairs so far (``(estimated, measured)`` seconds): times their total measured
+    over their total estimated, kept within [0.5, 3]."""
+    if not measured:
+        return estimate_s
+    ratio = sum(m for _, m in measured) / max(sum(e for e, _ in measured), 1e-9)
+    return estimate_s * min(3.0, max(0.5, ratio))
+
+
+# ---- checks before a minute of a GPU is spent ----------------------------------------------------------------------
+def check_plan(plan: list[tuple]) -> None:
+    """Every entry names a size, a case and a shape of ``benchmarks/bench.py``, has its step counts and estimate, and
+    its overrides build (GRPO's batch a multiple of its group)."""
+    for entry in plan:
+        size, batch, case, shape = entry
+        algo = bench.CASES.get(case, ("?",))[0]
+        if (size not in bench.SIZES or case not in bench.CASES or shape not in bench.SHAPES
+                or (size, algo) not in STEPS or (size, algo) not in TOKENS_PER_S or size not in STARTUP_S):
+            raise ValueError(f"plan entry {entry}: unknown size, case or shape, or no step count or estimate")
+        bench._our_command(case, ROOT, ROOT, ROOT, batch, steps_for(size, case, shape), 1, ROOT, [], "cuda", shape)
+
+
+def check_levers(levers: list, plan: list) -> None:
+    """Every lever's case is one the plan has (the same sizes, data and step counts as its speed row)."""
+    for size, batch, case, shape, name, _ in levers:
+        if (size, batch, case, shape) not in plan:
+            raise ValueError(f"lever {name!r}: {(size, batch, case, shape)} is not in the plan")
+
+
+def parse_pairs(text: str, plan: list[tuple]) -> list[tuple]:
+    """``--pairs``' value: plan entries as ``size/batch/case[/shape]``, comma-separated (shape: the first the plan
+    has), in the plan's order; an entry the plan lacks is refused, naming the plan's."""
+    chosen = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        fields = item.split("/")
+        match = [e for e in plan if len(fields) in (3, 4) and (e[0], str(e[1]), e[2]) == tuple(fields[:3])
+                 and (len(fields) == 3 or e[3] == fields[3])]
+        if not match:
+            names = ", ".join("/".join(str(x) for x in e) for e in plan)
+            raise ValueError(f"--pairs: {item!r} is not in this part's plan. Fix: one of {names}")
+        chosen.append(match[0])
+    return [e for e in plan if e in chosen]
+
+
+# goal name -> (the case it reads, the test); rows of the summary table. Real lengths where the goal says so.
+GOALS = [
+    ("DPO bf16 ≥ 1.3× TRL's samples/s (real lengths)", ("dpo_bf16", "real"), lambda r: r["ratio"] >= 1.3),
+    ("SFT bf16 ≥ 1.3× (real lengths)", ("sft_bf16", "real"), lambda r: r["ratio"] >= 1.3),
+    ("GRPO (HF generate), 128 new tokens, 8 completions a prompt ≥ 1.5×", ("grpo_bf16", "real"),
+     lambda r: r["ratio"] >= 1.5),
+    ("ahead of TRL with its best options (Liger-Kernel; SFT padding-free)", ("*", "real"),
+     lambda r: r.get("ratio_best") is None or r["ratio_best"] > 1.0),
+    ("DPO as shipped ≥ 2× TRL's as shipped", ("dpo_shipped", "*"), lambda r: r["ratio"] >= 2.0),
+    ("peak GPU memory ≤ TRL's", ("*", "*"), lambda r: r["ours"]["peak_mem_mb"] <= r["trl"]["peak_mem_mb"]),
+]
