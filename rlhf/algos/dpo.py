@@ -143,7 +143,7 @@ class DPO(ReferenceRegularized):
         models = [policy, *(m for m in self.frozen.values() if isinstance(m, torch.nn.Module))]
         if self.padding_free:
             for model in models:  # on a GPU, flex attention where sdpa would need an N x N mask (or refused)
-                if (switch := layout_masks.attention_for_packing(model, on_gpu=torch.cuda.is_available())) is not None:
+                if (switch := layout_masks.attention_for_packing(model, on_gpu=layout_masks.computes_on_gpu())) is not None:
                     model.set_attn_implementation(switch)
                 require_packing(model, warn=model is policy)
         self.shares_prompt = self._shares_prompt(models)
@@ -254,5 +254,6 @@ class DPO(ReferenceRegularized):
 
 
 def _device_type(model: torch.nn.Module) -> str:
-    """Where ``model`` will compute: ``cuda`` when a GPU is there (the strategy places the models after setup)."""
-    return "cuda" if torch.cuda.is_available() else next(model.parameters()).device.type
+    """Where ``model`` will compute (the strategy places the models after setup): ``cuda`` where the run computes on
+    a GPU (:func:`~rlhf.data.layout_masks.computes_on_gpu`), else the device it is on."""
+    return "cuda" if layout_masks.computes_on_gpu() else next(model.parameters()).device.type

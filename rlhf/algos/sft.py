@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from rlhf.algos.base import PROMPT_TOKENS, SEQUENCE_TOKENS, Algorithm, prompt_leaves_room
@@ -76,7 +75,7 @@ class SFT(Algorithm):
         self.pad_id = tokenizer.pad_token_id
         tap_output_layer(policy, self.fused_output_layer)
         if self.padding_free:  # on a GPU, flex attention where sdpa would need an N x N mask (or refused)
-            if (switch := layout_masks.attention_for_packing(policy, on_gpu=torch.cuda.is_available())) is not None:
+            if (switch := layout_masks.attention_for_packing(policy, on_gpu=layout_masks.computes_on_gpu())) is not None:
                 policy.set_attn_implementation(switch)
             require_packing(policy)
 

@@ -1,7 +1,7 @@
 """What each ``auto`` speed option picks on a GPU and on a CPU, and the measurement behind each GPU choice.
 
-An option left at ``auto`` (the output layer, the shared prompt, compilation, padding-free batches, the decoding
-loop) takes its value from :data:`CHOICES` for the device the run is on: the component that reads the option calls
+An option left at ``auto`` (the output layer, the shared prompt, compilation, the decoding loop) takes its value
+from :data:`CHOICES` for the device the run is on: the component that reads the option calls
 :func:`pick`. Each GPU choice names what decided it (``evidence``): a dated page of the GPU check
 (``benchmarks/gpu_check.py``, whose levers time each option against the defaults and whose page says which choice
 each lever supports), or ``NOT_MEASURED`` where no GPU run has compared the option yet; the start-up lines print it
@@ -29,15 +29,16 @@ class AutoChoice:
 
 
 CHOICES: dict[str, AutoChoice] = {c.key: c for c in (
-    # Levers of docs/gpu/2026-11-27-nvidia-h200-second-run.md (100m, batch 64, 32 + 32 tokens, one round): the plain
-    # layer ran at 0.66x the tiled one's speed and 1.18x its peak memory.
+    # Levers of docs/gpu/2026-11-27-nvidia-h200-second-run.md (100m, batch 64, 32 + 32 tokens, one round each; the
+    # page finds single rounds of that pair not reproducible, within about 50%).
     AutoChoice("algo.fused_output_layer", gpu=True, cpu=False,
-               evidence="docs/gpu/2026-11-27-nvidia-h200-second-run.md: the plain layer 0.66x the speed, 1.18x the "
-                        "memory (100m, batch 64, 32 + 32 tokens, one round)"),
-    # The same page: two sequences a pair ran at 0.79x the shared prompt's speed and 1.18x its memory.
+               evidence="its Triton kernel not measured on a GPU yet; against the torch tiles it replaced, the plain "
+                        "layer ran 0.66x the speed at 1.18x the memory (docs/gpu/2026-11-27-nvidia-h200-second-run.md, "
+                        "one round at 32 + 32 tokens)"),
     AutoChoice("algo.shared_prompt", gpu=True, cpu=True,
-               evidence="docs/gpu/2026-11-27-nvidia-h200-second-run.md: two sequences a pair 0.79x the speed, 1.18x "
-                        "the memory (100m, batch 64, 32 + 32 tokens, one round)"),
+               evidence="two sequences a pair ran 0.79x the speed at 1.18x the memory "
+                        "(docs/gpu/2026-11-27-nvidia-h200-second-run.md, one round at 32 + 32 tokens; the pairs packed "
+                        "under flex attention not measured on a GPU yet)"),
     AutoChoice("hardware.compile", gpu="layers", cpu=False),  # CPU: compiling measured slower to start than it saves
     AutoChoice("algo.generation", gpu="static", cpu="transformers"),
 )}

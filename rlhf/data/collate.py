@@ -78,10 +78,11 @@ def collate_packed(input_ids: Sequence[Sequence[int]], completion_masks: Sequenc
     }
 
 
-def pad_to_multiple(batch: dict, multiple_tokens: int) -> dict:
+def pad_to_multiple(batch: dict, multiple_tokens: int, pad_id: int = 0) -> dict:
     """``batch`` (a right-padded :func:`collate_sequences` batch, maybe with more keys) with its sequence length
     ``T`` (``input_ids``' second dimension) padded on the right to a multiple of ``multiple_tokens``: every 2-D tensor
-    of ``T`` columns gains zero columns (masked positions: no mask covers them, so no loss or statistic changes), and
+    of ``T`` columns gains columns of zeros, ``input_ids`` of ``pad_id`` (masked positions: no mask covers them, and a
+    sequence-classification head, which reads each row's last token that is not the pad id, reads the same one), and
     an int ``logits_to_keep`` (:func:`rlhf.ops.completion_logps.keep_completion_logits`, counted from the end) as
     many positions. A compiled model then sees few lengths (each new one a recompile). Layouts whose padding means
     more than zeros are returned as they are: packed (:data:`PACKED_ROWS`), pairs around a shared prompt (their
@@ -97,14 +98,17 @@ def pad_to_multiple(batch: dict, multiple_tokens: int) -> dict:
     out = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == length:
-            value = torch.nn.functional.pad(value, (0, extra), value=0)
+            # the tokens with the pad id (a sequence-classification head reads each row's last token that is not
+            # the pad id), masks and labels with 0
+            value = torch.nn.functional.pad(value, (0, extra), value=pad_id if key == "input_ids" else 0)
         elif key == "logits_to_keep" and isinstance(value, int) and value:
             value = value + extra
         out[key] = value
     return out
 
 
-def collate_in_buckets(collate, multiple_tokens: int, rows):
-    """``collate(rows)`` with its length padded to a multiple of ``multiple_tokens`` (:func:`pad_to_multiple`); a
-    loader's ``collate_fn`` as ``functools.partial(collate_in_buckets, collate, multiple_tokens)``."""
-    return pad_to_multiple(collate(rows), multiple_tokens)
+def collate_in_buckets(collate, multiple_tokens: int, pad_id: int, rows):
+    """``collate(rows)`` with its length padded to a multiple of ``multiple_tokens`` (:func:`pad_to_multiple`, the
+    tokens with ``pad_id``); a loader's ``collate_fn`` as ``functools.partial(collate_in_buckets, collate,
+    multiple_tokens, pad_id)``."""
+    return pad_to_multiple(collate(rows), multiple_tokens, pad_id)

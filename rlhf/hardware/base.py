@@ -16,7 +16,6 @@ import datetime
 import gc
 import logging
 import os
-import socket
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from rlhf.hardware.holding import (
     global_numel,
     linear_weights_to_bf16,
     local_numel,
+    without_tied_copies,
 )
 from rlhf.hardware.precision import check_precision, resolve_precision
 from rlhf.ops.collectives import any_process
@@ -47,27 +47,6 @@ DEVICES = ("auto", "cpu", "cuda")
 
 def _known_precision(values: Mapping[str, Any], where: str) -> None:
     check_precision(values.get("mixed_precision", "no"), f"{where}.mixed_precision")
-
-
-def without_tied_copies(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` without the names under which ``model`` holds a parameter it also holds under an earlier name (a
-    tied output layer): a gathered state dict has a copy under each name, which ``save_pretrained`` would write;
-    unsharded, the model holds one tensor and writes it once."""
-    first: dict[int, str] = {}
-    tied = set()
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if id(parameter) in first:
-            tied.add(name)
-        else:
-            first[id(parameter)] = name
-    return {name: value for name, value in state.items() if name not in tied}
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a rendezvous or process group on this machine)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Accelerate's DistributedType names, in words, for the start-up line.
@@ -302,7 +281,6 @@ class DataParallel:
     def prepare(self, model, make_optimizer, train_loader):
         """Wrap the model for this hardware, build its optimizer with ``make_optimizer(model)`` and shard the
         training loader; return ``(model, optimizer, train_loader)``. The scheduler is built on that optimizer."""
-        train_loader = compiling.bucket_loader(train_loader, self.compile)  # few lengths while compiling
         model, optimizer, train_loader = self.accelerator.prepare(model, make_optimizer(model), train_loader)
         compiling.compile_model(self.unwrap(model), self.compile)  # in place, inside DDP's wrapper: DDP calls the compiled module
         return model, optimizer, train_loader

@@ -10,9 +10,11 @@ outside the blocks runs eagerly: the embedding, the final norm, and the output l
 ``layers`` on a GPU and nothing on a CPU (where compiling was measured slower to start than it saves). ``true`` or a
 backend's name compiles each model whole, as before.
 
-While a run compiles, its training batches are padded to a multiple of :data:`BUCKET_TOKENS` positions
-(:func:`rlhf.data.collate.collate_in_buckets`): the compiled graphs see few lengths, so few recompiles; a length the
-graphs have not seen is compiled again once, after which torch marks it dynamic (its automatic dynamic shapes).
+While a run compiles, its training batches of right-padded rows (SFT, reward models, DPO's two sequences a pair) are
+padded to a multiple of :data:`BUCKET_TOKENS` positions (:func:`rlhf.data.collate.collate_in_buckets`): the compiled
+graphs see few lengths, so few recompiles. Layouts with positions of their own (pairs around a shared prompt, packed
+rows) keep their lengths; there, as for any length the graphs have not seen, a new length is compiled again once,
+after which torch marks it dynamic (its automatic dynamic shapes).
 The models' forward passes keep no key-value cache (``config.use_cache=False``; generation asks for one itself),
 which would make each layer's graph specific to its index. Generation runs the layers eagerly
 (:mod:`rlhf.models.generation`; its own decode step is compiled whole).
@@ -65,7 +67,7 @@ def describe_compile(compile: bool | str, asked: bool | str) -> str:
         return f", decoder layers compiled (torch.compile of each repeated block){why}"
     if compile:
         return ", models compiled (torch.compile)"
-    return ", not compiled (hardware.compile=auto on a CPU)" if asked == AUTO else ""
+    return ""  # not compiled (auto on a CPU: the start-up line of the auto options says so)
 
 
 def repeated_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -90,8 +92,9 @@ def compile_model(model: torch.nn.Module, compile: bool | str) -> None:
     if compile == LAYERS:
         blocks = repeated_blocks(model)
         if blocks is None:
-            raise UserError(f"hardware.compile=layers: {type(model).__name__} has no stack of repeated blocks (an "
-                            "nn.ModuleList of one class) to compile. Fix: hardware.compile=true (the whole model)")
+            raise UserError(f"hardware.compile=layers (what auto means on a GPU): {type(model).__name__} has no stack "
+                            "of repeated blocks (an nn.ModuleList of one class) to compile. Fix: hardware.compile=true "
+                            "(the whole model) or hardware.compile=false")
         config = getattr(model, "config", None)
         if config is not None:  # no key-value cache in training's forward passes: with one, each layer's graph
             config.use_cache = False  # would be specialised on its index (one graph per layer, not one for all)
@@ -101,9 +104,10 @@ def compile_model(model: torch.nn.Module, compile: bool | str) -> None:
     model.compile(**({} if compile is True else {"backend": str(compile)}))
 
 
-def bucket_loader(loader: torch.utils.data.DataLoader, compile: bool | str) -> torch.utils.data.DataLoader:
-    """``loader`` whose batches are padded to a multiple of :data:`BUCKET_TOKENS` positions when ``compile`` is on
-    (:func:`rlhf.data.collate.pad_to_multiple`; layouts it cannot pad pass unchanged); as it is otherwise."""
-    if compile and loader.collate_fn is not None:
-        loader.collate_fn = functools.partial(collate_in_buckets, loader.collate_fn, BUCKET_TOKENS)
-    return loader
+def in_buckets(collate, compile: bool | str, pad_id: int | None):
+    """``collate`` whose batches are padded to a multiple of :data:`BUCKET_TOKENS` positions when ``compile`` is on
+    (:func:`rlhf.data.collate.pad_to_multiple`, the tokens with the tokenizer's ``pad_id``; layouts it cannot pad
+    pass unchanged); ``collate`` itself otherwise."""
+    if not compile:
+        return collate
+    return functools.partial(collate_in_buckets, collate, BUCKET_TOKENS, 0 if pad_id is None else pad_id)

@@ -71,3 +71,17 @@ def linear_weights_to_bf16(module: torch.nn.Module) -> int:
             p.data = p.data.to(torch.bfloat16)
             converted += p.numel()
     return converted
+
+
+def without_tied_copies(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the names under which ``model`` holds a parameter it also holds under an earlier name (a
+    tied output layer): a gathered state dict has a copy under each name, which ``save_pretrained`` would write;
+    unsharded, the model holds one tensor and writes it once."""
+    first: dict[int, str] = {}
+    tied = set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            tied.add(name)
+        else:
+            first[id(parameter)] = name
+    return {name: value for name, value in state.items() if name not in tied}

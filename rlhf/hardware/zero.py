@@ -36,8 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.core.errors import UserError
 from rlhf.core.limits import limits
-from rlhf.hardware.base import free_port
 from rlhf.hardware.holding import StoredPrecision, global_numel
+from rlhf.hardware.ports import free_port
 from rlhf.hardware.precision import FP16_REASON
 from rlhf.hardware.sharded import Sharded, name_deepspeed_accelerator
 from rlhf.models.quantize import is_quantized

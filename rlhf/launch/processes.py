@@ -35,8 +35,8 @@ from rlhf.config.checks import check_config
 from rlhf.core.errors import UserError
 from rlhf.core.instantiate import build, in_a_sweep
 from rlhf.hardware import cpus
-from rlhf.hardware.base import free_port
 from rlhf.hardware.cpus import THREADS_WHY
+from rlhf.hardware.ports import free_port
 from rlhf.hardware.precision import computes_in_bf16
 from rlhf.run import checkpoint, resume_check, signals
 from rlhf.run import folder as run_folder

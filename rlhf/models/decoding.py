@@ -17,8 +17,8 @@ seed, the same tokens as ``generate``'s sampling (tested on a CPU).
 The prompts are left-padded further, to a multiple of ``bucket_tokens``, so that the cache's length (prompt plus
 ``max_new_tokens``), and with it the compiled step's shapes, takes few values over a run: each new one is a new
 graph. A padded position is masked out and moves no position id, so the completions are the same. The cache and the
-compiled step are kept per model and shape (:data:`_DECODERS`), so a later call with the same shapes replays the
-same graphs; the cache's memory (the keys and values of ``batch x (prompt + max_new_tokens)`` positions in every
+compiled step are kept per model and shape (:data:`_DECODERS`, the :data:`KEPT_DECODERS` last used), so a later
+call with the same shapes replays the same graphs; the cache's memory (the keys and values of ``batch x (prompt + max_new_tokens)`` positions in every
 layer, as a static cache of ``generate`` holds) stays allocated between calls.
 """
 
@@ -79,7 +79,7 @@ class StaticDecoder:
     def __init__(self, model: torch.nn.Module, max_cache_len: int, compile_options: dict[str, Any] | None) -> None:
         from transformers import StaticCache
 
-        self.model = model
+        self._model = weakref.ref(model)  # the kept decoders are the model's (below): no reference back to it
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         self.step: Callable[[Tensor, Tensor, Tensor], Tensor] = self.forward
         self.compiled = compile_options is not None
@@ -89,13 +89,15 @@ class StaticDecoder:
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         """The float32 logits ``[N, V]`` at the last position of ``input_ids [N, L]``, its keys and values written
         into the cache after those it holds; ``attention_mask`` covers the whole cache ``[N, max_cache_len]``."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        out = self._model()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
 
-# By model, then by (rows, cache length, device, compile options): the caches and compiled steps kept between calls.
+# By model, then by (rows, cache length, device, compile options): the caches and compiled steps kept between calls,
+# at most KEPT_DECODERS a model (the least recently used goes, with its cache and CUDA graphs' memory).
 _DECODERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, StaticDecoder]] = weakref.WeakKeyDictionary()
+KEPT_DECODERS = 4
 
 
 def decoder_for(model: torch.nn.Module, batch_size: int, max_cache_len: int, device: torch.device,
@@ -104,7 +106,11 @@ def decoder_for(model: torch.nn.Module, batch_size: int, max_cache_len: int, dev
     key = (batch_size, max_cache_len, str(device), repr(sorted((compile_options or {}).items())),
            compile_options is None)
     held = _DECODERS.setdefault(model, {})
-    if key not in held:
+    if key in held:
+        held[key] = held.pop(key)  # the most recently used last
+    else:
+        while len(held) >= KEPT_DECODERS:
+            held.pop(next(iter(held)))
         held[key] = StaticDecoder(model, max_cache_len, compile_options)
         log.info("decoding with a static key-value cache of %d positions x %d rows%s", max_cache_len, batch_size,
                  f", the decode step compiled ({compile_options})" if compile_options is not None else "")

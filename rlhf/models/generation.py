@@ -63,8 +63,8 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if self.generation not in GENERATIONS:
-            raise UserError(f"generation={self.generation!r} is not one of {list(GENERATIONS)}. Fix: "
-                            "generation=auto (static decoding on a GPU, transformers' generate on a CPU)")
+            raise UserError(f"algo.generation={self.generation!r} is not one of {list(GENERATIONS)}. Fix: "
+                            "algo.generation=auto (static decoding on a GPU, transformers' generate on a CPU)")
         if self.check_every_tokens < 1:
             raise UserError(f"check_every_tokens={self.check_every_tokens} must be at least 1. Fix: "
                             f"check_every_tokens={decoding.CHECK_EVERY_TOKENS}")

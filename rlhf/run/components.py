@@ -26,7 +26,7 @@ from rlhf.data.collate import truncated_rows
 from rlhf.data.fingerprint import data_fingerprint
 from rlhf.data.loaders import eval_loader, loader_workers, tokenize_once, train_loader
 from rlhf.evaluation.generated import NoGenerationEval
-from rlhf.hardware import global_numel
+from rlhf.hardware import compiling, global_numel
 from rlhf.models import attention
 from rlhf.models.adapters import NoAdapter
 from rlhf.ops.collectives import any_process
@@ -56,7 +56,8 @@ def auto_keys(algo: Any, strategy: Any) -> list[str]:
     """The speed options of :data:`rlhf.core.auto_choices.CHOICES` this run left at ``auto`` (the algorithm's and
     the hardware strategy's as configured), for the start-up line."""
     owners = {"algo": algo, "hardware": strategy}
-    configured = {"hardware.compile": getattr(strategy, "_compile_asked", None)}
+    # a strategy that cannot compile (the sharding ones) is not compiled whatever auto means (its line says so)
+    configured = {"hardware.compile": getattr(strategy, "_compile_asked", None) if strategy.compiles else None}
     return [key for key in auto_choices.CHOICES
             if configured.get(key, getattr(owners[key.split(".")[0]], key.split(".")[1], None)) == "auto"]
 
@@ -203,7 +204,8 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
                               for name, module in generation_eval.frozen.items()}
     fingerprint = data_fingerprint(tokenized["train"])  # of the tokens: precomputed columns are the model's
     tokenized = algo.precompute(tokenized, strategy)  # e.g. reference log-probabilities, computed or read once
-    training = train_loader(tokenized["train"], settings.per_device_batch_size, algo.collate, cfg.seed,
+    collate = compiling.in_buckets(algo.collate, strategy.compile, tokenizer.pad_token_id)  # few lengths compiled
+    training = train_loader(tokenized["train"], settings.per_device_batch_size, collate, cfg.seed,
                             num_workers=loader_workers(getattr(data, "num_workers", None), strategy.uses_cuda()),
                             pin_memory=strategy.uses_cuda())  # moved to the GPU without a wait (hardware.base)
     evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)

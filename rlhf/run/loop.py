@@ -157,7 +157,7 @@ def _signum(stop) -> int:
 @dataclass
 class StepOutcome:
     norm: torch.Tensor | float | None  # the gradient norm before clipping, on the device (read only when logged);
-    # None when not known (ZeRO before its step, or a skipped step)
+    # None when not known (ZeRO before its step, or a step skipped by the host); NaN for a step the device skipped
     stop: bool  # a stop signal reached some process: checkpoint and stop after this step
     save: bool = False  # train.save_every_minutes has passed on some process: checkpoint after this step
 

@@ -85,6 +85,8 @@ def recorded_config(cfg: DictConfig, strategy) -> dict[str, Any]:
         flat["hardware.mixed_precision"] = strategy.mixed_precision  # resolved when the strategy was built
     if "hardware.num_processes" in flat:
         flat["hardware.num_processes"] = strategy.processes_per_node()
+    if "hardware.compile" in flat:  # what auto means here (layers on a GPU, nothing on a CPU)
+        flat["hardware.compile"] = getattr(strategy, "compile", flat["hardware.compile"])
     if THREADS in flat:  # bf16 steps on a CPU differ with the thread count; float32's and a GPU's do not (docs/threads/)
         if strategy.uses_cuda() or not computes_in_bf16(flat.get("hardware.mixed_precision"), flat.get("model.dtype")):
             del flat[THREADS]
@@ -141,8 +143,12 @@ def check_config(cfg: DictConfig, strategy, folder: Path) -> None:
     if THREADS not in before or THREADS not in now:  # compared where both runs compute in bf16 on a CPU (or an older
         before.pop(THREADS, None)  # checkpoint, which recorded no count)
         now.pop(THREADS, None)
+    newer = sorted(now.keys() - before.keys())  # options added since the checkpoint was written: not compared
+    if newer:
+        log.info("resume from %s: the checkpoint predates %s (not compared)", folder, ", ".join(newer))
     missing = object()
-    changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k, missing) != now.get(k, missing)]
+    changed = [k for k in sorted(before.keys() | now.keys())
+               if k not in newer and before.get(k, missing) != now.get(k, missing)]
     refused = [k for k in changed if not _allowed(k, listed)]
     if refused:
         pairs = "; ".join(f"{k} (checkpoint: {_shown(before, k)}, now: {_shown(now, k)}{_source(cfg, k)})"

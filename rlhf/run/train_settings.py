@@ -35,7 +35,7 @@ def _known_policy(values: Mapping[str, Any], where: str) -> None:
     policy = values.get("on_nonfinite")
     if policy not in NONFINITE_POLICIES:
         raise UserError(f"{where}.on_nonfinite={policy!r} is not one of {list(NONFINITE_POLICIES)}. Fix: "
-                        f"{where}.on_nonfinite=skip (skip the step) or stop (stop the run at once).")
+                        f"{where}.on_nonfinite=skip (skip the step) or stop (stop the run before anything of it is saved).")
 
 
 def _known_memory_check(values: Mapping[str, Any], where: str) -> None:

@@ -59,8 +59,10 @@ def test_only_the_options_left_at_auto_are_named():
         fused_output_layer, shared_prompt = "auto", False
 
     class Strategy:
-        _compile_asked = "auto"
+        _compile_asked, compiles = "auto", True
 
     assert auto_keys(Algo(), Strategy()) == ["algo.fused_output_layer", "hardware.compile"]
     Strategy._compile_asked = "layers"
+    assert auto_keys(Algo(), Strategy()) == ["algo.fused_output_layer"]
+    Strategy._compile_asked, Strategy.compiles = "auto", False  # FSDP2, ZeRO: never compiled
     assert auto_keys(Algo(), Strategy()) == ["algo.fused_output_layer"]

@@ -160,7 +160,11 @@ def test_padding_free_on_a_gpu_switches_sdpa_to_flex_attention_or_refuses(monkey
     with pytest.raises(UserError, match=r"padding_free=true on a GPU: this model \(gpt2\) runs sdpa.*"
                                         r"Fix: model.attn_implementation=flash_attention_2.*algo.padding_free=false"):
         layout_masks.attention_for_packing(gpt2, on_gpu=True)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU
+    from accelerate.state import PartialState
+
+    monkeypatch.setattr(PartialState, "_shared_state", {})  # no run started: the machine's GPU decides
+    assert layout_masks.computes_on_gpu()
     algo = DPO(padding_free=True)
     algo.setup(llama, TOKENIZER)
     assert [shared_prompt.attention_of(m) for m in (llama, algo.frozen["reference"])] == ["flex_attention"] * 2
@@ -172,3 +176,19 @@ def test_padding_free_on_a_gpu_switches_sdpa_to_flex_attention_or_refuses(monkey
     assert shared_prompt.attention_of(sft_model) == "flex_attention"
     with pytest.raises(UserError, match=r"this model \(gpt2\)"):
         SFT(padding_free=True).setup(_model("gpt2"), TOKENIZER)
+
+
+def test_a_run_on_the_cpu_of_a_machine_with_a_gpu_keeps_its_attention(monkeypatch):
+    """hardware=cpu on a machine with a GPU computes on the CPU, where flex attention has no backward pass: the
+    strategy's device decides, not the machine's GPU."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(PartialState, "_shared_state", {})
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {})
+    Accelerator(cpu=True)
+    assert not layout_masks.computes_on_gpu()
+    model = _tiny("sdpa")
+    SFT(padding_free=True).setup(model, TOKENIZER)
+    assert shared_prompt.attention_of(model) == "sdpa"

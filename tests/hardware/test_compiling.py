@@ -53,6 +53,23 @@ def test_a_batch_is_padded_to_a_multiple_of_the_bucket_with_masked_positions():
     assert pad_to_multiple(prompts, 8) is prompts  # left-padded prompts: no completion_mask
 
 
+def test_the_bucket_pads_tokens_with_the_pad_id_so_a_reward_head_reads_the_same_rows():
+    """A sequence-classification head reads each row at its last token that is not the pad id: the bucket's
+    tokens are the pad id, so the rewards of a padded batch are the unpadded batch's."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=99)
+    head = LlamaForSequenceClassification(config).eval()
+    ids = [[5, 6, 7, 8, 9], [5, 6, 7]]
+    batch = collate_sequences(ids, [[1] * len(x) for x in ids], pad_id=99)
+    padded = pad_to_multiple(batch, 8, pad_id=99)
+    assert (padded["input_ids"][:, 5:] == 99).all()
+    rewards = [head(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits for b in (batch, padded)]
+    torch.testing.assert_close(rewards[1], rewards[0])
+
+
 def test_lengths_within_a_bucket_compile_each_layer_once(monkeypatch):
     """Regional compilation (backend eager: dynamo's capture without code generation) of a 2-layer model: four
     training batches of lengths 5 to 40, padded by the compiling loader's collate, are one graph for both layers
@@ -71,7 +88,7 @@ def test_lengths_within_a_bucket_compile_each_layer_once(monkeypatch):
     for length in (5, 17, 29, 40):
         rows = [[3] * length, [4] * (length - 2)]
         batch = collate_in_buckets(lambda r: collate_sequences(r, [[1] * len(x) for x in r], 0),
-                                   compiling.BUCKET_TOKENS, rows)
+                                   compiling.BUCKET_TOKENS, 0, rows)
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         out.logits.sum().backward()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # one graph, both layers
@@ -98,4 +115,4 @@ def test_layers_compiled_on_a_cpu_train_as_eager_and_auto_is_off_there(tmp_path,
     eager, layers = _losses(tmp_path / "auto"), _losses(tmp_path / "layers")
     assert len(eager) == 3 and eager == pytest.approx(layers, rel=1e-4, abs=1e-6)
     assert "decoder layers compiled" in (tmp_path / "layers" / "train.log").read_text()
-    assert "not compiled (hardware.compile=auto on a CPU)" in (tmp_path / "auto" / "train.log").read_text()
+    assert "hardware.compile=false (the CPU's choice)" in (tmp_path / "auto" / "train.log").read_text()

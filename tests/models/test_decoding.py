@@ -129,3 +129,22 @@ def test_auto_decodes_statically_on_an_unsharded_gpu_model_only():
         Sampling(generation="vllm")
     with pytest.raises(UserError, match="check_every_tokens=0"):
         Sampling(check_every_tokens=0)
+
+
+def test_a_model_keeps_few_decoders_and_is_not_kept_alive_by_them():
+    """Each prompt bucket and batch size has its own cache (and, on a GPU, CUDA graphs): at most KEPT_DECODERS a
+    model, the least recently used dropped; a model that is gone takes its decoders with it."""
+    import gc
+    import weakref
+
+    model = fast_initial_model().eval()
+    first = decoding.decoder_for(model, 1, 8, torch.device("cpu"), None)
+    for length in range(16, 16 + 8 * decoding.KEPT_DECODERS, 8):
+        decoding.decoder_for(model, 1, length, torch.device("cpu"), None)
+        decoding.decoder_for(model, 1, 8, torch.device("cpu"), None)  # used again: kept
+    held = decoding._DECODERS[model]
+    assert len(held) == decoding.KEPT_DECODERS and any(d is first for d in held.values())
+    gone = weakref.ref(model)
+    del model, held, first
+    gc.collect()
+    assert gone() is None

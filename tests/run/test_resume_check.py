@@ -200,3 +200,28 @@ def test_the_thread_count_of_a_bf16_cpu_run_is_recorded_kept_by_a_resume_and_che
     (tmp_path / checkpoint.CONFIG).write_text(json.dumps({"config": recorded, "tokenized_data": "x"}))
     assert recorded_threads(tmp_path) is None
     check_resume(compose_config(*bf16), _Strategy(threads=1), tmp_path)
+
+
+def test_a_checkpoint_from_before_compile_auto_and_the_decoder_option_resumes_on_a_cpu(tmp_path):
+    """A record written when hardware.compile defaulted to false and algo.generation did not exist: the same run
+    resumes on a CPU (auto compiles nothing there; an option added since is not compared), a GPU's auto (compiled
+    layers) is a change, and a real change is still refused."""
+    import json
+
+    from rlhf.run.resume_check import check_config as check_resume
+
+    class Resolved(_Strategy):
+        def __init__(self, compile, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.compile = compile
+
+    overrides = ["algo=grpo", "seed=3"]
+    recorded = recorded_config(compose_config(*overrides), Resolved(False))
+    assert recorded["hardware.compile"] is False and recorded["algo.generation"] == "auto"
+    old = {**{k: v for k, v in recorded.items() if k != "algo.generation"}, "hardware.compile": False}
+    (tmp_path / checkpoint.CONFIG).write_text(json.dumps({"config": old, "tokenized_data": "x"}))
+    check_resume(compose_config(*overrides), Resolved(False), tmp_path)
+    with pytest.raises(UserError, match=r"hardware.compile \(checkpoint: false, now: layers"):
+        check_resume(compose_config(*overrides), Resolved("layers"), tmp_path)
+    with pytest.raises(UserError, match=r"seed \(checkpoint: 3, now: 4\)"):
+        check_resume(compose_config("algo=grpo", "seed=4"), Resolved(False), tmp_path)
