@@ -85,12 +85,13 @@ SHAPES = {"short": (32, 32), "long": (128, 128), "real": (256, 384)}
 SKEWED = {"real"}
 # GRPO's new tokens per completion where they are not the shape's completion length: the real shape samples 128.
 GRPO_NEW_TOKENS = {"real": 128}
-# TRL with its own best options on one GPU (TRL 1.16's DPOConfig / SFTConfig / GRPOConfig fields): Liger-Kernel's
-# Triton kernels (RMSNorm, RoPE, SwiGLU, the fused linear cross entropy; in DPO and GRPO also TRL's chunked
-# log-probabilities), and SFT without padding (each batch one flattened sequence). DPO's padding_free is left out: in
-# TRL 1.16 it "warns and falls back to standard padding" (its DPOConfig docstring).
-TRL_BEST = {"dpo": {"use_liger_kernel": True}, "sft": {"use_liger_kernel": True, "padding_free": True},
-            "grpo": {"use_liger_kernel": True}}
+# TRL with its own best options on one GPU (TRL 1.16's DPOConfig / SFTConfig / GRPOConfig fields): use_liger_kernel,
+# Liger-Kernel's Triton kernels for RMSNorm, RoPE and SwiGLU; TRL 1.16 turns Liger's fused linear cross entropy off
+# and computes the loss through its own chunked output layer (DPO, GRPO: its chunked log-probabilities; SFT: Liger's
+# patched model forward). SFT's padding_free is left out: TRL 1.16 refuses it without packing unless max_length is
+# None, and documents it for FlashAttention only (under sdpa it would be a handicap, not a best option); DPO's
+# padding_free "warns and falls back to standard padding" (its DPOConfig docstring).
+TRL_BEST = {"dpo": {"use_liger_kernel": True}, "sft": {"use_liger_kernel": True}, "grpo": {"use_liger_kernel": True}}
 
 # case -> (algorithm, our overrides, TRL config fields). Both sides get the shared settings of _our_command and
 # _trl_args on top.
@@ -115,7 +116,12 @@ LR, BETA, LOSS_TOLERANCE = 1e-4, 0.1, 1e-4
 # sampling at temperature 1 over the whole vocabulary, no KL (both sides' default beta 0), TRL's loss_type "grpo"
 # (ours by default); the reward is rlhf.algos.reward_funcs.char_similarity on the reverse task's prompts.
 GROUP = 8
-TIMEOUT_S: float | None = None  # seconds one run (ours or TRL's) may take before it is stopped; None: no limit
+DEADLINE: float | None = None  # time.perf_counter() at which a run of its own (ours or TRL's) is stopped; None: never
+
+
+def timeout_s() -> float | None:
+    """Seconds a run started now may take: until :data:`DEADLINE` (5 at least), or ``None`` (no limit)."""
+    return None if DEADLINE is None else max(5.0, DEADLINE - time.perf_counter())
 PROFILED_STEPS = 3  # --profile: steps recorded by torch.profiler on each side, from the timed window's first
 
 
@@ -355,7 +361,7 @@ def run_ours_into(run_dir: Path, case: str, model_dir: Path, data: Path, cache: 
     """One of our runs into ``run_dir``: its steady-state samples/s and the tokens/s it ran through the model (the
     last logged window), and its peak memory."""
     command = _our_command(case, model_dir, data, run_dir, batch, steps, threads, cache, extra, device, shape)
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT, timeout=TIMEOUT_S)
+    result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT, timeout=timeout_s())
     if result.returncode != 0:
         raise RuntimeError(f"rlhf ({case} {' '.join(extra)}) failed:\n{result.stderr[-3000:]}")
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -374,7 +380,7 @@ def checkpoint_cost(model_dir: Path, work: Path, shape: str, batch: int, steps: 
     run_dir = work / f"checkpoint-{model_dir.name}"
     command = _our_command("dpo_fp32", model_dir, data, run_dir, batch, steps, threads, work / "cache",
                            [*extra, f"train.save_every_steps={steps}"], device)
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT, timeout=TIMEOUT_S)
+    result = subprocess.run(command, capture_output=True, text=True, env=_env(threads), cwd=ROOT, timeout=timeout_s())
     if result.returncode != 0:
         raise RuntimeError(f"rlhf (checkpoints) failed:\n{result.stderr[-3000:]}")
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -394,11 +400,44 @@ def run_trl(case: str, model_dir: Path, data: Path, work: Path, batch: int, step
             "profile_memory": profile_memory, "fields": fields or {},
             "profile_to": str(profile_to) if profile_to else None}
     result = subprocess.run([sys.executable, __file__, "--trl-worker", json.dumps(spec)], capture_output=True,
-                            timeout=TIMEOUT_S,
+                            timeout=timeout_s(),
                             text=True, env=_env(threads), cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"TRL ({case}) failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def trl_trainer(spec: dict, max_steps: int, device):
+    """TRL's trainer of ``spec``'s case (``model_dir``, ``data``, ``batch``, ``out``, ``shape``, and ``fields``: TRL
+    config fields over the case's) for ``max_steps`` steps, logging every ``spec["steps"]``: the shared settings
+    of :func:`_our_command` in TRL's names."""
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    algo, _, fields = CASES[spec["case"]]
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    rows = load_dataset("json", data_files=spec["data"], split="train")
+    common = {"output_dir": spec["out"], "per_device_train_batch_size": spec["batch"], "learning_rate": LR,
+              "max_steps": max_steps, "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
+              "max_grad_norm": 1.0, "report_to": [], "use_cpu": device.type == "cpu", "logging_steps": spec["steps"],
+              "save_strategy": "no", "eval_strategy": "no", "disable_tqdm": True, "seed": 0, **fields,
+              **spec.get("fields", {})}
+    if algo == "dpo":
+        return DPOTrainer(model=model, args=DPOConfig(beta=BETA, **common), processing_class=tokenizer,
+                          train_dataset=rows)
+    if algo == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        from rlhf.algos.reward_funcs import char_similarity
+
+        args = GRPOConfig(num_generations=GROUP, max_completion_length=new_tokens(spec.get("shape", "short")),
+                          temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", scale_rewards="group",
+                          log_completions=False, disable_dropout=True, **common)
+        return GRPOTrainer(model=model, reward_funcs=char_similarity, args=args, processing_class=tokenizer,
+                           train_dataset=rows)
+    return SFTTrainer(model=model, args=SFTConfig(**common), processing_class=tokenizer, train_dataset=rows)
 
 
 def trl_worker(spec: dict) -> None:
@@ -411,9 +450,7 @@ def trl_worker(spec: dict) -> None:
 
     device = torch.device(spec.get("device", "cpu"))
     peak = PeakMemory(device)  # before the model: the figure our loop reports
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+    from transformers import TrainerCallback
 
     from rlhf.telemetry.profiling import StepProfiler
 
@@ -434,31 +471,8 @@ def trl_worker(spec: dict) -> None:
             self.times.append(time.perf_counter())
             profiler.after(state.global_step, 2 * steps)  # a short run ends the recording early
 
-    algo, _, fields = CASES[spec["case"]]
     steps = spec["steps"]
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"])
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    rows = load_dataset("json", data_files=spec["data"], split="train")
-    common = {"output_dir": spec["out"], "per_device_train_batch_size": spec["batch"], "learning_rate": LR,
-              "max_steps": 2 * steps, "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
-              "max_grad_norm": 1.0, "report_to": [], "use_cpu": device.type == "cpu", "logging_steps": steps,
-              "save_strategy": "no", "eval_strategy": "no", "disable_tqdm": True, "seed": 0, **fields,
-              **spec.get("fields", {})}
-    if algo == "dpo":
-        trainer = DPOTrainer(model=model, args=DPOConfig(beta=BETA, **common), processing_class=tokenizer,
-                             train_dataset=rows)
-    elif algo == "grpo":
-        from trl import GRPOConfig, GRPOTrainer
-
-        from rlhf.algos.reward_funcs import char_similarity
-
-        args = GRPOConfig(num_generations=GROUP, max_completion_length=new_tokens(spec.get("shape", "short")),
-                          temperature=1.0, top_p=1.0, top_k=0, beta=0.0, loss_type="grpo", scale_rewards="group",
-                          log_completions=False, disable_dropout=True, **common)
-        trainer = GRPOTrainer(model=model, reward_funcs=char_similarity, args=args, processing_class=tokenizer,
-                              train_dataset=rows)
-    else:
-        trainer = SFTTrainer(model=model, args=SFTConfig(**common), processing_class=tokenizer, train_dataset=rows)
+    trainer = trl_trainer(spec, 2 * steps, device)
     clock = Clock()
     trainer.add_callback(clock)
     trainer.train()

@@ -2,16 +2,22 @@
 (``docs/gpu/<date>-<device>.md``) and a summary table of the goals on stdout.
 
     bash benchmarks/device_wheels.sh        # here, once: the wheels the GPU machine lacks (.whl/, carried)
-    # device run, carry [".whl"], timeout_s 480 (the first call: about 8 minutes):
-    bash benchmarks/gpu_check.sh --part headline --budget-s 400
-    # device run, carry [".whl"], timeout_s 330 (the second call):
-    bash benchmarks/gpu_check.sh --part rest --budget-s 240
+    # device run, carry [".whl"], timeout_s 550 (the first call; the plan's estimate ~445 s):
+    bash benchmarks/gpu_check.sh --part headline --budget-s 460
+    # device run, carry [".whl"], timeout_s 270 (the second call, in what a 900 s session leaves):
+    bash benchmarks/gpu_check.sh --part rest --budget-s 180
     python benchmarks/gpu_check.py --device cpu --out /tmp/rehearsal   # the rehearsal: tiny sizes, every section
     bash benchmarks/gpu_check.sh --part headline --pairs 1b/16/sft_bf16,100m/32/dpo_bf16   # a later call: named pairs
 
 Parts (``--part``): ``headline`` is the speed section at real lengths (:data:`gpu_check_plan.HEADLINE`) and the
 profile; ``rest`` is everything else; ``all`` (the rehearsal's) both. Sections, in order (each result is written to
 ``<out>/gpu_check.json`` as soon as it exists, so a run stopped at its limit still leaves what it measured):
+
+0. **Preflight** (every CUDA part, ~20-30 s: ``gpu_check_preflight.PROBES``): the Triton output layer against its
+   torch twin, a compiled decoder layer, flex attention under a block mask, static-cache decoding in CUDA graphs,
+   each forward and backward on a small input. A default that fails is turned off for the rest of the call by its
+   named override (``algo.fused_output_layer=false``, ``hardware.compile=false``, ``algo.generation=transformers``;
+   flex attention: the levers that ask for it are skipped), and its row on the page says so.
 
 1. **Correctness** (float32): the first-step DPO, SFT and GRPO losses of ours and TRL's on the same batch
    (``benchmarks/bench.py``'s checks), |Δ| < 1e-4; the tiled output layer, the shared-prompt layout (on a GPU also
@@ -36,6 +42,7 @@ Then the goals (``gpu_check_plan.GOALS``) are judged from what was measured ("no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import re
 import sys
@@ -52,21 +59,27 @@ from gpu_check_correctness import LOSS_TOLERANCE, last_line  # noqa: E402,F401
 from gpu_check_kernels import output_layer_kernels  # noqa: E402
 from gpu_check_page import goals, page, summary  # noqa: E402,F401
 from gpu_check_plan import LEVERS, PLAN, check_levers, check_plan  # noqa: E402,F401
+from gpu_check_preflight import preflight  # noqa: E402
 from gpu_check_sections import levers_section, memory_section, speed_section  # noqa: E402
-from gpu_check_speed import median_run, ratio_cell, speed_pair  # noqa: E402,F401
+from gpu_check_speed import best_options_missing, median_run, ratio_cell, speed_pair  # noqa: E402,F401
 from gpu_check_state import Report, SectionBudget, skipped_sections  # noqa: E402,F401
+from gpu_check_turns import SIDES, Pool  # noqa: E402
 
 ROOT = bench.ROOT
-GRACE_S = 55  # seconds past --budget-s after which a run still going is stopped
+GRACE_S = 30  # seconds past --budget-s after which a run still going is stopped
 PARTS = {"headline": {"speed", "profile"},
          "rest": {"losses", "layouts", "paths", "resume", "kernels", "speed", "levers", "memory"}}
 PARTS["all"] = PARTS["headline"] | PARTS["rest"]
 PART_PLANS = {"headline": plans.HEADLINE, "rest": plans.SHORT, "all": plans.PLAN}
-DEVICE_CALLS = [  # (what, command, the device call's timeout_s), printed at the end; carry [".whl"]
-    ("the headline: real lengths against TRL and TRL's best, the profile",
-     "bash benchmarks/gpu_check.sh --part headline --budget-s 400", 480),
+# (what, command, the device call's timeout_s), printed at the end; carry [".whl"]. timeout_s: the budget, GRACE_S and
+# 60 s for the machine's start of the call and the page. Both fit a 900 s session; the rest's budget cannot hold all
+# of it: it runs its sections in order while they fit (correctness, paths, resume first) and names on its page what
+# it left out (short rows, levers, memory: a later call with --skip losses,layouts,paths,resume).
+DEVICE_CALLS = [
+    ("the headline: real lengths against TRL and TRL's best, by turns in long-lived workers, the profile",
+     "bash benchmarks/gpu_check.sh --part headline --budget-s 460", 550),
     ("the rest: correctness, single-GPU paths, resume, kernels, launch-overhead rows, levers, memory",
-     "bash benchmarks/gpu_check.sh --part rest --budget-s 240", 330)]
+     "bash benchmarks/gpu_check.sh --part rest --budget-s 180", 270)]
 CORRECTNESS_SIZE = {"cuda": "100m", "cpu": "3m"}
 RESUME_STEPS = {"cuda": 20, "cpu": 1}  # N: checkpoints at N and 2N
 
@@ -80,6 +93,16 @@ def device_commands() -> str:
                      for k, (what, command, limit) in enumerate(DEVICE_CALLS))
 
 
+def optional_version(name: str) -> str:
+    """``name version``, or why it does not import (an optional package: its rows say so too)."""
+    try:
+        import importlib
+
+        return f"{name} {getattr(importlib.import_module(name), '__version__', '?')}"
+    except Exception as error:  # noqa: BLE001  (deepspeed raises more than ImportError without its dependencies)
+        return f"{name} absent ({type(error).__name__})"
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -88,7 +111,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--part", default=None, choices=list(PARTS),
                         help="headline: real lengths and the profile (one call); rest: everything else (a second "
                              "call); all: both (default on the CPU rehearsal; on a GPU: headline)")
-    parser.add_argument("--budget-s", type=int, default=400,
+    parser.add_argument("--budget-s", type=int, default=460,
                         help="seconds the check may take: pairs and sections start only while their estimate fits")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: the CPUs)")
     parser.add_argument("--skip", default="", type=skipped_sections, help="sections to leave out, comma-separated")
@@ -112,7 +135,8 @@ def main() -> int:
 
         names = ["torch", "transformers", "accelerate", "peft", "datasets", "pyarrow", "huggingface_hub", "hydra",
                  "omegaconf", "trl"]
-        print("versions: " + ", ".join(f"{n} {importlib.import_module(n).__version__}" for n in names), flush=True)
+        print("versions: " + ", ".join(f"{n} {importlib.import_module(n).__version__}" for n in names)
+              + ", " + ", ".join(optional_version(n) for n in ("deepspeed", "liger_kernel", "triton")), flush=True)
         import rlhf.run.loop  # noqa: F401  (the package imports against these versions)
     except ImportError as error:
         print(f"{error}: a package is missing or too old here. Fix: run benchmarks/device_wheels.sh where pip works and "
@@ -143,7 +167,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device_name = machine_name(torch.device(device))
-    estimate = plans.plan_seconds(plan, args.rounds) if "speed" in sections else 0.0
+    estimate = plans.plan_seconds(plan, args.rounds, profiled=profiled if "profile" in sections else None) \
+        if "speed" in sections else 0.0
     header = {"date": time.strftime("%Y-%m-%d"), "machine": f"{device_name}, {platform.system()}",
               "versions": bench.versions(), "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:]),
               "budget_s": args.budget_s, "elapsed_s": 0.0, "device": device, "part": args.part,
@@ -156,7 +181,16 @@ def main() -> int:
     if "speed" in sections:
         note(f"the speed plan: {len(plan)} pair(s) x {args.rounds} round(s), estimated {estimate:.0f} s against a "
              f"{args.budget_s} s budget (pairs that would pass it are skipped)")
-    with tempfile.TemporaryDirectory() as tmp:
+    pool = Pool(correctness.THREADS[0], out / "workers")
+    if "speed" in sections:  # the workers' imports run while the preflight, the models and the correctness run
+        pool.start([s for s in SIDES if s != "trl_best" or best_options_missing() is None])
+    preflight_rows = preflight(device) if sections & {"speed", "levers"} or device == "cuda" else []
+    for row in preflight_rows:
+        report.add("correctness", {k: v for k, v in row.items() if k in ("check", "value", "ok")})
+        if row.get("failed"):
+            note(f"{row['check']} FAILED: {row['value']}")
+    report.data["fallbacks"] = [r["override"] for r in preflight_rows if r.get("failed") and r.get("override")]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.closing(pool):
         work = Path(tmp)
         models: dict[str, tuple[Path, int]] = {}
 
@@ -213,9 +247,9 @@ def main() -> int:
             note("output layer kernels timed")
         if "speed" in sections:
             speed_section(plan, profiled if "profile" in sections else None, args.rounds, report, budget, model, work,
-                          device, out)
+                          device, out, pool, preflight_rows)
         if "levers" in sections:
-            levers_section(levers, args.rounds, report, budget, model, work, device)
+            levers_section(levers, args.rounds, report, budget, model, work, device, pool, preflight_rows)
         if "memory" in sections:
             memory_section(report, budget, models, work, device)
     report.data["header"]["elapsed_s"] = budget.elapsed()

@@ -5,8 +5,8 @@
 # $OUT (the device tool's output folder; outputs/gpu_check elsewhere). Arguments go to gpu_check.py.
 #
 #   bash benchmarks/device_wheels.sh                         # here, once: the wheels (.whl/, ignored by git)
-#   device run, carry [".whl"], timeout_s 480:  bash benchmarks/gpu_check.sh --part headline --budget-s 400
-#   device run, carry [".whl"], timeout_s 330:  bash benchmarks/gpu_check.sh --part rest --budget-s 240
+#   device run, carry [".whl"], timeout_s 550:  bash benchmarks/gpu_check.sh --part headline --budget-s 460
+#   device run, carry [".whl"], timeout_s 270:  bash benchmarks/gpu_check.sh --part rest --budget-s 180
 #   WHEELS=none PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --device cpu   # the rehearsal on a CPU
 #                                                         (tests/test_gpu_check.py)
 set -euo pipefail

@@ -102,7 +102,8 @@ def layouts(model_dir: Path, device: str) -> list[dict]:
 
 def train(command: list[str], what: str) -> None:
     """Run one of our training commands; raise with its error output when it fails."""
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=bench._env(_threads()))
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=bench._env(_threads()),
+                            timeout=bench.timeout_s())
     if result.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{result.stderr[-3000:]}")
 
@@ -205,8 +206,6 @@ def paths(model_dir: Path, work: Path, device: str) -> list[dict]:
     """Each of :data:`PATHS` trained for :data:`PATH_STEPS` float32 steps on one process, against the plain run of
     the same DPO where the math is the same. A row's ``ok``: True or False, or None where the package refuses the
     option by design (its message is the row) or a dependency is missing here."""
-    import importlib.util
-
     rows_by_algo = {"dpo": bench.make_rows("dpo", "short", 64), "grpo": bench.make_rows("grpo", "short", 64)}
     data = {algo: work / f"paths-{algo}.jsonl" for algo in rows_by_algo}
     for algo, rows in rows_by_algo.items():
@@ -217,7 +216,7 @@ def paths(model_dir: Path, work: Path, device: str) -> list[dict]:
         command = path_command(model_dir, data["grpo" if algo in ("grpo", "ppo") else "dpo"], run_dir,
                                work / "cache", device, algo, overrides)
         result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=bench._env(_threads()),
-                                timeout=bench.TIMEOUT_S)
+                                timeout=bench.timeout_s())
         if result.returncode == 0:
             return logged(run_dir), None, False
         said = refusal(result.stdout + result.stderr)
@@ -229,9 +228,13 @@ def paths(model_dir: Path, work: Path, device: str) -> list[dict]:
     out = []
     for name, overrides, what, algo in PATHS:
         check = f"{name}: {PATH_STEPS} steps" + (" = hardware=gpu's (DPO, float32)" if what else "")
-        if "hardware=zero3" in overrides and importlib.util.find_spec("deepspeed") is None:
-            out.append({"check": check, "value": "not run: DeepSpeed is not installed here", "ok": None})
-            continue
+        if "hardware=zero3" in overrides:
+            try:
+                import deepspeed  # noqa: F401  (what it imports too: pydantic, ...)
+            except Exception as error:  # noqa: BLE001
+                out.append({"check": check, "value": f"not run: DeepSpeed does not import here ({last_line(error)})",
+                            "ok": None})
+                continue
         logs, error, refused = run(name, algo, overrides)
         if logs is None:
             out.append({"check": check, "value": f"{'refused' if refused else 'failed'}: {error}",

@@ -49,7 +49,9 @@ WAYS = [
     ("logits whole", _whole),  # the logits, then our one-pass log-softmax (algo.fused_output_layer=false)
     ("our torch tiles", _tiles),  # rlhf.ops.token_logps.linear_log_softmax with torch's operations (a CPU's)
     ("our Triton kernel", _triton),  # the same with rlhf.ops.linear_logps_triton (a GPU's, where triton imports)
-    ("Liger", _liger),  # Liger-Kernel's fused linear cross entropy (TRL's use_liger_kernel), where installed
+    # Liger-Kernel's fused linear cross entropy, where installed: the field's kernel for this layer (TRL 1.16's
+    # use_liger_kernel does not run it: TRL turns it off and computes its loss through its own chunked output layer)
+    ("Liger", _liger),
 ]
 NOT_INSTALLED = {"Liger": "liger-kernel is not installed (benchmarks/device_wheels.sh carries it to the GPU machine)",
                  "our Triton kernel": "a GPU's (tested on a CPU under Triton's interpreter: tests/ops)"}

@@ -21,8 +21,11 @@ def goals(data: dict) -> list[tuple[str, str, str]]:
     out = []
     for name, (case, shape), test in GOALS:
         rows = [r for r in data["speed"] if _reads(r, case, shape)]
-        if "best options" in name:
-            rows = [r for r in rows if r.get("ratio_best") is not None]
+        if "best options" in name and any(r.get("ratio_best") is None for r in rows):
+            why = "; ".join(f"{r['size']} b{r['batch']} {r['case']}: {r.get('trl_best_why') or 'not run'}"
+                            for r in rows if r.get("ratio_best") is None)
+            out.append((name, f"not measured ({why})"[:400], "not measured"))
+            continue
         if not rows:
             out.append((name, "not measured", "not measured"))
             continue
@@ -59,7 +62,11 @@ def speed_lines(data: dict) -> list[str]:
         best = r.get("trl_best")
         best_speed = f"{best['samples_per_s']:.1f}" if best else f"not run: {r.get('trl_best_why', '-')}"
         best_memory = f"{best['peak_mem_mb']:.0f}" if best else "-"
-        lines.append(f"| {r['size']} ({r['params'] / 1e6:.0f}M) | {r['batch']} | {r['case']} | {r.get('shape', 'short')} "
+        notes = [f"{side}: a compile in window(s) {', '.join(str(k + 1) for k, n in enumerate(counts) if n)}"
+                 for side, counts in r.get("compiles", {}).items() if any(counts)]
+        notes += ["sides one after another (memory)"] if r.get("blocks") else []
+        shown_case = r["case"] + (f" ({'; '.join(notes)})" if notes else "")
+        lines.append(f"| {r['size']} ({r['params'] / 1e6:.0f}M) | {r['batch']} | {shown_case} | {r.get('shape', 'short')} "
                      f"| {r['steps']} | {r['ours']['samples_per_s']:.1f} | {r['trl']['samples_per_s']:.1f} | "
                      f"{ratio_cell(r)} | {best_speed} | {ratio_cell(r, best=True)} | {r['ours']['mfu']:.1%} | "
                      f"{r['trl']['mfu']:.1%} | {r['ours']['peak_mem_mb']:.0f} | {r['trl']['peak_mem_mb']:.0f} | "
@@ -130,12 +137,16 @@ def page(data: dict) -> str:
     lines += ["", "Rows: `real` is prompts of up to 256 tokens and completions of up to 384 (GRPO: 128 new tokens), "
               "most rows short with a tail to the maximum; `short` is 32 + 32 (a step there is mostly kernel "
               "launches). GRPO's samples are completions (8 a prompt); its MFU counts the trained tokens only "
-              "(6 x parameters each), not the generation's forward passes. Each case trains twice the timed steps and "
-              "times the second half; every side in processes of its own, one after the other, on the same GPU; "
-              "with several rounds the sides alternate (rlhf, TRL, TRL best) and each side's median run is the row "
-              "(its samples/s, MFU and memory), the ratio being the medians' with the range of the rounds' ratios "
-              "beside it. TRL best: TRL's own options for one GPU (`use_liger_kernel=True`; SFT also "
-              "`padding_free=True`; TRL 1.16's DPO has no working padding-free mode)."]
+              "(6 x parameters each), not the generation's forward passes. Each side runs in a process of its own "
+              "that lives for the whole call: per pair it builds its side and trains a few untimed steps, then the "
+              "sides are timed by turns (rlhf, TRL, TRL best, rlhf, ...), one window of the steps shown per turn, its "
+              "ends waiting for the GPU; each side's median window is the row (its samples/s, MFU and memory), the "
+              "ratio being the medians' with the range of the rounds' ratios beside it. TRL best: TRL's own options "
+              "for one GPU (`use_liger_kernel=True`; TRL 1.16's DPO has no working padding-free mode, and its SFT "
+              "padding-free mode is documented for FlashAttention only)."]
+    if data.get("fallbacks"):
+        lines += ["", "Preflight: our side ran with " + ", ".join(f"`{o}`" for o in data["fallbacks"])
+                  + " in every pair and lever of this call (the default failed its preflight: see Correctness)."]
     return "\n".join(lines) + "\n"
 
 

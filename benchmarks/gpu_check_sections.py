@@ -1,5 +1,5 @@
 """The GPU check's timed sections (``benchmarks/gpu_check.py``): the speed pairs in the plan's order while the budget
-lasts (the profiled pair's profile right after it), the levers against our defaults, the memory records."""
+lasts (the profiled pair's profile right after its rounds), the levers against our defaults, the memory records."""
 
 from __future__ import annotations
 
@@ -10,94 +10,106 @@ from pathlib import Path
 import bench
 import gpu_check_plan as plans
 from gpu_check_correctness import last_line
+from gpu_check_preflight import fallback_overrides, lever_blocked
 from gpu_check_speed import (
     MEMORY_CASE,
     best_options_missing,
-    defaults_run,
-    lever_run,
+    lever_pair,
     memory_records,
-    profile_pair,
+    profile_summary,
     ratio_cell,
     speed_pair,
 )
 
 
+def device_memory_gb(device: str) -> float | None:
+    """The device's memory in GB (``None`` on a CPU)."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 1e9 if device == "cuda" else None
+
+
 def speed_section(plan: list[tuple], profiled: tuple | None, rounds: int, report, budget, model, work: Path,
-                  device: str, out: Path) -> None:
-    """Each pair of ``plan`` whose estimate (corrected by the pairs so far) fits the budget; ``profiled``'s profile
-    right after its pair, where it fits too."""
+                  device: str, out: Path, pool, preflight_rows: list[dict]) -> None:
+    """Each pair of ``plan`` whose estimate (corrected by the pairs so far) fits the budget, in ``pool``'s workers;
+    ``profiled``'s profile right after its rounds, in the same builds. Each turn's windows are saved as they come
+    (``report.data["partial"]``), so that a call stopped at its limit keeps what it timed."""
     measured: list[tuple[float, float]] = []  # (estimated, measured) seconds of each pair run
-    liger_first = best_options_missing() is None  # Triton compiles Liger's kernels once per call
+    first = plans.WORKERS_START_S + plans.FIRST_COMPILE_S  # once a call, charged to the first pair
+    memory_gb = device_memory_gb(device)
+    warmup = plans.WARMUP_STEPS[device]
     for size, batch, case, shape in plan:
-        sides = 3 if bench.CASES[case][0] in bench.TRL_BEST and best_options_missing() is None else 2
-        raw = plans.pair_seconds(size, batch, case, shape, rounds, sides) + (plans.LIGER_FIRST_S if liger_first else 0)
-        guess = plans.calibrated(raw, measured)
         entry = {"size": size, "batch": batch, "case": case, "shape": shape}
+        key = (size, batch, case, shape)
+        algo = bench.CASES[case][0]
+        needs = plans.MIN_MEMORY_GB.get(key)
+        if needs and memory_gb is not None and memory_gb < needs:
+            report.add("skipped", {**entry, "why": f"needs ~{needs} GB of GPU memory; this GPU has {memory_gb:.0f}"})
+            continue
+        sides = 3 if algo in bench.TRL_BEST and best_options_missing() is None else 2
+        profile_s = plans.profile_seconds(*key) if key == profiled else 0.0
+        raw = plans.pair_seconds(size, batch, case, shape, rounds, sides) + first + profile_s
+        guess = plans.calibrated(raw, measured)
         if not budget.fits(guess):
             report.add("skipped", {**entry, "why": f"out of the time budget (estimated {guess:.0f} s)"})
             budget.note(f"skipped {size} b{batch} {case} {shape}: {guess:.0f} s would pass the budget")
             continue
         began = time.perf_counter()
-        steps = plans.steps_for(size, case, shape)
+        steps = plans.steps_for(size, batch, case, shape)
+        folders = {"ours": work / "profile-ours", "trl": work / "profile-trl"} if key == profiled else None
+
+        def partial(runs, failed, entry=entry):
+            report.add("partial", {**entry, "samples_per_s": {s: [r["samples_per_s"] for r in rs]
+                                                              for s, rs in runs.items()}, "failed": failed})
+
         try:
             model_dir, params = model(size)
             row = speed_pair(size, batch, case, shape, model_dir, params, work, device, report.data["peaks"], steps,
-                             rounds)
+                             rounds, pool, budget.deadline(), warmup, fallback_overrides(preflight_rows, algo),
+                             key in plans.BLOCKS, folders, partial)
         except Exception as error:  # noqa: BLE001  (a case that fails on this GPU is a finding)
             traceback.print_exc()
             report.add("skipped", {**entry, "why": f"failed: {last_line(error)}"})
-            budget.note(f"{size} b{batch} {case} {shape} FAILED")
+            budget.note(f"{size} b{batch} {case} {shape} FAILED: {last_line(error)}")
+            first = 0.0
             continue
         took = time.perf_counter() - began
         measured.append((raw, took))
-        liger_first = False
+        first = 0.0
         report.add("speed", row)
         budget.note(f"{size} b{batch} {case} {shape}: {ratio_cell(row).replace('**', '')}, against TRL's best "
                     f"{ratio_cell(row, best=True).replace('**', '')}; peak MB {row['ours']['peak_mem_mb']:.0f} vs "
                     f"{row['trl']['peak_mem_mb']:.0f} [{took:.0f} s, estimated {raw:.0f}]")
-        if (size, batch, case, shape) == profiled:
-            profile_section(profiled, report, budget, model, work, device, out, measured)
+        if folders is not None:
+            try:
+                report.add("profile", profile_summary(key, {"rlhf": folders["ours"], "TRL": folders["trl"]}, out))
+                budget.note(f"profiled {size} b{batch} {case} {shape}, both sides")
+            except Exception as error:  # noqa: BLE001
+                report.add("skipped", {**entry, "lever": "(profile)", "why": f"failed: {last_line(error)}; "
+                                       f"{row['failed']}"})
 
 
-def profile_section(case_entry: tuple, report, budget, model, work: Path, device: str, out: Path,
-                    measured: list) -> None:
-    size, batch, case, shape = case_entry
-    guess = plans.calibrated(2 * plans.run_seconds(size, batch, case, shape), measured)
-    if not budget.fits(guess):
-        report.add("skipped", {"size": size, "batch": batch, "case": case, "shape": shape,
-                               "lever": "(profile)", "why": "out of the time budget"})
-        return
-    try:
-        report.add("profile", profile_pair(size, batch, case, shape, model(size)[0], work, device,
-                                           plans.steps_for(size, case, shape), out))
-        budget.note(f"profiled {size} b{batch} {case} {shape}, both sides")
-    except Exception as error:  # noqa: BLE001
-        traceback.print_exc()
-        report.add("skipped", {"size": size, "batch": batch, "case": case, "shape": shape, "lever": "(profile)",
-                               "why": f"failed: {last_line(error)}"})
-
-
-def levers_section(levers: list, rounds: int, report, budget, model, work: Path, device: str) -> None:
-    """Each lever against our defaults on its case: the speed section's row where it ran (its median run), else one
-    run of the defaults here, first."""
-    baselines = {(r["size"], r["batch"], r["case"], r.get("shape", "short")): r["ours"] for r in report.data["speed"]}
+def levers_section(levers: list, rounds: int, report, budget, model, work: Path, device: str, pool,
+                   preflight_rows: list[dict]) -> None:
+    """Each lever against our defaults on its case, by turns in two of our workers."""
+    warmup = plans.WARMUP_STEPS[device]
     for size, batch, case, shape, name, overrides in levers:
         entry = {"size": size, "batch": batch, "case": case, "shape": shape, "lever": name}
-        key = (size, batch, case, shape)
         if overrides is None:
             report.add("skipped", {**entry, "why": "its option is not built yet (gpu_check_plan.LEVERS: None)"})
             continue
-        one = plans.run_seconds(size, batch, case, shape)
-        steps = plans.steps_for(size, case, shape)
-        if not budget.fits(one * (1 if key in baselines else 2)):
+        blocked = lever_blocked(preflight_rows, overrides)
+        if blocked:
+            report.add("skipped", {**entry, "why": blocked})
+            continue
+        if not budget.fits(plans.pair_seconds(size, batch, case, shape, rounds, 2)):
             report.add("skipped", {**entry, "why": "out of the time budget"})
             budget.note(f"skipped lever {name} on {size} b{batch} {case} {shape}: out of the time budget")
             continue
         try:
-            model_dir = model(size)[0]
-            if key not in baselines:
-                baselines[key] = defaults_run(size, batch, case, shape, model_dir, work, device, steps)
-            row = lever_run(size, batch, case, shape, name, overrides, model_dir, work, device, steps, baselines[key])
+            row = lever_pair(size, batch, case, shape, name, overrides, model(size)[0], work, device,
+                             plans.steps_for(size, batch, case, shape), rounds, pool, budget.deadline(), warmup,
+                             fallback_overrides(preflight_rows, bench.CASES[case][0]))
         except Exception as error:  # noqa: BLE001  (a lever that fails here, e.g. a kernel this GPU lacks)
             report.add("skipped", {**entry, "why": f"failed: {last_line(error)}"})
             budget.note(f"lever {name} on {size} b{batch} {case} FAILED")
@@ -116,7 +128,8 @@ def memory_section(report, budget, models: dict, work: Path, device: str) -> Non
         report.add("skipped", {**entry, "why": "its model was not built in this call, or out of the time budget"})
         return
     try:
-        report.data["memory"] = memory_records(models[size][0], work, device, plans.steps_for(size, case, shape))
+        report.data["memory"] = memory_records(models[size][0], work, device,
+                                               plans.steps_for(size, batch, case, shape))
         report.save()
         budget.note("memory at the peak recorded, both sides")
     except Exception as error:  # noqa: BLE001

@@ -1,10 +1,9 @@
-"""The GPU check's timed runs (``benchmarks/gpu_check.py``): a pair against TRL (and TRL with its best options) in
-alternating rounds, a lever against our defaults, a profile of both sides (top kernels, the GPU's idle share), and
-the allocator's record of both sides at the peak."""
+"""The GPU check's timed runs (``benchmarks/gpu_check.py``): a pair against TRL (and TRL with its best options) by
+turns in the call's long-lived workers (:mod:`gpu_check_turns`), a lever against our defaults the same way, a
+profile of both sides (top kernels, the GPU's idle share), and the allocator's record of both sides at the peak."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
@@ -13,14 +12,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (benchmarks/bench.py)
 from gpu_check_correctness import _threads  # noqa: E402
-
-SIDES = ("ours", "trl", "trl_best")  # the order of a round
+from gpu_check_turns import pair_runs  # noqa: E402
 
 
 def write_data(algo: str, shape: str, batch: int, steps: int, work: Path) -> tuple[Path, list[dict]]:
-    """The rows of a case (enough for ``2 x steps`` steps and one more batch, at least 64), written once per
-    algorithm, shape and count into ``work``."""
-    rows = bench.make_rows(algo, shape, max(64, batch * (2 * steps + 1)))
+    """The rows of a case (enough for ``steps`` steps and one more batch, at least 64), written once per algorithm,
+    shape and count into ``work``."""
+    rows = bench.make_rows(algo, shape, max(64, batch * (steps + 1)))
     data = work / f"{algo}-{shape}-{len(rows)}.jsonl"
     if not data.exists():
         bench.write_jsonl(rows, data)
@@ -28,42 +26,65 @@ def write_data(algo: str, shape: str, batch: int, steps: int, work: Path) -> tup
 
 
 def best_options_missing() -> str | None:
-    """Why TRL's best options cannot run here (Liger-Kernel not installed), or ``None``."""
-    if importlib.util.find_spec("liger_kernel") is None:
-        return "liger-kernel is not installed (benchmarks/device_wheels.sh carries it to the GPU machine)"
+    """Why TRL's best options cannot run here (Liger-Kernel does not import), or ``None``."""
+    try:
+        import liger_kernel  # noqa: F401
+    except Exception as error:  # noqa: BLE001  (missing, or broken against this torch)
+        return f"liger-kernel does not import here ({type(error).__name__}; benchmarks/device_wheels.sh carries it)"
     return None
 
 
-def speed_pair(size: str, batch: int, case: str, shape: str, model_dir: Path, params: int, work: Path, device: str,
-               peaks: dict, steps: int, rounds: int = 1) -> dict:
-    """Ours, TRL's and TRL's with its best options (``bench.TRL_BEST``) on one case, with MFU as the benchmark
-    computes it.
+def with_overrides(extra: list[str], more: list[str]) -> list[str]:
+    """``extra`` and those of ``more`` whose keys ``extra`` does not set (a lever's own value wins)."""
+    keys = {o.split("=", 1)[0] for o in extra}
+    return [*extra, *(o for o in more if o.split("=", 1)[0] not in keys)]
 
-    ``rounds`` runs of each side, alternating (ours, TRL, TRL's best, ours, ...), each a process of its own: the row
-    is each side's median run (its samples/s, memory and MFU) and the ratios of the medians, with every round's ratio
-    beside them. One pair measured once per call moved by up to 50% between calls on an H200
-    (docs/gpu/2026-11-27-nvidia-h200-second-run.md); the rounds show that spread within one call. TRL's best side
-    failing (or not installed) leaves its column empty with the reason; ours or TRL's failing fails the pair."""
+
+def side_specs(size: str, batch: int, case: str, shape: str, model_dir: Path, work: Path, device: str, steps: int,
+               total_steps: int, fallbacks: list[str], best_fields: dict | None, lever: list[str] | None = None
+               ) -> dict[str, dict]:
+    """Each side's build spec for :func:`gpu_check_turns.pair_runs`: ours (with the preflight's ``fallbacks``);
+    TRL's and, with ``best_fields``, TRL's best; or with ``lever``, ours and ours with the lever's overrides."""
     algo = bench.CASES[case][0]
-    data, rows = write_data(algo, shape, batch, steps, work)
+    data, _ = write_data(algo, shape, batch, total_steps, work)
+    folder = work / f"{size}-{batch}-{case}-{shape}" / f"{len(list(work.glob(f'{size}-{batch}-{case}-{shape}/*')))}"
+    common = {"case": case, "model_dir": str(model_dir), "data": str(data), "batch": batch, "steps": steps,
+              "threads": _threads(), "device": device, "shape": shape, "size": size, "max_steps": total_steps + 2}
+    ours = {**common, "run_dir": str(folder / "ours"), "cache": str(work / "cache"), "extra": fallbacks}
+    if lever is not None:
+        return {"ours": ours, "lever": {**ours, "run_dir": str(folder / "lever"),
+                                        "extra": with_overrides(lever, fallbacks)}}
+    specs = {"ours": ours, "trl": {**common, "out": str(folder / "trl"), "fields": {}}}
+    if best_fields:
+        specs["trl_best"] = {**common, "out": str(folder / "trl_best"), "fields": best_fields}
+    return specs
+
+
+def speed_pair(size: str, batch: int, case: str, shape: str, model_dir: Path, params: int, work: Path, device: str,
+               peaks: dict, steps: int, rounds: int, pool, deadline: float, warmup: int, fallbacks: list[str] = (),
+               blocks: bool = False, profile: dict[str, Path] | None = None, on_turn=None) -> dict:
+    """Ours, TRL's and TRL's with its best options (``bench.TRL_BEST``) on one case, with MFU as the benchmark
+    computes it, in the call's long-lived workers (``pool``: :mod:`gpu_check_turns`).
+
+    ``rounds`` timed windows of each side by turns (ours, TRL, TRL's best, ours, ...; ``blocks``: one side after
+    another, where they do not fit on the device together): the row is each side's median window (its samples/s,
+    memory and MFU) and the ratios of the medians, with every round's ratio beside them, and the graphs compiled
+    in each window (a window with a compile is not steady state: the page flags it). TRL's best side failing (or
+    not installed) leaves its column empty with the reason; ours or TRL's failing fails the pair."""
+    algo = bench.CASES[case][0]
     best_fields = bench.TRL_BEST.get(algo)
     best_why = None if best_fields else "no best options for this algorithm"
     best_why = best_why or best_options_missing()
-    sides: dict[str, list[dict]] = {side: [] for side in SIDES}
-    for k in range(rounds):
-        case_dir = work / f"{size}-{batch}-{shape}" / f"round{k}"
-        case_dir.mkdir(parents=True, exist_ok=True)
-        sides["ours"].append(bench.run_ours(case, model_dir, data, case_dir, batch, steps, _threads(), [], device,
-                                            shape=shape))
-        sides["trl"].append(bench.run_trl(case, model_dir, data, case_dir, batch, steps, _threads(), device,
-                                          shape=shape))
-        if best_why is None:
-            try:
-                sides["trl_best"].append(bench.run_trl(case, model_dir, data, case_dir / "best", batch, steps,
-                                                       _threads(), device, shape=shape, fields=best_fields))
-            except Exception as error:  # noqa: BLE001  (e.g. a Liger kernel this GPU or model lacks)
-                best_why = f"failed: {str(error).strip().splitlines()[-1][:200] if str(error).strip() else error}"
-    per_sample = bench.tokens_per_sample(algo, rows, shape)
+    specs = side_specs(size, batch, case, shape, model_dir, work, device, steps,
+                       warmup + rounds * steps + bench.PROFILED_STEPS, list(fallbacks),
+                       best_fields if best_why is None else None)
+    sides, failed = pair_runs(specs, rounds, steps, warmup, pool, deadline, blocks, profile, on_turn)
+    for side in ("ours", "trl"):
+        if not sides[side]:
+            raise RuntimeError(f"{side}: {failed.get(side, 'no window timed')}")
+    if "trl_best" in failed:
+        best_why = f"failed: {failed['trl_best']}"
+    per_sample = bench.tokens_per_sample(algo, bench.make_rows(algo, shape, 64), shape)
     live = algo == "dpo"  # a live reference runs forward each step (no case here precomputes it)
     flops = 6.0 * params + (2.0 * params if live else 0.0)
     peak = peaks["bfloat16" if case in bench.BF16 or case in bench.SHIPPED_TRL_BF16 else "float32"] \
@@ -76,8 +97,10 @@ def speed_pair(size: str, batch: int, case: str, shape: str, model_dir: Path, pa
            "trl": theirs, "ratio": ours["samples_per_s"] / theirs["samples_per_s"], "rounds": rounds,
            "round_ratios": [o["samples_per_s"] / t["samples_per_s"] for o, t in zip(sides["ours"], sides["trl"])],
            "samples_per_s": {name: [s["samples_per_s"] for s in runs] for name, runs in sides.items()},
-           "trl_best": None, "ratio_best": None, "trl_best_fields": best_fields or {}}
-    if best_why is None and sides["trl_best"]:
+           "compiles": {name: [s.get("compiles", 0) for s in runs] for name, runs in sides.items()},
+           "blocks": blocks, "fallbacks": list(fallbacks), "trl_best": None, "ratio_best": None,
+           "trl_best_fields": best_fields or {}, "failed": failed}
+    if best_why is None and sides.get("trl_best"):
         best = median_run(sides["trl_best"])
         row.update(trl_best=best, ratio_best=ours["samples_per_s"] / best["samples_per_s"],
                    round_ratios_best=[o["samples_per_s"] / b["samples_per_s"]
@@ -106,27 +129,20 @@ def ratio_cell(row: dict, best: bool = False) -> str:
     return cell
 
 
-def lever_run(size: str, batch: int, case: str, shape: str, name: str, overrides: list[str], model_dir: Path,
-              work: Path, device: str, steps: int, baseline: dict) -> dict:
-    """Our side of ``case`` with ``overrides``, against ``baseline`` (our run of the same case with the defaults)."""
-    algo = bench.CASES[case][0]
-    data, _ = write_data(algo, shape, batch, steps, work)
-    run_dir = work / f"lever-{size}-{batch}-{case}-{len(list(work.glob('lever-*')))}"
-    ours = bench.run_ours_into(run_dir, case, model_dir, data, work / "cache", batch, steps, _threads(), overrides,
-                               device, shape)
+def lever_pair(size: str, batch: int, case: str, shape: str, name: str, overrides: list[str], model_dir: Path,
+               work: Path, device: str, steps: int, rounds: int, pool, deadline: float, warmup: int,
+               fallbacks: list[str] = ()) -> dict:
+    """Our side of ``case`` with ``overrides`` against our defaults on it, by turns in two of our workers: the
+    medians' ratios of speed and memory."""
+    specs = side_specs(size, batch, case, shape, model_dir, work, device, steps, warmup + rounds * steps,
+                       list(fallbacks), None, lever=overrides)
+    sides, failed = pair_runs(specs, rounds, steps, warmup, pool, deadline)
+    if not sides["ours"] or not sides["lever"]:
+        raise RuntimeError("; ".join(f"{side}: {why}" for side, why in failed.items()) or "no window timed")
+    ours, baseline = median_run(sides["lever"]), median_run(sides["ours"])
     return {"size": size, "batch": batch, "case": case, "shape": shape, "lever": name, "overrides": overrides,
-            "ours": ours, "speed": ours["samples_per_s"] / baseline["samples_per_s"],
+            "ours": ours, "defaults": baseline, "speed": ours["samples_per_s"] / baseline["samples_per_s"],
             "memory": ours["peak_mem_mb"] / baseline["peak_mem_mb"]}
-
-
-def defaults_run(size: str, batch: int, case: str, shape: str, model_dir: Path, work: Path, device: str,
-                 steps: int) -> dict:
-    """Our side of ``case`` with the defaults, once: a lever's baseline where the speed section did not run it."""
-    algo = bench.CASES[case][0]
-    data, _ = write_data(algo, shape, batch, steps, work)
-    run_dir = work / f"defaults-{size}-{batch}-{case}-{shape}"
-    return bench.run_ours_into(run_dir, case, model_dir, data, work / "cache", batch, steps, _threads(), [], device,
-                               shape)
 
 
 # ---- the profile ---------------------------------------------------------------------------------------------------
@@ -161,20 +177,12 @@ def trace_summary(trace: dict, top: int = TOP_KERNELS) -> dict:
             "gpu_events": len(gpu), "kernels": kernels}
 
 
-def profile_pair(size: str, batch: int, case: str, shape: str, model_dir: Path, work: Path, device: str,
-                 steps: int, out: Path) -> dict:
-    """Both sides of ``case`` once more with ``bench.PROFILED_STEPS`` steps recorded by torch.profiler (from the
-    timed window's first, as ``bench.py --profile`` does): each side's :func:`trace_summary` and its ms per step;
-    each side's ``profile.txt`` copied to ``out/profile-<side>.txt``."""
-    algo = bench.CASES[case][0]
-    data, _ = write_data(algo, shape, batch, steps, work)
-    ours_dir, trl_dir = work / "profile-ours", work / "profile-trl"
-    bench.run_ours_into(ours_dir, case, model_dir, data, work / "cache", batch, steps, _threads(),
-                        [f"train.profile_steps={bench.PROFILED_STEPS}"], device, shape)
-    bench.run_trl(case, model_dir, data, work / "profile-trl-run", batch, steps, _threads(), device,
-                  profile_to=trl_dir, shape=shape)
+def profile_summary(case_entry: tuple, folders: dict[str, Path], out: Path) -> dict:
+    """Both sides' :func:`trace_summary` and ms per step from the profiled steps their workers wrote into
+    ``folders`` (``{"rlhf": ..., "TRL": ...}``); each side's ``profile.txt`` copied to ``out/profile-<side>.txt``."""
+    size, batch, case, shape = case_entry
     result = {"size": size, "batch": batch, "case": case, "shape": shape, "steps": bench.PROFILED_STEPS}
-    for side, folder in (("rlhf", ours_dir), ("TRL", trl_dir)):
+    for side, folder in folders.items():
         text = (folder / "profile.txt").read_text()
         summary = trace_summary(json.loads((folder / "profile_trace.json").read_text()))
         summary["ms_per_step"] = float(text.split(" ms per step")[0].rsplit(" ", 1)[-1])

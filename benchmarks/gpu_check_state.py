@@ -28,7 +28,8 @@ class Report:
 
     def __init__(self, out: Path, header: dict) -> None:
         self.out, self.data = out, {"header": header, "correctness": [], "checkpoint": None, "speed": [],
-                                    "levers": [], "kernels": [], "skipped": [], "profile": None}
+                                    "levers": [], "kernels": [], "skipped": [], "profile": None,
+                                    "partial": []}
         self.save()
 
     def add(self, section: str, item) -> None:
@@ -44,17 +45,22 @@ class Report:
 
 class SectionBudget:
     """Seconds since ``started`` against ``budget_s``: :meth:`fits` says whether work expected to take
-    ``estimate_s`` ends within it (always, where not ``enforced``: the rehearsal runs everything), and each start
-    sets ``bench.TIMEOUT_S`` so that a run still going ``grace_s`` past the budget is stopped."""
+    ``estimate_s`` ends within it (always, where not ``enforced``: the rehearsal runs everything); the call's
+    :meth:`deadline` is ``grace_s`` past the budget (``bench.DEADLINE`` where ``enforced``): a process of its own
+    started later may run until then, and the workers' answers are awaited until then (``gpu_check_turns``)."""
 
     def __init__(self, started: float, budget_s: float, grace_s: float, enforced: bool = True) -> None:
         self.started, self.budget_s, self.grace_s, self.enforced = started, budget_s, grace_s, enforced
+        bench.DEADLINE = self.deadline() if enforced else None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
+    def deadline(self) -> float:
+        """``time.perf_counter()`` at which work still going is stopped (``grace_s`` past the budget)."""
+        return self.started + self.budget_s + self.grace_s
+
     def fits(self, estimate_s: float) -> bool:
-        bench.TIMEOUT_S = max(60.0, self.budget_s + self.grace_s - self.elapsed())
         return not self.enforced or self.elapsed() + estimate_s <= self.budget_s
 
     def note(self, message: str) -> None:

@@ -135,3 +135,28 @@ def test_logps_kernels_times_both_ways_and_finds_them_equal(monkeypatch, capsys)
     kernels.main()
     lines = [line for line in capsys.readouterr().out.splitlines() if "fused" in line]
     assert len(lines) == 4 and all(line.endswith(", agree") for line in lines), lines
+
+
+def test_trl_trainers_build_with_the_best_options_of_each_algorithm(tmp_path):
+    """TRL's best side (bench.TRL_BEST) builds for each algorithm at the tiny size, as the GPU check's workers build it
+    (use_liger_kernel left out where Liger-Kernel does not import here): a field TRL refuses (SFT's padding_free
+    without packing and with a max_length) fails here, not on a lent GPU."""
+    import torch
+
+    try:
+        import liger_kernel  # noqa: F401
+
+        has_liger = True
+    except ImportError:
+        has_liger = False
+    bench.build_model("3m", tmp_path / "model")
+    for algo in ("dpo", "sft", "grpo"):
+        data = tmp_path / f"{algo}.jsonl"
+        bench.write_jsonl(bench.make_rows(algo, "short", 16), data)
+        fields = {k: v for k, v in bench.TRL_BEST[algo].items() if has_liger or k != "use_liger_kernel"}
+        spec = {"case": f"{algo}_fp32", "model_dir": str(tmp_path / "model"), "data": str(data), "batch": 8,
+                "steps": 1, "out": str(tmp_path / f"trl-{algo}"), "shape": "short", "fields": fields}
+        trainer = bench.trl_trainer(spec, 2, torch.device("cpu"))
+        assert trainer.args.max_steps == 2 and trainer.args.per_device_train_batch_size == 8
+        for key, value in fields.items():
+            assert getattr(trainer.args, key) == value, (algo, key)

@@ -30,7 +30,7 @@ def test_the_rehearsal_runs_every_section_and_writes_the_page(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["header"]["part"] == "all" and report["header"]["plan_estimate_s"] > 0
     checks = [c["check"].split(" = ")[0].split(":")[0] for c in report["correctness"]]
-    assert checks == ["DPO first-step loss", "SFT first-step loss", "GRPO first-step loss",
+    assert checks == ["preflight"] * 4 + ["DPO first-step loss", "SFT first-step loss", "GRPO first-step loss",
                       "shared-prompt layout under flex attention", "tiled output layer", "shared-prompt layout",
                       "padding-free pairs", "hardware=fsdp, one process", "hardware=zero3, one process",
                       "peft=lora (the adapters start at zero)", "GRPO, 8 completions a prompt",
@@ -56,7 +56,8 @@ def test_the_rehearsal_runs_every_section_and_writes_the_page(tmp_path):
     for side in ("ours", "trl"):
         assert row[side]["samples_per_s"] > 0 and row[side]["peak_mem_mb"] > 0 and 0 < row[side]["mfu"] < 1
     # TRL's best options: Liger-Kernel is not installed here, so the column says why
-    assert row["trl_best"] is None and "liger-kernel is not installed" in row["trl_best_why"]
+    assert row["trl_best"] is None and "liger-kernel does not import here" in row["trl_best_why"]
+    assert len(row["samples_per_s"]["ours"]) == 1 and row["failed"] == {}  # one window (rounds 1 on the CPU)
     assert row["trl_best_fields"] == {"use_liger_kernel": True}
     profile = report["profile"]  # the profiled pair: both sides, no GPU events on a CPU
     assert (profile["size"], profile["case"]) == ("3m", "dpo_fp32")
@@ -102,13 +103,17 @@ def test_goals_are_met_only_by_every_row_that_reads_them_and_unmeasured_ones_say
     assert verdicts["DPO bf16 ≥ 1.3× TRL's samples/s (real lengths)"] == (
         "100m b8 1.40×; 100m b64 1.20×; 1b b16 1.50×", "NOT met")
     assert verdicts["SFT bf16 ≥ 1.3× (real lengths)"][1] == "met"
-    assert verdicts["ahead of TRL with its best options (Liger-Kernel; SFT padding-free)"] == (
-        "100m b8 sft_bf16 1.10×", "met")
-    assert verdicts["GRPO (HF generate), 128 new tokens, 8 completions a prompt ≥ 1.5×"] == ("not measured",
-                                                                                            "not measured")
+    best = "ahead of TRL with its best options (Liger-Kernel)"
+    assert verdicts[best][1] == "not measured"  # rows without a best side (it failed, or did not run): not judged
+    assert verdicts[best][0].startswith("not measured (100m b8 dpo_bf16: not run; ")
+    assert verdicts["GRPO (static-cache decoding), 128 new tokens, 8 completions a prompt ≥ 1.5×"] == (
+        "not measured", "not measured")
     assert verdicts["peak GPU memory ≤ TRL's"][1] == "NOT met"  # the 1b row is above TRL's
     assert verdicts["bf16 MFU, DPO at ~1B, real lengths ≥ 40%"] == ("41.0% (batch 16)", "met")
     assert verdicts["a checkpoint at the default interval, batch 8 ≤ 2% of training"] == ("1.90%", "met")
+    for row in data["speed"]:
+        row["ratio_best"] = 1.1
+    assert gpu_check.goals(data)[3][2] == "met"
     data["speed"][2]["ratio_best"] = 0.9
     assert gpu_check.goals(data)[3][2] == "NOT met"
     data["checkpoint"] = {"share": 0.021}
@@ -148,26 +153,40 @@ def test_the_estimate_scales_with_tokens_and_rounds_and_learns_from_the_pairs_ru
     assert short == plans.STEP_FLOOR_S["1b"]  # 16 short pairs: launch-bound
     grpo = plans.step_seconds("100m", 16, "grpo_bf16", "real")
     assert grpo > 128 * plans.DECODE_S_PER_TOKEN["100m"]  # a forward pass per new token (128 at real lengths)
+    steps = plans.steps_for("1b", 16, "dpo_bf16", "real")
+    assert steps == 3 and plans.steps_for("100m", 16, "sft_bf16", "real") == 36  # ~2 s of GPU work a window
     one = plans.run_seconds("1b", 16, "dpo_bf16", "real")
-    assert one == pytest.approx(plans.STARTUP_S["1b"] + 2 * plans.STEPS[("1b", "dpo")] * real)
-    assert plans.pair_seconds("1b", 16, "dpo_bf16", "real", 3, 3) == pytest.approx(9 * one)
+    assert one == pytest.approx(plans.STARTUP_S["1b"] + 2 * steps * real)
+    pair = plans.pair_seconds("1b", 16, "dpo_bf16", "real", 3, 3)  # built once a side, then 9 windows by turns
+    assert pair == pytest.approx(3 * (plans.BUILD_S["1b"] + 3 * real) + 9 * (steps * real + plans.TURN_S))
     assert plans.calibrated(100.0, []) == 100.0
     assert plans.calibrated(100.0, [(50.0, 75.0), (50.0, 75.0)]) == pytest.approx(150.0)
     assert plans.calibrated(100.0, [(10.0, 100.0)]) == 300.0 and plans.calibrated(100.0, [(10.0, 1.0)]) == 50.0
-    # the headline's first pair and its profile fit the first call's default budget; the whole headline does not
-    first = plans.pair_seconds(*plans.HEADLINE[0], 3, 3) + plans.LIGER_FIRST_S + 2 * one
-    assert first < 400 < plans.plan_seconds(plans.HEADLINE, 3)
+    # the whole headline (3 rounds, three sides, the profile) fits its device call's budget, and that call's limit
+    # leaves the grace and a minute; both calls fit a 900 s session
+    (_, headline, headline_limit), (_, rest, rest_limit) = gpu_check.DEVICE_CALLS
+    budget = int(headline.split("--budget-s ")[1])
+    assert plans.plan_seconds(plans.HEADLINE, 3, profiled=plans.PROFILE_CASE) <= budget <= 480
+    assert headline_limit >= budget + gpu_check.GRACE_S + 60
+    assert rest_limit >= int(rest.split("--budget-s ")[1]) + gpu_check.GRACE_S + 60
+    assert headline_limit + rest_limit <= 900 - 60  # a minute for the machine's start
 
 
-def test_a_budget_skips_what_would_pass_it_and_bounds_each_run(monkeypatch):
+def test_a_budget_skips_what_would_pass_it_and_bounds_each_run_by_the_deadline(monkeypatch):
     import time
 
     import gpu_check_state
 
     budget = gpu_check_state.SectionBudget(time.perf_counter() - 100.0, 400.0, 55.0)
     assert budget.fits(299.0) and not budget.fits(301.0)
-    assert gpu_check.bench.TIMEOUT_S == pytest.approx(355.0, abs=1.0)
+    assert gpu_check.bench.timeout_s() == pytest.approx(355.0, abs=1.0)  # a run of its own: until the deadline
+    monkeypatch.setattr(gpu_check.bench, "DEADLINE", time.perf_counter() + 100.0)
+    time.sleep(0.2)
+    assert gpu_check.bench.timeout_s() == pytest.approx(99.8, abs=0.1)  # read when the run starts, not once a pair
+    monkeypatch.setattr(gpu_check.bench, "DEADLINE", time.perf_counter() - 100.0)
+    assert gpu_check.bench.timeout_s() == 5.0
     assert gpu_check_state.SectionBudget(time.perf_counter() - 100.0, 10.0, 0.0, enforced=False).fits(1e9)
+    assert gpu_check.bench.DEADLINE is None
 
 
 def test_a_trace_gives_the_top_kernels_and_the_share_of_the_window_the_gpu_sits_idle():
@@ -222,35 +241,113 @@ def test_each_lever_composes_and_passes_the_config_check(lever):
     check_config(compose_config(f"algo={algo}", *case_overrides, *overrides))
 
 
-def test_a_pair_of_several_rounds_alternates_the_sides_and_reports_the_medians(tmp_path, monkeypatch):
-    """Three rounds: ours, TRL, TRL's best, ours, ... (each a process of its own): the row is each side's median run
-    and the ratios of the medians, with every round's ratio (red if the sides run in blocks, or a mean is taken)."""
-    calls, ours_speeds = [], iter([100.0, 300.0, 200.0])
-    trl_speeds, best_speeds = iter([100.0, 150.0, 400.0]), iter([50.0, 100.0, 400.0])
+class FakeWorker:
+    """A side's worker that answers at once: each window's samples/s from ``speeds``; ``fails``: the op it fails."""
 
-    def ours(case, model_dir, data, work, batch, steps, threads, extra, device, shape):
-        calls.append("ours")
-        return {"samples_per_s": next(ours_speeds), "peak_mem_mb": 10.0}
+    def __init__(self, side, calls, speeds, fails=None):
+        self.side, self.calls, self.speeds, self.fails = side, calls, speeds, fails
 
-    def trl(case, model_dir, data, work, batch, steps, threads, device, shape, fields=None):
-        calls.append("trl_best" if fields else "trl")
-        assert fields in (None, {"use_liger_kernel": True})
-        return {"samples_per_s": next(best_speeds if fields else trl_speeds), "peak_mem_mb": 20.0}
+    def ask(self, command, deadline):
+        import gpu_check_turns
 
-    monkeypatch.setattr(gpu_check.bench, "run_ours", ours)
-    monkeypatch.setattr(gpu_check.bench, "run_trl", trl)
+        self.calls.append((command["op"], self.side))
+        if command["op"] == self.fails:
+            raise gpu_check_turns.SideFailed(f"{self.side} {command['op']} failed")
+        if command["op"] == "run":
+            return {"samples_per_s": next(self.speeds), "peak_mem_mb": 10.0, "compiles": 0}
+        return {}
+
+
+class FakePool:
+    def __init__(self, workers):
+        self.workers, self.dropped = workers, []
+
+    def get(self, side):
+        return self.workers[side]
+
+    def drop(self, side):
+        self.dropped.append(side)
+
+
+def test_a_pair_times_its_sides_by_turns_and_reports_the_medians(tmp_path, monkeypatch):
+    """Three rounds: ours, TRL, TRL's best, ours, ... (each side built once in its worker, then one window a turn):
+    the row is each side's median window and the ratios of the medians, with every round's ratio (red if the sides
+    run in blocks, or a mean is taken)."""
     import gpu_check_speed
 
+    calls = []
+    pool = FakePool({"ours": FakeWorker("ours", calls, iter([100.0, 300.0, 200.0])),
+                     "trl": FakeWorker("trl", calls, iter([100.0, 150.0, 400.0])),
+                     "trl_best": FakeWorker("trl_best", calls, iter([50.0, 100.0, 400.0]))})
     monkeypatch.setattr(gpu_check_speed, "best_options_missing", lambda: None)
     row = gpu_check.speed_pair("3m", 8, "dpo_fp32", "short", tmp_path, 1000, tmp_path, "cpu", {"float32": 1e12}, 2,
-                               rounds=3)
-    assert calls == ["ours", "trl", "trl_best"] * 3
+                               3, pool, 0.0, 1, ["hardware.compile=false"])
+    builds = [("build", side) for side in ("ours", "trl", "trl_best")]
+    frees = [("free", side) for side in ("ours", "trl", "trl_best")]
+    assert calls == builds + [("run", "ours"), ("run", "trl"), ("run", "trl_best")] * 3 + frees
     assert row["ours"]["samples_per_s"] == 200.0 and row["trl"]["samples_per_s"] == 150.0
     assert row["ratio"] == pytest.approx(200 / 150) and row["ratio_best"] == pytest.approx(2.0)
     assert row["round_ratios"] == pytest.approx([1.0, 2.0, 0.5])
     assert row["round_ratios_best"] == pytest.approx([2.0, 3.0, 0.5])
+    assert row["fallbacks"] == ["hardware.compile=false"] and row["compiles"]["ours"] == [0, 0, 0]
     assert gpu_check.ratio_cell(row) == "**1.33×** (0.50–2.00, 3 rounds)"
     assert gpu_check.ratio_cell(row, best=True) == "**2.00×** (0.50–3.00, 3 rounds)"
     assert gpu_check.ratio_cell({"ratio": 1.2, "round_ratios": [1.2]}) == "**1.20×**"
     assert gpu_check.ratio_cell({"ratio": 1.2, "ratio_best": None}, best=True) == "-"
     assert gpu_check.median_run([{"samples_per_s": s} for s in (4.0, 1.0, 3.0, 2.0)]) == {"samples_per_s": 2.0}
+
+
+def test_a_failed_side_is_dropped_and_named_and_blocks_free_each_side_before_the_next():
+    """TRL's best failing its second window: its worker is dropped, its later turns left out, the others go on; with
+    blocks each side runs all its windows, then frees its run before the next side is built."""
+    from gpu_check_turns import pair_runs, turns
+
+    assert turns(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+    assert turns(["a", "b"], 2, blocks=True) == [(0, "a"), (1, "a"), (0, "b"), (1, "b")]
+    calls = []
+    speeds = iter([1.0] * 20)
+    pool = FakePool({"ours": FakeWorker("ours", calls, speeds), "trl": FakeWorker("trl", calls, speeds),
+                     "trl_best": FakeWorker("trl_best", calls, speeds, fails="run")})
+    specs = {"ours": {}, "trl": {}, "trl_best": {}}
+    runs, failed = pair_runs(specs, 2, 1, 1, pool, 0.0)
+    assert [len(runs[s]) for s in specs] == [2, 2, 0] and failed == {"trl_best": "trl_best run failed"}
+    assert pool.dropped == ["trl_best"] and ("run", "trl_best") in calls and ("free", "trl_best") not in calls
+    calls.clear()
+    pool = FakePool({side: FakeWorker(side, calls, speeds) for side in ("ours", "trl")})
+    pair_runs({"ours": {}, "trl": {}}, 2, 1, 1, pool, 0.0, blocks=True)
+    assert calls == [("build", "ours"), ("run", "ours"), ("run", "ours"), ("free", "ours"),
+                     ("build", "trl"), ("run", "trl"), ("run", "trl"), ("free", "trl")]
+
+
+def test_a_default_that_fails_its_preflight_is_turned_off_by_name_for_the_call(tmp_path):
+    """A probe that raises (faked here: the real ones need a GPU) gives a failed row naming its override; that override
+    reaches every run of ours whose algorithm has the key (not GRPO's generation in DPO's runs), a lever's own value
+    of the key wins, and a lever asking for flex attention is skipped when flex failed."""
+    import gpu_check_preflight as preflight
+    import gpu_check_speed
+
+    def boom(device):
+        raise RuntimeError("triton: out of resources")
+
+    probes = [("Triton output layer", boom, "algo.fused_output_layer=false"),
+              ("static-cache decoding", lambda device: None, "algo.generation=transformers"),
+              ("flex attention block mask", boom, None), ("decoding", boom, "algo.generation=transformers")]
+    rows = preflight.preflight("cpu", probes)
+    assert [r["ok"] for r in rows] == [False, True, False, False]
+    assert rows[0]["value"] == ("raised RuntimeError: triton: out of resources; turned off for this call: "
+                                "algo.fused_output_layer=false")
+    assert preflight.fallback_overrides(rows, "dpo") == ["algo.fused_output_layer=false"]
+    assert preflight.fallback_overrides(rows, "grpo") == ["algo.fused_output_layer=false",
+                                                          "algo.generation=transformers"]
+    assert preflight.lever_blocked(rows, ["model.attn_implementation=flex_attention"]) == (
+        "flex attention failed the preflight")
+    assert preflight.lever_blocked(rows, ["algo.shared_prompt=false"]) is None
+    assert all(r["ok"] is None for r in preflight.preflight("cpu"))  # the real probes: a GPU's
+    specs = gpu_check_speed.side_specs("3m", 8, "dpo_fp32", "short", tmp_path, tmp_path, "cpu", 2, 10,
+                                       preflight.fallback_overrides(rows, "dpo"), {"use_liger_kernel": True})
+    assert specs["ours"]["extra"] == ["algo.fused_output_layer=false"] and specs["trl_best"]["fields"]
+    assert "extra" not in specs["trl"]  # TRL's sides run as TRL ships them
+    lever = gpu_check_speed.side_specs("3m", 8, "dpo_fp32", "short", tmp_path, tmp_path, "cpu", 2, 10,
+                                       ["algo.fused_output_layer=false", "hardware.compile=false"], None,
+                                       lever=["algo.fused_output_layer=true"])
+    assert lever["lever"]["extra"] == ["algo.fused_output_layer=true", "hardware.compile=false"]

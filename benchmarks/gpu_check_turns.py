@@ -1,0 +1,176 @@
+"""The GPU check's long-lived workers and their turns (``benchmarks/gpu_check.py``): one process per side (ours, TRL,
+TRL with its best options; a lever's second run of ours), started once at the beginning of a call
+(:mod:`gpu_check_worker`), and the order in which a pair's sides are timed.
+
+A pair builds each side in its worker (warm-up steps untimed), then gives the turns ours, TRL, TRL's best, ours, ...
+(:func:`turns`): each turn one timed window whose ends wait for the device; each side keeps its run between its
+turns, and drops it after the pair. Where the sides do not fit on the device together (``blocks``) each side runs
+all its windows and drops its run before the next side is built. Every answer is awaited until the call's deadline
+at most; a side that fails or passes it is stopped (its worker killed, started again for the next pair) and its
+column says why.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (benchmarks/bench.py)
+from gpu_check_worker import REPLY  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+SIDES = ("ours", "trl", "trl_best")  # the order of a round
+KINDS = {"ours": "ours", "lever": "ours", "trl": "trl", "trl_best": "trl"}  # the worker each side runs in
+
+
+class SideFailed(RuntimeError):
+    """A side's worker answered with an error, exited, or passed the deadline."""
+
+
+class Worker:
+    """One worker process (``kind``: ``ours`` or ``trl``), its output kept in ``log`` and the last lines in
+    memory for an error's message; ``env``: variables over the check's (e.g. ``CUDA_LAUNCH_BLOCKING=1``)."""
+
+    def __init__(self, kind: str, threads: int, log: Path, env: dict[str, str] | None = None) -> None:
+        self.kind, self.answers, self.tail = kind, queue.Queue(), collections.deque(maxlen=30)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log.open("a")
+        self.process = subprocess.Popen([sys.executable, str(HERE / "gpu_check_worker.py"), kind], cwd=bench.ROOT,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, bufsize=1, env={**bench._env(threads), **(env or {})})
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            if line.startswith(REPLY):
+                self.answers.put(json.loads(line[len(REPLY):]))
+            else:
+                self.log.write(line)
+                self.tail.append(line.rstrip())
+        self.answers.put(None)  # the process ended
+
+    def ask(self, command: dict, deadline: float) -> dict:
+        """Send ``command``; its answer, awaited until ``deadline`` (``time.perf_counter()``; 5 s at least)."""
+        try:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError) as error:
+            raise SideFailed(f"the {self.kind} worker is gone ({error}): {' | '.join(list(self.tail)[-3:])}") from error
+        try:
+            answer = self.answers.get(timeout=max(5.0, deadline - time.perf_counter()))
+        except queue.Empty:
+            self.kill()
+            raise SideFailed(f"{command['op']} passed the call's deadline: stopped") from None
+        if answer is None:
+            raise SideFailed(f"the {self.kind} worker exited: {' | '.join(list(self.tail)[-3:])}")
+        if "error" in answer:
+            raise SideFailed(answer["error"].strip().splitlines()[-1][:300] if answer["error"].strip() else "error")
+        return answer
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.log.close()
+
+    def close(self) -> None:
+        try:
+            self.ask({"op": "quit"}, time.perf_counter() + 10.0)
+            self.process.wait(timeout=10)
+        except (SideFailed, subprocess.TimeoutExpired):
+            pass
+        self.kill()
+
+
+class Pool:
+    """The workers of a call by side, each started on first use (or again after a failure)."""
+
+    def __init__(self, threads: int, logs: Path) -> None:
+        self.threads, self.logs, self.workers = threads, logs, {}
+
+    def start(self, sides) -> None:
+        """Start these sides' workers now (their imports run side by side)."""
+        for side in sides:
+            self.get(side)
+
+    def get(self, side: str) -> Worker:
+        worker = self.workers.get(side)
+        if worker is None or worker.process.poll() is not None:
+            worker = self.workers[side] = Worker(KINDS[side], self.threads, self.logs / f"worker-{side}.log")
+        return worker
+
+    def drop(self, side: str) -> None:
+        worker = self.workers.pop(side, None)
+        if worker is not None:
+            worker.kill()
+
+    def close(self) -> None:
+        for side in list(self.workers):
+            self.workers.pop(side).close()
+
+
+def turns(sides: list[str], rounds: int, blocks: bool = False) -> list[tuple[int, str]]:
+    """``(round, side)`` in the order they are timed: by turns (``ours, trl, trl_best, ours, ...``), or with
+    ``blocks`` every round of one side before the next side's."""
+    if blocks:
+        return [(k, side) for side in sides for k in range(rounds)]
+    return [(k, side) for k in range(rounds) for side in sides]
+
+
+def pair_runs(specs: dict[str, dict], rounds: int, steps: int, warmup: int, pool, deadline: float,
+              blocks: bool = False, profile: dict[str, Path] | None = None, on_turn=None
+              ) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """Each side of ``specs`` (side -> its worker's build spec) built, then timed by :func:`turns`: ``rounds``
+    windows of ``steps`` steps each after ``warmup`` untimed ones; ``profile`` (side -> folder): those sides' steps
+    under the profiler after the rounds; ``on_turn(runs, failed)`` after every turn (the report saves what exists).
+    Return each side's windows and, for each side that failed, why (its later turns are left out)."""
+    runs: dict[str, list[dict]] = {side: [] for side in specs}
+    failed: dict[str, str] = {}
+    built: dict[str, bool] = {}  # the sides built now, in the order built
+
+    def attempt(side: str, command: dict) -> dict | None:
+        try:
+            return pool.get(side).ask(command, deadline)
+        except SideFailed as error:
+            failed[side] = str(error)
+            built.pop(side, None)
+            pool.drop(side)
+            return None
+
+    def build(side: str) -> None:
+        if attempt(side, {"op": "build", "side": KINDS[side], "spec": specs[side], "warmup": warmup}) is not None:
+            built[side] = True
+
+    if not blocks:
+        for side in specs:
+            build(side)
+    order = turns(list(specs), rounds, blocks)
+    for k, side in order:
+        if side in failed:
+            continue
+        if side not in built:
+            build(side)
+            if side in failed:
+                continue
+        window = attempt(side, {"op": "run", "steps": steps})
+        if window is not None:
+            runs[side].append(window)
+        if on_turn is not None:
+            on_turn(runs, failed)
+        if blocks and k == rounds - 1 and side in built and not (profile and side in profile):
+            attempt(side, {"op": "free"})
+            built.pop(side, None)
+    for side, folder in (profile or {}).items():
+        if side in built:
+            if attempt(side, {"op": "profile", "steps": bench.PROFILED_STEPS, "to": str(folder)}) is None:
+                failed[f"{side} profile"] = failed.pop(side)
+    for side in list(built):
+        attempt(side, {"op": "free"})
+    return runs, failed
