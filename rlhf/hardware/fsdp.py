@@ -56,6 +56,10 @@ class FSDP2(Sharded):
             in fp32, keeping (and saving) fp32 parameters and optimizer states (``MixedPrecisionPolicy``); the
             logits come out in fp32 for the losses. Runs on CPU processes too (tested). ``fp16`` is refused, as by
             every strategy.
+
+    With one process (``hardware.num_processes=1``) the model is sharded over a process group of one: the
+    computation of ``hardware=gpu``/``cpu`` (the same losses, tested), through the sharded path's own code (its
+    gathering, its state dicts), e.g. to run that path on a single GPU.
     """
 
     def __init__(
@@ -106,9 +110,18 @@ class FSDP2(Sharded):
         from torch.distributed.fsdp import fully_shard
 
         acc = self.accelerator
-        if acc.num_processes < 2 or not torch.distributed.is_initialized():
-            raise UserError("hardware=fsdp needs several processes (hardware.num_processes >= 2), or a launcher "
-                            "such as torchrun. Fix: hardware.num_processes=2, or hardware=cpu / gpu for one process.")
+        if not torch.distributed.is_initialized():
+            if acc.num_processes > 1:
+                raise UserError("hardware=fsdp with several processes needs them started together (this package's "
+                                "launcher or torchrun). Fix: python train.py hardware=fsdp hardware.num_processes=2")
+            # one process (a single GPU, to run the sharded path itself): a process group of one, as ZeRO makes
+            import datetime
+
+            from rlhf.hardware.ports import free_port
+
+            torch.distributed.init_process_group(
+                "nccl" if acc.device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                rank=0, world_size=1, timeout=datetime.timedelta(seconds=self.timeout_s))
         mesh = init_device_mesh(acc.device.type, (acc.num_processes,))
         options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": self._policy()}
         layers = layers_to_shard(model, self.layer_classes)

@@ -576,7 +576,23 @@ def test_impossible_sharded_settings_are_clear_errors():
         for fp16 in ({"mixed_precision": "fp16"}, {"deepspeed_config": {"fp16": {"enabled": True}}}):
             with pytest.raises(UserError, match="fp16.* is not supported"):
                 ZeRO(stage=2, **fp16)
-    strategy = FSDP2(device="cpu", num_processes=1)
-    strategy.start()
-    with pytest.raises(UserError, match="needs several processes"):
-        strategy.prepare(torch.nn.Linear(2, 2), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), [])
+
+
+
+def test_fsdp_on_one_process_shards_over_a_group_of_one_and_trains_as_one_process_does(tmp_path):
+    """hardware=fsdp hardware.num_processes=1 (the sharded path on a single GPU): the losses and log-probabilities
+    of hardware=cpu, step for step (red while one process was refused)."""
+    import json
+
+    from rlhf import train
+    from tests.conftest import FAST, compose_config
+
+    common = [*FAST, "algo=dpo", "train.max_steps=3", "train.log_every_steps=1", "train.eval_at_start=false",
+              "train.eval_every_steps=0", "train.save_final=false"]
+    logged = {}
+    for name, hardware in (("plain", ["hardware=cpu"]), ("fsdp", ["hardware=fsdp", "hardware.num_processes=1"])):
+        train(compose_config(*common, *hardware, output_dir=tmp_path / name))
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        logged[name] = [v for r in rows if "train/loss" in r for v in (r["train/loss"], r["train/logps/chosen"])]
+    assert len(logged["plain"]) == 6
+    assert logged["fsdp"] == pytest.approx(logged["plain"], rel=1e-6)
