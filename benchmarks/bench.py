@@ -194,10 +194,12 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
 
 
 # ---- the same computation ---------------------------------------------------------------------------------------
-def check_losses(model_dir: Path, shape: str, rows_count: int = 8, device: str = "cpu"
-                 ) -> dict[str, tuple[float, float]]:
+def check_losses(model_dir: Path, shape: str, rows_count: int = 8, device: str = "cpu",
+                 options: dict[str, dict] | None = None) -> dict[str, tuple[float, float]]:
     """First-step losses of both on the same batch in float32 on ``device``: DPO with a reference that differs from
-    the policy, SFT, and GRPO (:func:`grpo_losses`). ``{"dpo": (rlhf, TRL), "sft": ..., "grpo": ...}``."""
+    the policy, SFT, and GRPO (:func:`grpo_losses`). ``{"dpo": (rlhf, TRL), "sft": ..., "grpo": ...}``.
+    ``options``: keyword arguments of our DPO and SFT by algorithm (e.g. ``{"dpo": {"fused_output_layer": False}}``)."""
+    options = options or {}
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -217,7 +219,7 @@ def check_losses(model_dir: Path, shape: str, rows_count: int = 8, device: str =
         common = {"output_dir": tmp, "per_device_eval_batch_size": rows_count, "report_to": [],
                   "use_cpu": device == "cpu", "bf16": False, "max_length": None}
         rows = make_rows("dpo", shape, rows_count, seed=1)
-        algo = DPO(beta=BETA, reference=FrozenCopy())
+        algo = DPO(beta=BETA, reference=FrozenCopy(), **options.get("dpo", {}))
         algo.setup(model, tokenizer)
         algo.frozen = {"reference": reference}
         with torch.no_grad():
@@ -227,7 +229,7 @@ def check_losses(model_dir: Path, shape: str, rows_count: int = 8, device: str =
                              train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows))
         out["dpo"] = (ours, trainer.evaluate()["eval_loss"])
         rows = make_rows("sft", shape, rows_count, seed=1)
-        algo = SFT()
+        algo = SFT(**options.get("sft", {}))
         algo.setup(model, tokenizer)
         with torch.no_grad():
             ours = float(algo.loss(model, on(algo.collate([algo.tokenize(r, tokenizer) for r in rows])))[0])

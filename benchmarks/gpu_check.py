@@ -2,10 +2,11 @@
 (``docs/gpu/<date>-<device>.md``) and a summary table of the goals on stdout.
 
     bash benchmarks/device_wheels.sh        # here, once: the wheels the GPU machine lacks (.whl/, carried)
-    # device run, carry [".whl"], timeout_s 550 (the first call; the plan's estimate ~445 s):
+    # device run, carry [".whl"], timeout_s 550 (the first call; the plan's estimate ~430 s):
     bash benchmarks/gpu_check.sh --part headline --budget-s 460
-    # device run, carry [".whl"], timeout_s 270 (the second call, in what a 900 s session leaves):
-    bash benchmarks/gpu_check.sh --part rest --budget-s 180
+    # device run, carry [".whl"], right after, only if status's budget_left_s >= 240 (the second call, in what the
+    # session's device time leaves): timeout_s budget_left_s - 30
+    bash benchmarks/gpu_check.sh --part rest --budget-s <budget_left_s - 120>
     python benchmarks/gpu_check.py --device cpu --out /tmp/rehearsal   # the rehearsal: tiny sizes, every section
     bash benchmarks/gpu_check.sh --part headline --pairs 1b/16/sft_bf16,100m/32/dpo_bf16   # a later call: named pairs
 
@@ -13,11 +14,14 @@ Parts (``--part``): ``headline`` is the speed section at real lengths (:data:`gp
 profile; ``rest`` is everything else; ``all`` (the rehearsal's) both. Sections, in order (each result is written to
 ``<out>/gpu_check.json`` as soon as it exists, so a run stopped at its limit still leaves what it measured):
 
-0. **Preflight** (every CUDA part, ~20-30 s: ``gpu_check_preflight.PROBES``): the Triton output layer against its
-   torch twin, a compiled decoder layer, flex attention under a block mask, static-cache decoding in CUDA graphs,
-   each forward and backward on a small input. A default that fails is turned off for the rest of the call by its
+0. **Preflight** (every CUDA part, ~60 s: ``gpu_check_preflight.PROBES``, side by side, each in a process of its own):
+   the Triton output layer against its torch twin, a compiled decoder layer, flex attention under a block mask,
+   static-cache decoding in CUDA graphs from a bf16 policy with compiled layers, on small inputs. A default that fails is turned off for the rest of the call by its
    named override (``algo.fused_output_layer=false``, ``hardware.compile=false``, ``algo.generation=transformers``;
-   flex attention: the levers that ask for it are skipped), and its row on the page says so.
+   flex attention: the levers that ask for it are skipped), given to every run of ours (losses, paths, resume,
+   speed, levers, memory; a lever that only asks for a fallback is skipped), and its row on the page says so.
+   On a GPU the models are built and the in-process checks (losses, layouts, kernels) run each in a process of its
+   own (``gpu_check_isolated``), so this process holds no CUDA work a sticky error could break.
 
 1. **Correctness** (float32): the first-step DPO, SFT and GRPO losses of ours and TRL's on the same batch
    (``benchmarks/bench.py``'s checks), |Δ| < 1e-4; the tiled output layer, the shared-prompt layout (on a GPU also
@@ -28,8 +32,8 @@ profile; ``rest`` is everything else; ``all`` (the rehearsal's) both. Sections, 
 2. **Checkpoint cost**: the resume's first run's checkpoint seconds as a share of training.
 3. **The output layer's kernels** (``gpu_check_kernels.WAYS``): the logits whole, our torch tiles and Triton kernel, Liger-Kernel's, and
    any kernel added to that list.
-4. **Speed and memory** against TRL at equal settings and against TRL with its own best options (Liger-Kernel; SFT
-   padding-free), in the plan's order, each pair started only while its estimate (``gpu_check_plan.pair_seconds``,
+4. **Speed and memory** against TRL at equal settings and against TRL with its own best options (Liger-Kernel: TRL 1.16's
+   padding-free needs flash attention for SFT and falls back to padding for DPO), in the plan's order, each pair started only while its estimate (``gpu_check_plan.pair_seconds``,
    corrected by the pairs before it) fits the budget: samples/s, the ratios with their range over ``--rounds``
    alternating rounds, peak GPU memory, MFU.
 5. **Profile** (headline): the first pair's both sides under torch.profiler: top CUDA kernels, the GPU's idle share.
@@ -54,43 +58,36 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (benchmarks/bench.py)
 import gpu_check_correctness as correctness  # noqa: E402
+import gpu_check_isolated as isolated  # noqa: E402
 import gpu_check_plan as plans  # noqa: E402
 from gpu_check_correctness import LOSS_TOLERANCE, last_line  # noqa: E402,F401
-from gpu_check_kernels import output_layer_kernels  # noqa: E402
 from gpu_check_page import goals, page, summary  # noqa: E402,F401
 from gpu_check_plan import LEVERS, PLAN, check_levers, check_plan  # noqa: E402,F401
 from gpu_check_preflight import preflight  # noqa: E402
 from gpu_check_sections import levers_section, memory_section, speed_section  # noqa: E402
 from gpu_check_speed import best_options_missing, median_run, ratio_cell, speed_pair  # noqa: E402,F401
-from gpu_check_state import Report, SectionBudget, skipped_sections  # noqa: E402,F401
+from gpu_check_state import (  # noqa: E402,F401
+    DEVICE_CALLS,
+    GRACE_S,
+    Report,
+    SectionBudget,
+    device_commands,
+    rest_call,
+    skipped_sections,
+)
 from gpu_check_turns import SIDES, Pool  # noqa: E402
 
 ROOT = bench.ROOT
-GRACE_S = 30  # seconds past --budget-s after which a run still going is stopped
 PARTS = {"headline": {"speed", "profile"},
          "rest": {"losses", "layouts", "paths", "resume", "kernels", "speed", "levers", "memory"}}
 PARTS["all"] = PARTS["headline"] | PARTS["rest"]
 PART_PLANS = {"headline": plans.HEADLINE, "rest": plans.SHORT, "all": plans.PLAN}
-# (what, command, the device call's timeout_s), printed at the end; carry [".whl"]. timeout_s: the budget, GRACE_S and
-# 60 s for the machine's start of the call and the page. Both fit a 900 s session; the rest's budget cannot hold all
-# of it: it runs its sections in order while they fit (correctness, paths, resume first) and names on its page what
-# it left out (short rows, levers, memory: a later call with --skip losses,layouts,paths,resume).
-DEVICE_CALLS = [
-    ("the headline: real lengths against TRL and TRL's best, by turns in long-lived workers, the profile",
-     "bash benchmarks/gpu_check.sh --part headline --budget-s 460", 550),
-    ("the rest: correctness, single-GPU paths, resume, kernels, launch-overhead rows, levers, memory",
-     "bash benchmarks/gpu_check.sh --part rest --budget-s 180", 270)]
 CORRECTNESS_SIZE = {"cuda": "100m", "cpu": "3m"}
 RESUME_STEPS = {"cuda": 20, "cpu": 1}  # N: checkpoints at N and 2N
 
 
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
-
-
-def device_commands() -> str:
-    return "\n".join(f"device call {k + 1} ({what}): carry [\".whl\"], timeout_s {limit}: {command}"
-                     for k, (what, command, limit) in enumerate(DEVICE_CALLS))
 
 
 def optional_version(name: str) -> str:
@@ -161,7 +158,8 @@ def main() -> int:
     check_levers(LEVERS, PLAN)
     check_levers(plans.TINY_LEVERS, plans.TINY_PLAN)
     plan = plans.TINY_PLAN if tiny else PART_PLANS[args.part]
-    plan = plans.parse_pairs(args.pairs, plan) if args.pairs else plan
+    if args.pairs:  # the headline's call may also name the pairs its estimate leaves out
+        plan = plans.parse_pairs(args.pairs, plan + (plans.LATER if args.part == "headline" else []))
     levers, profiled = (plans.TINY_LEVERS, plans.TINY_PROFILE) if tiny else (LEVERS, plans.PROFILE_CASE)
     sections = PARTS[args.part] - args.skip
     out = Path(args.out)
@@ -181,7 +179,7 @@ def main() -> int:
     if "speed" in sections:
         note(f"the speed plan: {len(plan)} pair(s) x {args.rounds} round(s), estimated {estimate:.0f} s against a "
              f"{args.budget_s} s budget (pairs that would pass it are skipped)")
-    pool = Pool(correctness.THREADS[0], out / "workers")
+    pool = Pool(correctness.THREADS[0], out)  # the workers' output: <out>/workers.log (of the 8 files that come back)
     if "speed" in sections:  # the workers' imports run while the preflight, the models and the correctness run
         pool.start([s for s in SIDES if s != "trl_best" or best_options_missing() is None])
     preflight_rows = preflight(device) if sections & {"speed", "levers"} or device == "cuda" else []
@@ -190,14 +188,23 @@ def main() -> int:
         if row.get("failed"):
             note(f"{row['check']} FAILED: {row['value']}")
     report.data["fallbacks"] = [r["override"] for r in preflight_rows if r.get("failed") and r.get("override")]
+    correctness.PREFLIGHT_ROWS[:] = preflight_rows  # every run of ours: paths, resume, memory, speed, levers
     with tempfile.TemporaryDirectory() as tmp, contextlib.closing(pool):
         work = Path(tmp)
         models: dict[str, tuple[Path, int]] = {}
 
+        def isolated_on_gpu(target: str, args: list, cap_s: float, here):
+            """``target(*args)``: on a GPU in a process of its own (:mod:`gpu_check_isolated`; ``cap_s`` at most
+            and never past the call's deadline), so that this process holds no CUDA work; on a CPU ``here()``."""
+            if device != "cuda":
+                return here()
+            return isolated.call(target, args, min(cap_s, bench.timeout_s() or cap_s))
+
         def model(size: str) -> tuple[Path, int]:
             if size not in models:
                 folder = work / f"model-{size}"
-                models[size] = (folder, bench.build_model(size, folder, device))
+                models[size] = (folder, isolated_on_gpu("bench:build_model", [size, str(folder), device], 180.0,
+                                                        lambda: bench.build_model(size, folder, device)))
                 note(f"built {size}: {models[size][1] / 1e6:.1f}M parameters")
             return models[size]
 
@@ -220,14 +227,19 @@ def main() -> int:
         if sections & {"losses", "layouts", "paths", "resume"}:
             model_dir, _ = model(size)
         if "losses" in sections:
-            for algo, (ours, theirs) in (guarded("losses against TRL", lambda: bench.check_losses(
-                    model_dir, "short", device=device), 2 * startup) or {}).items():
+            loss_options = {algo: correctness.algo_options(algo) for algo in ("dpo", "sft")}  # the preflight's
+            for algo, (ours, theirs) in (guarded("losses against TRL", lambda: isolated_on_gpu(
+                    "bench:check_losses", [str(model_dir), "short", 8, device, loss_options], 240.0,
+                    lambda: bench.check_losses(model_dir, "short", device=device, options=loss_options)),
+                    2 * startup) or {}).items():
                 report.add("correctness", {"check": f"{algo.upper()} first-step loss = TRL's ({size}, float32)",
                                            "value": f"{ours:.6f} vs {theirs:.6f}, |Δ| {abs(ours - theirs):.1e}",
                                            "ok": abs(ours - theirs) < LOSS_TOLERANCE})
             note("losses against TRL checked")
         for section, what, run, estimate_s in (
-                ("layouts", "layouts", lambda: correctness.layouts(model_dir, device), startup),
+                ("layouts", "layouts", lambda: isolated_on_gpu("gpu_check_correctness:layouts", [str(model_dir), device],
+                                                               180.0, lambda: correctness.layouts(model_dir, device)),
+                 startup),
                 ("paths", "single-GPU paths", lambda: correctness.paths(model_dir, work, device),
                  (1 + len(correctness.PATHS)) * startup)):
             if section in sections:
@@ -242,7 +254,10 @@ def main() -> int:
                 report.add("checkpoint", resumed[1])
                 note(f"resume: {resumed[0]['value']}; a checkpoint costs {resumed[1]['share']:.2%} of training")
         if "kernels" in sections:
-            for row in guarded("output layer kernels", lambda: output_layer_kernels(device), 15.0) or []:
+            # in a process of its own on the CPU too (the rehearsal runs the isolated path once)
+            for row in guarded("output layer kernels", lambda: isolated.call(
+                    "gpu_check_kernels:output_layer_kernels", [device], min(150.0, bench.timeout_s() or 150.0)),
+                    15.0) or []:
                 report.add("kernels", row)
             note("output layer kernels timed")
         if "speed" in sections:

@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/device_wheels.sh                         # here, once: the wheels (.whl/, ignored by git)
 #   device run, carry [".whl"], timeout_s 550:  bash benchmarks/gpu_check.sh --part headline --budget-s 460
-#   device run, carry [".whl"], timeout_s 270:  bash benchmarks/gpu_check.sh --part rest --budget-s 180
+#   then, only if status's budget_left_s >= 240 (the rest takes what the session's device time leaves):
+#   device run, carry [".whl"], timeout_s budget_left_s - 30:  bash benchmarks/gpu_check.sh --part rest --budget-s <budget_left_s - 120>
 #   WHEELS=none PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --device cpu   # the rehearsal on a CPU
 #                                                         (tests/test_gpu_check.py)
 set -euo pipefail

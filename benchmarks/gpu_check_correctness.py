@@ -24,6 +24,24 @@ def _threads() -> int:
     return THREADS[0]
 
 
+PREFLIGHT_ROWS: list[dict] = []  # the call's preflight (gpu_check.py sets it): its fallbacks reach every run of ours
+
+
+def fallbacks(algo: str) -> list[str]:
+    """The preflight's fallback overrides for a run of ``algo`` (``gpu_check_preflight.fallback_overrides``)."""
+    from gpu_check_preflight import fallback_overrides
+
+    return fallback_overrides(PREFLIGHT_ROWS, algo)
+
+
+def algo_options(algo: str) -> dict:
+    """The fallbacks of ``algo`` that are its own options (``algo.<key>=<value>``), as keyword arguments."""
+    import yaml
+
+    return {o.split("=", 1)[0][len("algo."):]: yaml.safe_load(o.split("=", 1)[1])
+            for o in fallbacks(algo) if o.startswith("algo.")}
+
+
 def last_line(error: BaseException) -> str:
     """An error's last line, for a table cell (its type where it has no message)."""
     lines = str(error).strip().splitlines()
@@ -118,7 +136,8 @@ def resume_and_checkpoints(model_dir: Path, work: Path, device: str, steps: int,
     bench.write_jsonl(bench.make_rows("dpo", "short", 8 * batch * steps), data)
     whole, resumed = work / "resume-whole", work / "resume-resumed"
     base = bench._our_command("dpo_shipped", model_dir, data, whole, batch, steps, _threads(), work / "cache",
-                              [f"train.save_every_steps={steps}", "train.save_final=true", "train.keep_last=null"],
+                              [*fallbacks("dpo"), f"train.save_every_steps={steps}", "train.save_final=true",
+                               "train.keep_last=null"],
                               device)
     train(base, "the uninterrupted run")
     checkpoint = whole / "checkpoints" / f"step_{steps:08d}"
@@ -167,7 +186,7 @@ def path_command(model_dir: Path, data: Path, run_dir: Path, cache: Path, device
     online = algo in ("grpo", "ppo")
     per_device = [f"train.per_device_batch_size={batch // bench.GROUP}", f"algo.num_generations={bench.GROUP}",
                   "algo.log_completions=false"] if online else [f"train.per_device_batch_size={batch}"]
-    return [sys.executable, str(ROOT / "train.py"), f"algo={algo}", *hardware, *overrides,
+    return [sys.executable, str(ROOT / "train.py"), f"algo={algo}", *hardware, *fallbacks(algo), *overrides,
             f"hardware.threads_per_process={_threads()}", f"model.name_or_path={model_dir}", f"data.path={data}",
             "data.eval_size=8", f"data.cache_dir={cache}", *per_device, f"train.max_steps={PATH_STEPS}",
             "train.log_every_steps=1", "train.eval_at_start=false", "train.eval_every_steps=0",

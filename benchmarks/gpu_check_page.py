@@ -8,6 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_correctness import CHECKPOINT_STEPS  # noqa: E402
+from gpu_check_defaults import defaults_lines  # noqa: E402
 from gpu_check_plan import GOALS  # noqa: E402
 from gpu_check_speed import MEMORY_CASE, ratio_cell  # noqa: E402
 
@@ -118,6 +119,7 @@ def page(data: dict) -> str:
             lines.append(f"| {r['size']} | {r['batch']} | {r['case']} | {r.get('shape', 'short')} | {r['lever']} | "
                          f"`{' '.join(r['overrides'])}` | {r['ours']['samples_per_s']:.1f} | {r['speed']:.2f} | "
                          f"{r['ours']['peak_mem_mb']:.0f} | {r['memory']:.2f} |")
+    lines += defaults_lines(data["levers"])  # what the levers say of each auto default (rlhf/core/auto_choices.py)
     if data["kernels"]:
         lines += ["", "## The output layer's log-probabilities (SFT's loss, forward and backward)", "",
                   "| shape | way | ms | peak MB | loss error |", "|---|---|---:|---:|---:|"]

@@ -8,8 +8,9 @@ ours, TRL, TRL with its own best options (``bench.TRL_BEST``), ours, ...; a pair
 :func:`pair_seconds` says it fits the budget, its estimate corrected by how far the pairs before it were off
 (:func:`calibrated`).
 
-The estimate (:func:`plan_seconds`): the workers' start and the first compiles once a call; per pair each side's
-build and warm-up, and its windows, of the padded tokens of a step at a rate measured on an H200 at 32 + 32
+The estimate (:func:`plan_seconds`): the preflight (the workers start meanwhile), the first compiles and TRL's
+imports once a call, a recompile at each change of size between pairs, GRPO's decoding compiled and captured; per
+pair each side's build and warm-up (BUILD_S: not measured on a GPU yet), and its windows, of the padded tokens of a step at a rate measured on an H200 at 32 + 32
 tokens, batch 64, bf16 (docs/gpu/2026-11-27-nvidia-h200-second-run.md: DPO 1,188 pairs/s at 100m and 263 at ~1B;
 SFT's and GRPO's training from DPO's by FLOPs per token, 6 against 8 x parameters: SFT's measured 1,295 rows/s at
 100m was launch-bound at 49 tokens a row), scaled by tokens (lengths bring the GPU closer to its peak, so the
@@ -30,25 +31,34 @@ ROOT = bench.ROOT
 # ---- the plan ------------------------------------------------------------------------------------------------------
 # The headline (its own device call, --part headline): real lengths, what the goals read first; then, while the
 # budget lasts, the rest. The first entry is profiled (PROFILE_CASE).
+# Grouped by size (a change of size resets our worker's compiled graphs: SIZE_SWITCH_S). What the goals read: DPO's
+# and SFT's ratios and the 1B MFU, GRPO's ratio.
 HEADLINE = [("1b", 16, "dpo_bf16", "real"), ("1b", 16, "sft_bf16", "real"), ("100m", 32, "dpo_bf16", "real"),
-            ("100m", 32, "sft_bf16", "real"), ("100m", 16, "dpo_bf16", "real"), ("100m", 16, "sft_bf16", "real"),
-            ("1b", 32, "sft_bf16", "real"), ("1b", 32, "dpo_bf16", "real"), ("100m", 16, "grpo_bf16", "real")]
+            ("100m", 32, "sft_bf16", "real"), ("100m", 16, "grpo_bf16", "real")]
 # GRPO last: TRL's side of it has stopped with a device-side assert in bf16 before, which ends its worker.
-# Pairs whose three sides do not fit on the device together (TRL ~116 GB alone at 1b, batch 32 real rows): each side
-# runs its rounds and drops its run before the next is built, on a GPU of at least MIN_MEMORY_GB (else skipped).
-BLOCKS = {("1b", 32, "dpo_bf16", "real")}
+# The real-length pairs the headline's estimate leaves out (with every cost charged it would pass its budget):
+# a later call names them (--part headline --pairs 1b/32/sft_bf16,...).
+LATER = [("100m", 16, "dpo_bf16", "real"), ("100m", 16, "sft_bf16", "real"), ("1b", 32, "sft_bf16", "real"),
+         ("1b", 32, "dpo_bf16", "real")]
+# Pairs whose three sides do not fit on the device together (TRL ~116 GB alone at 1b, batch 32 real rows; 1b batch 16
+# DPO ~160 GB with three sides resident): each side runs its rounds (and its profile) and drops its run before the
+# next is built, on a GPU of at least MIN_MEMORY_GB (else skipped). A pair run by turns whose side runs out of memory
+# is run again this way (gpu_check_speed.speed_pair).
+BLOCKS = {pair for pair in HEADLINE + LATER if pair[0] == "1b"}
 MIN_MEMORY_GB = {("1b", 32, "dpo_bf16", "real"): 120}
 # Short rows (32 + 32 tokens): a step there is mostly kernel launches; the launch-overhead rows (--part rest).
 SHORT = [("100m", 64, "dpo_bf16", "short"), ("100m", 8, "dpo_shipped", "short"), ("100m", 64, "sft_bf16", "short"),
          ("100m", 64, "grpo_bf16", "short")]
-PLAN = HEADLINE + SHORT
+PLAN = HEADLINE + LATER + SHORT
 PROFILE_CASE = HEADLINE[0]  # profiled on both sides (torch.profiler): top kernels, the GPU's idle share
-# The rehearsal on a CPU: one DPO pair at the smallest size on short rows (the real shape's rows:
+# The rehearsal on a CPU: a DPO pair and an SFT pair at the smallest size on short rows (the real shape's rows:
 # tests/test_bench.py), float32 (bf16 is emulated on a CPU without bf16 units, ~15x slower: the bf16 twins differ by
 # one override, checked by check_plan), profiled. GRPO's and SFT's runners: tests/test_bench.py, and GRPO and PPO
 # through train.py in the paths section.
-TINY_PLAN = [("3m", 8, "dpo_fp32", "short")]
+# SFT second: each worker builds a second side after freeing the first (TRL's worker a second trainer), as a GPU's do.
+TINY_PLAN = [("3m", 8, "dpo_fp32", "short"), ("3m", 8, "sft_fp32", "short")]
 TINY_PROFILE = TINY_PLAN[0]
+BLOCKS.add(TINY_PLAN[1])  # the rehearsal runs blocks with real workers too (one side's run freed before the next)
 
 # Levers, our side only, each against our defaults on the same case in the same call (the speed row when it ran,
 # else one more run of the defaults): (size, batch, case, shape, name, overrides). ``None`` overrides: a lever whose
@@ -86,8 +96,12 @@ def steps_for(size: str, batch: int, case: str, shape: str) -> int:
 
 # ---- the estimate --------------------------------------------------------------------------------------------------
 WORKERS_START_S = 30.0  # the three workers' start, side by side: imports, CUDA (once a call)
+PREFLIGHT_S = 60.0  # the preflight's probes side by side, each a process: imports, cold compiles (the workers start meanwhile)
 FIRST_COMPILE_S = 60.0  # the first cold compiles of a call: our decoder layers, Liger's Triton kernels
-OVERHEAD_S = 20.0  # models built, data written, the page
+TRL_IMPORT_S = 15.0  # TRL's and Liger-Kernel's imports at the TRL workers' first build
+SIZE_SWITCH_S = 20.0  # a pair of another size than the one before: our worker's graphs reset, compiled again
+GRPO_COMPILE_S = 40.0  # a GRPO pair: our decoding step compiled and captured in CUDA graphs
+OVERHEAD_S = 40.0  # models built (each in a process of its own), data written, the page
 BUILD_S = {"3m": 4.0, "25m": 2.0, "100m": 1.5, "1b": 2.5}  # one side built in its worker (model from page cache)
 TURN_S = 0.3  # a turn's messages and synchronizations
 STARTUP_S = {"3m": 8.0, "25m": 12.0, "100m": 20.0, "1b": 28.0}  # one process of its own: imports, CUDA, model, data
@@ -125,7 +139,9 @@ def pair_seconds(size: str, batch: int, case: str, shape: str, rounds: int, side
     each."""
     step = step_seconds(size, batch, case, shape)
     warmup = WARMUP_STEPS["cpu" if size == "3m" else "cuda"]
-    return sides * (BUILD_S[size] + warmup * step) + rounds * sides * (steps_for(size, batch, case, shape) * step + TURN_S)
+    decoding = GRPO_COMPILE_S if bench.CASES[case][0] == "grpo" and size != "3m" else 0.0
+    return (decoding + sides * (BUILD_S[size] + warmup * step)
+            + rounds * sides * (steps_for(size, batch, case, shape) * step + TURN_S))
 
 
 def profile_seconds(size: str, batch: int, case: str, shape: str) -> float:
@@ -134,11 +150,13 @@ def profile_seconds(size: str, batch: int, case: str, shape: str) -> float:
 
 
 def plan_seconds(plan: list[tuple], rounds: int, sides: int = 3, profiled: tuple | None = None) -> float:
-    """The whole plan's expected seconds (what the budget is compared with): the workers' start, the first
-    compiles, the pairs, the profile of ``profiled``."""
+    """The whole plan's expected seconds (what the budget is compared with): the preflight (the workers start
+    meanwhile), the first compiles, TRL's imports, a change of size between pairs, the pairs, the profile of
+    ``profiled``."""
     profile = profile_seconds(*profiled) if profiled in plan else 0.0
-    return (WORKERS_START_S + FIRST_COMPILE_S + OVERHEAD_S + profile
-            + sum(pair_seconds(*entry, rounds, sides) for entry in plan))
+    switches = sum(a[0] != b[0] for a, b in zip(plan, plan[1:]))
+    return (max(WORKERS_START_S, PREFLIGHT_S) + FIRST_COMPILE_S + TRL_IMPORT_S + OVERHEAD_S + profile
+            + switches * SIZE_SWITCH_S + sum(pair_seconds(*entry, rounds, sides) for entry in plan))
 
 
 def calibrated(estimate_s: float, measured: list[tuple[float, float]]) -> float:

@@ -20,6 +20,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (benchmarks/bench.py)
+import gpu_check_isolated as isolated  # noqa: E402
 from gpu_check_correctness import last_line  # noqa: E402
 
 
@@ -75,14 +76,18 @@ def _flex_attention(device: str) -> None:
 
 
 def _static_decoding(device: str) -> None:
-    """Four tokens of our static-cache decoding loop with the decode step compiled as on a GPU (CUDA graphs)."""
+    """Four tokens of our static-cache decoding loop with the decode step compiled as on a GPU (CUDA graphs), from a
+    bf16 policy whose decoder layers are compiled as ``hardware.compile=layers`` compiles them (as GRPO's is)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from rlhf.hardware.compiling import LAYER_OPTIONS
     from rlhf.models.decoding import GPU_COMPILE, decode
 
     config = LlamaConfig(**bench.SIZES["3m"], max_position_embeddings=256)
-    model = LlamaForCausalLM(config).to(device).eval()
+    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+    for layer in model.model.layers:
+        layer.compile(**LAYER_OPTIONS)
     ids = torch.randint(4, config.vocab_size, (2, 8), device=device)
     out = decode(model, ids, torch.ones_like(ids), 4, pad_id=0, eos_ids=[1], sampled=True,
                  compile_options=GPU_COMPILE)
@@ -99,25 +104,38 @@ PROBES = [  # (name, run, the override that turns the default off)
 FLEX_OVERRIDES = ("flex_attention", "padding_free=true")  # a lever asking for flex attention
 
 
-def preflight(device: str, probes: list | None = None) -> list[dict]:
+PROBE_TIMEOUT_S = 150.0  # all the probes together (they run side by side, each in its own process)
+
+
+def preflight(device: str, probes: list | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> list[dict]:
     """Each probe of ``probes`` (default :data:`PROBES`, which run on a GPU only: on a CPU each row says so) on
-    ``device``: ``{"check", "value", "ok", "override"}`` rows, ``"failed": True`` on those that raised."""
+    ``device``: ``{"check", "value", "ok", "override"}`` rows, ``"failed": True`` on those that raised.
+
+    :data:`PROBES` run side by side, each in a process of its own (:mod:`gpu_check_isolated`), all stopped
+    ``timeout_s`` after the start: a probe that breaks the CUDA context, crashes its compiler or hangs fails its own
+    row and leaves this process's device untouched. Other ``probes`` (the tests' fakes) run here, one by one."""
+    if probes is None and device != "cuda":
+        return [{"check": f"preflight: {name}", "value": "a GPU's (not run on a CPU)", "ok": None, "override": None}
+                for name, _, _ in PROBES]
+    started = time.perf_counter()
+    calls = {name: isolated.Call(f"gpu_check_preflight:{run.__name__}", [device]) for name, run, _ in PROBES} \
+        if probes is None else {}
     rows = []
     for name, run, override in PROBES if probes is None else probes:
         check = f"preflight: {name}"
-        if device != "cuda" and probes is None:
-            rows.append({"check": check, "value": "a GPU's (not run on a CPU)", "ok": None, "override": None})
-            continue
-        started = time.perf_counter()
+        began = calls[name].started if name in calls else time.perf_counter()
         try:
-            run(device)
+            if name in calls:
+                calls[name].result(started + timeout_s - time.perf_counter())
+            else:
+                run(device)
         except Exception as error:  # noqa: BLE001  (the finding is the row; the check goes on without it)
             traceback.print_exc()
             turned_off = f"; turned off for this call: {override}" if override else ""
             rows.append({"check": check, "value": f"raised {last_line(error)}{turned_off}", "ok": False,
                          "override": override, "failed": True})
             continue
-        rows.append({"check": check, "value": f"ran ({time.perf_counter() - started:.1f} s)", "ok": True,
+        rows.append({"check": check, "value": f"ran ({time.perf_counter() - began:.1f} s)", "ok": True,
                      "override": None})
     return rows
 

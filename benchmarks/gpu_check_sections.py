@@ -35,7 +35,9 @@ def speed_section(plan: list[tuple], profiled: tuple | None, rounds: int, report
     ``profiled``'s profile right after its rounds, in the same builds. Each turn's windows are saved as they come
     (``report.data["partial"]``), so that a call stopped at its limit keeps what it timed."""
     measured: list[tuple[float, float]] = []  # (estimated, measured) seconds of each pair run
-    first = plans.WORKERS_START_S + plans.FIRST_COMPILE_S  # once a call, charged to the first pair
+    # once a call, charged to the first pair (the workers started during the preflight, already measured)
+    first = plans.FIRST_COMPILE_S + plans.TRL_IMPORT_S
+    previous_size = None
     memory_gb = device_memory_gb(device)
     warmup = plans.WARMUP_STEPS[device]
     for size, batch, case, shape in plan:
@@ -48,13 +50,15 @@ def speed_section(plan: list[tuple], profiled: tuple | None, rounds: int, report
             continue
         sides = 3 if algo in bench.TRL_BEST and best_options_missing() is None else 2
         profile_s = plans.profile_seconds(*key) if key == profiled else 0.0
-        raw = plans.pair_seconds(size, batch, case, shape, rounds, sides) + first + profile_s
+        switch = plans.SIZE_SWITCH_S if previous_size not in (None, size) else 0.0
+        raw = plans.pair_seconds(size, batch, case, shape, rounds, sides) + first + profile_s + switch
         guess = plans.calibrated(raw, measured)
         if not budget.fits(guess):
             report.add("skipped", {**entry, "why": f"out of the time budget (estimated {guess:.0f} s)"})
             budget.note(f"skipped {size} b{batch} {case} {shape}: {guess:.0f} s would pass the budget")
             continue
         began = time.perf_counter()
+        previous_size = size
         steps = plans.steps_for(size, batch, case, shape)
         folders = {"ours": work / "profile-ours", "trl": work / "profile-trl"} if key == profiled else None
 
@@ -99,6 +103,10 @@ def levers_section(levers: list, rounds: int, report, budget, model, work: Path,
             report.add("skipped", {**entry, "why": "its option is not built yet (gpu_check_plan.LEVERS: None)"})
             continue
         blocked = lever_blocked(preflight_rows, overrides)
+        already = fallback_overrides(preflight_rows, bench.CASES[case][0])
+        if not blocked and all(o in already for o in overrides):
+            blocked = f"the preflight turned its option off for this call already ({', '.join(overrides)}): " \
+                      "both sides would be the same run"
         if blocked:
             report.add("skipped", {**entry, "why": blocked})
             continue

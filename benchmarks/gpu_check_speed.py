@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (benchmarks/bench.py)
-from gpu_check_correctness import _threads  # noqa: E402
+from gpu_check_correctness import _threads, fallbacks  # noqa: E402
 from gpu_check_turns import pair_runs  # noqa: E402
 
 
@@ -60,6 +60,22 @@ def side_specs(size: str, batch: int, case: str, shape: str, model_dir: Path, wo
     return specs
 
 
+def op_timeouts(size: str, batch: int, case: str, shape: str, steps: int, warmup: int) -> dict[str, float]:
+    """Seconds each worker op of a pair may take before its side is stopped: a build ~3x its estimate with the
+    warm-up's steps at a tenth of the expected speed and the compiler's first graphs; a window 10x its steps + 60 s;
+    the profile likewise; a free a minute."""
+    import gpu_check_plan as plans
+
+    step_s = plans.step_seconds(size, batch, case, shape)
+    return {"build": 3 * plans.BUILD_S[size] + 10 * warmup * step_s + 3 * plans.FIRST_COMPILE_S,
+            "run": 10 * steps * step_s + 60.0, "profile": 10 * bench.PROFILED_STEPS * step_s + 90.0, "free": 60.0}
+
+
+def out_of_memory(failed: dict[str, str]) -> bool:
+    """Whether a side failed for the device's memory (its message says so)."""
+    return any("out of memory" in why.lower() or "outofmemory" in why.lower() for why in failed.values())
+
+
 def speed_pair(size: str, batch: int, case: str, shape: str, model_dir: Path, params: int, work: Path, device: str,
                peaks: dict, steps: int, rounds: int, pool, deadline: float, warmup: int, fallbacks: list[str] = (),
                blocks: bool = False, profile: dict[str, Path] | None = None, on_turn=None) -> dict:
@@ -78,7 +94,15 @@ def speed_pair(size: str, batch: int, case: str, shape: str, model_dir: Path, pa
     specs = side_specs(size, batch, case, shape, model_dir, work, device, steps,
                        warmup + rounds * steps + bench.PROFILED_STEPS, list(fallbacks),
                        best_fields if best_why is None else None)
-    sides, failed = pair_runs(specs, rounds, steps, warmup, pool, deadline, blocks, profile, on_turn)
+    timeouts = op_timeouts(size, batch, case, shape, steps, warmup)
+    sides, failed = pair_runs(specs, rounds, steps, warmup, pool, deadline, blocks, profile, on_turn, timeouts)
+    oom_retry = not blocks and out_of_memory(failed)
+    if oom_retry:  # the sides did not fit together: each alone, dropping its run before the next is built
+        specs = side_specs(size, batch, case, shape, model_dir, work, device, steps,
+                           warmup + rounds * steps + bench.PROFILED_STEPS, list(fallbacks),
+                           best_fields if best_why is None else None)
+        sides, failed = pair_runs(specs, rounds, steps, warmup, pool, deadline, True, profile, on_turn, timeouts)
+        blocks = True
     for side in ("ours", "trl"):
         if not sides[side]:
             raise RuntimeError(f"{side}: {failed.get(side, 'no window timed')}")
@@ -98,7 +122,7 @@ def speed_pair(size: str, batch: int, case: str, shape: str, model_dir: Path, pa
            "round_ratios": [o["samples_per_s"] / t["samples_per_s"] for o, t in zip(sides["ours"], sides["trl"])],
            "samples_per_s": {name: [s["samples_per_s"] for s in runs] for name, runs in sides.items()},
            "compiles": {name: [s.get("compiles", 0) for s in runs] for name, runs in sides.items()},
-           "blocks": blocks, "fallbacks": list(fallbacks), "trl_best": None, "ratio_best": None,
+           "blocks": blocks, "blocks_after_oom": oom_retry, "fallbacks": list(fallbacks), "trl_best": None, "ratio_best": None,
            "trl_best_fields": best_fields or {}, "failed": failed}
     if best_why is None and sides.get("trl_best"):
         best = median_run(sides["trl_best"])
@@ -136,13 +160,22 @@ def lever_pair(size: str, batch: int, case: str, shape: str, name: str, override
     medians' ratios of speed and memory."""
     specs = side_specs(size, batch, case, shape, model_dir, work, device, steps, warmup + rounds * steps,
                        list(fallbacks), None, lever=overrides)
-    sides, failed = pair_runs(specs, rounds, steps, warmup, pool, deadline)
+    sides, failed = pair_runs(specs, rounds, steps, warmup, pool, deadline,
+                              timeouts=op_timeouts(size, batch, case, shape, steps, warmup))
     if not sides["ours"] or not sides["lever"]:
         raise RuntimeError("; ".join(f"{side}: {why}" for side, why in failed.items()) or "no window timed")
     ours, baseline = median_run(sides["lever"]), median_run(sides["ours"])
     return {"size": size, "batch": batch, "case": case, "shape": shape, "lever": name, "overrides": overrides,
             "ours": ours, "defaults": baseline, "speed": ours["samples_per_s"] / baseline["samples_per_s"],
-            "memory": ours["peak_mem_mb"] / baseline["peak_mem_mb"]}
+            "memory": ours["peak_mem_mb"] / baseline["peak_mem_mb"],
+            "speed_range": _spread([lever["samples_per_s"] / plain["samples_per_s"]  # each round's, turn by turn
+                                    for lever, plain in zip(sides["lever"], sides["ours"])])}
+
+
+def _spread(ratios: list[float]) -> tuple[float, float] | None:
+    """``(lowest, highest)`` of the rounds' ratios (None without rounds): what a default's verdict reads
+    (``gpu_check_defaults.verdict``)."""
+    return (min(ratios), max(ratios)) if ratios else None
 
 
 # ---- the profile ---------------------------------------------------------------------------------------------------
@@ -203,7 +236,8 @@ def memory_records(model_dir: Path, work: Path, device: str, steps: int) -> dict
     data, _ = write_data(bench.CASES[case][0], shape, batch, steps, work)
     ours_dir, trl_dir = work / "memory-ours", work / "memory-trl"
     bench.run_ours_into(ours_dir, case, model_dir, data, work / "cache", batch, steps, _threads(),
-                        ["train.profile_steps=1", "train.profile_memory=true"], device, shape)
+                        [*fallbacks(bench.CASES[case][0]), "train.profile_steps=1", "train.profile_memory=true"],
+                        device, shape)
     bench.run_trl(case, model_dir, data, work, batch, steps, _threads(), device, profile_to=trl_dir,
                   profile_memory=True, shape=shape)
     return {side: (folder / "memory.txt").read_text() for side, folder in (("rlhf", ours_dir), ("TRL", trl_dir))}

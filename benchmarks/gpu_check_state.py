@@ -1,5 +1,5 @@
-"""The GPU check's bookkeeping (``benchmarks/gpu_check.py``): the sections, the report written after every addition,
-and the time budget that decides what still starts."""
+"""The GPU check's bookkeeping (``benchmarks/gpu_check.py``): its device calls, the sections, the report written after
+every addition, and the time budget that decides what still starts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,38 @@ import time
 from pathlib import Path
 
 import bench
+
+GRACE_S = 30  # seconds past --budget-s after which a run still going is stopped
+# (what, command, the device call's timeout_s), printed at the end; carry [".whl"]. timeout_s: the budget, GRACE_S and
+# 60 s for the start of the command and the page. The headline first; the rest takes what the session's device time
+# leaves after it (``rest_call``: status's budget_left_s), and runs only where that is at least REST_MIN_LEFT_S (no
+# machine starts with less than 4 minutes left; an idle machine is given back, and a fresh start costs minutes).
+# The rest's budget cannot hold all of it: it runs its sections in order while they fit (correctness, paths, resume
+# first) and names on its page what it left out (short rows, levers, memory: a later session's call with
+# --skip losses,layouts,paths,resume); the headline's LATER pairs likewise (--part headline --pairs ...).
+DEVICE_CALLS = [
+    ("the headline: real lengths against TRL and TRL's best, by turns in long-lived workers, the profile",
+     "bash benchmarks/gpu_check.sh --part headline --budget-s 460", 550),
+    ("the rest: correctness, single-GPU paths, resume, kernels, launch-overhead rows, levers, memory; right after "
+     "the headline, only if status's budget_left_s >= 240: --budget-s budget_left_s - 120, timeout_s "
+     "budget_left_s - 30", "bash benchmarks/gpu_check.sh --part rest --budget-s <budget_left_s - 120>", None)]
+REST_MIN_LEFT_S = 240  # device seconds left, at least, for the rest's call
+REST_KEPT_S = 30  # of what is left: the command's start and the return of its files
+
+
+def rest_call(budget_left_s: float) -> tuple[str, int] | None:
+    """The rest's command and its device call's timeout_s where ``budget_left_s`` (status's) allows it, else None:
+    its budget leaves the grace, a minute for its start and the page, and :data:`REST_KEPT_S`."""
+    if budget_left_s < REST_MIN_LEFT_S:
+        return None
+    timeout = int(budget_left_s) - REST_KEPT_S
+    return f"bash benchmarks/gpu_check.sh --part rest --budget-s {timeout - GRACE_S - 60}", timeout
+
+
+def device_commands() -> str:
+    return "\n".join(f"device call {k + 1} ({what}): carry [\".whl\"], timeout_s {limit or 'as said'}: {command}"
+                     for k, (what, command, limit) in enumerate(DEVICE_CALLS))
+
 
 SECTIONS = ("losses", "layouts", "paths", "resume", "kernels", "speed", "profile", "levers", "memory")
 

@@ -5,15 +5,17 @@ TRL with its best options; a lever's second run of ours), started once at the be
 A pair builds each side in its worker (warm-up steps untimed), then gives the turns ours, TRL, TRL's best, ours, ...
 (:func:`turns`): each turn one timed window whose ends wait for the device; each side keeps its run between its
 turns, and drops it after the pair. Where the sides do not fit on the device together (``blocks``) each side runs
-all its windows and drops its run before the next side is built. Every answer is awaited until the call's deadline
-at most; a side that fails or passes it is stopped (its worker killed, started again for the next pair) and its
-column says why.
+all its windows (and its profile) and drops its run before the next side is built. Every answer is awaited for its
+op's own time (``gpu_check_speed.op_timeouts``) and never past the call's deadline, after which nothing is sent; a
+side that fails or passes its time is stopped (its worker killed, started again for the next pair) and its column
+says why; ours or TRL's failing ends the pair at once. The workers' output goes to one ``workers.log``.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -23,11 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (benchmarks/bench.py)
-from gpu_check_worker import REPLY  # noqa: E402
+from gpu_check_isolated import reply_at  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SIDES = ("ours", "trl", "trl_best")  # the order of a round
 KINDS = {"ours": "ours", "lever": "ours", "trl": "trl", "trl_best": "trl"}  # the worker each side runs in
+# Both sides' allocator: segments that grow rather than fragment (a 1B pair near the device's memory), unless set.
+ALLOCATOR = {"PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+OPTIONAL = {"trl_best"}  # a side whose failure leaves the pair's row (its column says why); the others end the pair
 
 
 class SideFailed(RuntimeError):
@@ -35,39 +40,52 @@ class SideFailed(RuntimeError):
 
 
 class Worker:
-    """One worker process (``kind``: ``ours`` or ``trl``), its output kept in ``log`` and the last lines in
-    memory for an error's message; ``env``: variables over the check's (e.g. ``CUDA_LAUNCH_BLOCKING=1``)."""
+    """One worker process (``kind``: ``ours`` or ``trl``), its output appended to ``log`` (one file for every
+    worker of a call, each line after ``[name]``) and the last lines kept in memory for an error's message;
+    ``env``: variables over the check's (e.g. ``CUDA_LAUNCH_BLOCKING=1``)."""
 
-    def __init__(self, kind: str, threads: int, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, kind: str, threads: int, log: Path, env: dict[str, str] | None = None,
+                 name: str | None = None) -> None:
         self.kind, self.answers, self.tail = kind, queue.Queue(), collections.deque(maxlen=30)
+        self.prefix = f"[{name or kind}] "
         log.parent.mkdir(parents=True, exist_ok=True)
-        self.log = log.open("a")
+        self.log = log.open("a", buffering=1)  # a line at a time: the workers share the file
         self.process = subprocess.Popen([sys.executable, str(HERE / "gpu_check_worker.py"), kind], cwd=bench.ROOT,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, bufsize=1, env={**bench._env(threads), **(env or {})})
+                                        text=True, bufsize=1, env={**bench._env(threads), **ALLOCATOR, **(env or {})})
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.process.stdout:
-            if line.startswith(REPLY):
-                self.answers.put(json.loads(line[len(REPLY):]))
-            else:
-                self.log.write(line)
-                self.tail.append(line.rstrip())
+        try:
+            for line in self.process.stdout:
+                at, answer = reply_at(line)
+                if answer is not None:
+                    if at:
+                        self.log.write(self.prefix + line[:at] + "\n")
+                    self.answers.put(answer)
+                else:
+                    self.log.write(self.prefix + line)
+                    self.tail.append(line.rstrip())
+        except Exception as error:  # noqa: BLE001  (a reader that stops must still say so: the ask waits on it)
+            self.tail.append(f"the reader of the worker's output stopped: {error!r}")
         self.answers.put(None)  # the process ended
 
     def ask(self, command: dict, deadline: float) -> dict:
-        """Send ``command``; its answer, awaited until ``deadline`` (``time.perf_counter()``; 5 s at least)."""
+        """Send ``command``; its answer, awaited until ``deadline`` (``time.perf_counter()``): past it the worker is
+        killed (nothing is sent once it has passed)."""
+        if deadline <= time.perf_counter():
+            self.kill()
+            raise SideFailed(f"{command['op']}: the time it had was spent before it started: not run")
         try:
             self.process.stdin.write(json.dumps(command) + "\n")
             self.process.stdin.flush()
         except (BrokenPipeError, OSError) as error:
             raise SideFailed(f"the {self.kind} worker is gone ({error}): {' | '.join(list(self.tail)[-3:])}") from error
         try:
-            answer = self.answers.get(timeout=max(5.0, deadline - time.perf_counter()))
+            answer = self.answers.get(timeout=max(0.1, deadline - time.perf_counter()))
         except queue.Empty:
             self.kill()
-            raise SideFailed(f"{command['op']} passed the call's deadline: stopped") from None
+            raise SideFailed(f"{command['op']} passed its time (its timeout or the call's deadline): stopped") from None
         if answer is None:
             raise SideFailed(f"the {self.kind} worker exited: {' | '.join(list(self.tail)[-3:])}")
         if "error" in answer:
@@ -77,15 +95,21 @@ class Worker:
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
-        self.process.wait()
-        self.log.close()
-
-    def close(self) -> None:
         try:
-            self.ask({"op": "quit"}, time.perf_counter() + 10.0)
             self.process.wait(timeout=10)
-        except (SideFailed, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU's driver): left behind, not waited for
             pass
+        if not self.log.closed:
+            self.log.close()
+
+    def close(self, deadline: float | None = None) -> None:
+        """Ask it to quit (5 s), and kill it where it does not; past ``deadline``, kill it at once."""
+        if deadline is None or time.perf_counter() < deadline:
+            try:
+                self.ask({"op": "quit"}, time.perf_counter() + 5.0)
+                self.process.wait(timeout=5)
+            except (SideFailed, subprocess.TimeoutExpired):
+                pass
         self.kill()
 
 
@@ -103,7 +127,7 @@ class Pool:
     def get(self, side: str) -> Worker:
         worker = self.workers.get(side)
         if worker is None or worker.process.poll() is not None:
-            worker = self.workers[side] = Worker(KINDS[side], self.threads, self.logs / f"worker-{side}.log")
+            worker = self.workers[side] = Worker(KINDS[side], self.threads, self.logs / "workers.log", name=side)
         return worker
 
     def drop(self, side: str) -> None:
@@ -112,8 +136,12 @@ class Pool:
             worker.kill()
 
     def close(self) -> None:
+        """Every worker asked to quit, in 10 s at most together (past the call's deadline: killed at once)."""
+        deadline = time.perf_counter() + 10.0
+        if bench.DEADLINE is not None:
+            deadline = min(deadline, bench.DEADLINE)
         for side in list(self.workers):
-            self.workers.pop(side).close()
+            self.workers.pop(side).close(deadline)
 
 
 def turns(sides: list[str], rounds: int, blocks: bool = False) -> list[tuple[int, str]]:
@@ -125,19 +153,23 @@ def turns(sides: list[str], rounds: int, blocks: bool = False) -> list[tuple[int
 
 
 def pair_runs(specs: dict[str, dict], rounds: int, steps: int, warmup: int, pool, deadline: float,
-              blocks: bool = False, profile: dict[str, Path] | None = None, on_turn=None
-              ) -> tuple[dict[str, list[dict]], dict[str, str]]:
+              blocks: bool = False, profile: dict[str, Path] | None = None, on_turn=None,
+              timeouts: dict[str, float] | None = None) -> tuple[dict[str, list[dict]], dict[str, str]]:
     """Each side of ``specs`` (side -> its worker's build spec) built, then timed by :func:`turns`: ``rounds``
     windows of ``steps`` steps each after ``warmup`` untimed ones; ``profile`` (side -> folder): those sides' steps
-    under the profiler after the rounds; ``on_turn(runs, failed)`` after every turn (the report saves what exists).
-    Return each side's windows and, for each side that failed, why (its later turns are left out)."""
+    under the profiler after the rounds; ``on_turn(runs, failed)`` after every turn (the report saves what exists);
+    ``timeouts``: seconds each op may take (by ``op``; never past ``deadline``).
+    Return each side's windows and, for each side that failed, why (its later turns are left out). A required
+    side failing (any but ``trl_best``: the pair has no row without it) ends the pair at once: no more turns, no
+    profile, the other sides freed."""
     runs: dict[str, list[dict]] = {side: [] for side in specs}
     failed: dict[str, str] = {}
     built: dict[str, bool] = {}  # the sides built now, in the order built
 
     def attempt(side: str, command: dict) -> dict | None:
+        limit = deadline if timeouts is None else min(deadline, time.perf_counter() + timeouts.get(command["op"], 1e9))
         try:
-            return pool.get(side).ask(command, deadline)
+            return pool.get(side).ask(command, limit)
         except SideFailed as error:
             failed[side] = str(error)
             built.pop(side, None)
@@ -148,11 +180,21 @@ def pair_runs(specs: dict[str, dict], rounds: int, steps: int, warmup: int, pool
         if attempt(side, {"op": "build", "side": KINDS[side], "spec": specs[side], "warmup": warmup}) is not None:
             built[side] = True
 
+    def profiled(side: str, folder: Path) -> None:
+        if attempt(side, {"op": "profile", "steps": bench.PROFILED_STEPS, "to": str(folder)}) is None:
+            failed[f"{side} profile"] = failed.pop(side)
+
+    def aborted() -> bool:
+        return any(side in failed for side in specs if side not in OPTIONAL)
+
     if not blocks:
         for side in specs:
-            build(side)
+            if not aborted():
+                build(side)
     order = turns(list(specs), rounds, blocks)
     for k, side in order:
+        if aborted():
+            break
         if side in failed:
             continue
         if side not in built:
@@ -164,13 +206,15 @@ def pair_runs(specs: dict[str, dict], rounds: int, steps: int, warmup: int, pool
             runs[side].append(window)
         if on_turn is not None:
             on_turn(runs, failed)
-        if blocks and k == rounds - 1 and side in built and not (profile and side in profile):
-            attempt(side, {"op": "free"})
-            built.pop(side, None)
+        if blocks and k == rounds - 1 and side in built:  # its profile now, then its run dropped before the next
+            if profile and side in profile and not aborted():
+                profiled(side, profile[side])
+            if side in built:
+                attempt(side, {"op": "free"})
+                built.pop(side, None)
     for side, folder in (profile or {}).items():
-        if side in built:
-            if attempt(side, {"op": "profile", "steps": bench.PROFILED_STEPS, "to": str(folder)}) is None:
-                failed[f"{side} profile"] = failed.pop(side)
+        if side in built and not aborted():
+            profiled(side, folder)
     for side in list(built):
         attempt(side, {"op": "free"})
     return runs, failed

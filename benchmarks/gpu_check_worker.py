@@ -32,8 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (benchmarks/bench.py)
-
-REPLY = "@gpu_check "  # the prefix of a reply line
+from gpu_check_isolated import REPLY  # noqa: E402  (the marker of a reply line)
 
 
 def reply(message: dict) -> None:
@@ -118,8 +117,11 @@ class Ours:
                 profiler.after(self.state.step)
 
     def window(self, count: int) -> dict:
-        from rlhf.run.window import window_metrics
+        from rlhf.run.window import settle, window_metrics
 
+        # The verdicts kept on the device (train.nonfinite_on_device) of the steps before this window (warm-up,
+        # profile) are read now: read inside the window, their samples would count in its samples/s.
+        settle(self.run, self.state)
         self.state.new_window()
         synchronize(self.device)
         before, started = graphs(), time.perf_counter()
