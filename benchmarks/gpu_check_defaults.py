@@ -29,7 +29,8 @@ def defaults_lines(levers: list[dict]) -> list[str]:
              "| option | GPU choice | its evidence before this run | lever (this run) | × defaults' speed | "
              "× defaults' memory | verdict |", "|---|---|---|---|---:|---:|---|"]
     for key, choice in CHOICES.items():
-        measured = [r for r in levers if TURNS_OFF.get(key) in r.get("overrides", ())]
+        # only a lever that changes this option alone measures it (one that also changes another says nothing of it)
+        measured = [r for r in levers if list(r.get("overrides", ())) == [TURNS_OFF[key]]]
         shown = str(choice.gpu).lower() if isinstance(choice.gpu, bool) else str(choice.gpu)
         if not measured:
             lines.append(f"| `{key}` | {shown} | {choice.evidence} | not measured in this run | | | |")

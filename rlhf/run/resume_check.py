@@ -53,6 +53,10 @@ NOT_OPTIMIZING = (
     "hardware.timeout_s", "hardware.rdzv_endpoint", "hardware.node_rank",
     "model.gradient_checkpointing",  # recomputes the same activations: the same gradients bit for bit (tested)
 )
+# Options added after checkpoints were first written, each with the value that does what a run did before the
+# option existed: a checkpoint without the key is compared as having it (any other key a checkpoint lacks is a change,
+# e.g. an option a command line adds with +key=value).
+ADDED_SINCE = {"algo.generation": "auto"}
 THREADS = "hardware.threads_per_process"  # recorded as the count a CPU run in bf16 used: it changes those numbers
 # Leaf names that say where files are kept, wherever they appear (the tiny model's warm-start cache, $RLHF_CACHE).
 WHERE_FILES_ARE = ("cache_dir",)
@@ -143,12 +147,14 @@ def check_config(cfg: DictConfig, strategy, folder: Path) -> None:
     if THREADS not in before or THREADS not in now:  # compared where both runs compute in bf16 on a CPU (or an older
         before.pop(THREADS, None)  # checkpoint, which recorded no count)
         now.pop(THREADS, None)
-    newer = sorted(now.keys() - before.keys())  # options added since the checkpoint was written: not compared
-    if newer:
-        log.info("resume from %s: the checkpoint predates %s (not compared)", folder, ", ".join(newer))
+    # an option added since the checkpoint was written reads as the value that does what the run did without it
+    predates = {k: v for k, v in ADDED_SINCE.items() if k in now and k not in before}
+    if predates:
+        log.info("resume from %s: the checkpoint predates %s (compared as %s)", folder, ", ".join(predates),
+                 ", ".join(f"{k}={v}" for k, v in predates.items()))
+    before = {**before, **predates}
     missing = object()
-    changed = [k for k in sorted(before.keys() | now.keys())
-               if k not in newer and before.get(k, missing) != now.get(k, missing)]
+    changed = [k for k in sorted(before.keys() | now.keys()) if before.get(k, missing) != now.get(k, missing)]
     refused = [k for k in changed if not _allowed(k, listed)]
     if refused:
         pairs = "; ".join(f"{k} (checkpoint: {_shown(before, k)}, now: {_shown(now, k)}{_source(cfg, k)})"

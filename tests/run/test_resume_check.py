@@ -225,3 +225,20 @@ def test_a_checkpoint_from_before_compile_auto_and_the_decoder_option_resumes_on
         check_resume(compose_config(*overrides), Resolved("layers"), tmp_path)
     with pytest.raises(UserError, match=r"seed \(checkpoint: 3, now: 4\)"):
         check_resume(compose_config("algo=grpo", "seed=4"), Resolved(False), tmp_path)
+    with pytest.raises(UserError, match=r"algo.generation \(checkpoint: auto, now: static"):
+        check_resume(compose_config(*overrides, "algo.generation=static"), Resolved(False), tmp_path)
+
+
+@pytest.mark.parametrize("added", [["algo/loss=dpo_forward_kl"], ["+optimizer.maximize=true"]])
+def test_keys_a_resume_adds_are_a_change(tmp_path, added):
+    """Another loss of the same target (its extra keys only) or a constructor argument the YAML does not list
+    (+key=value): keys the checkpoint does not record, refused like any change."""
+    import json
+
+    from rlhf.run.resume_check import check_config as check_resume
+
+    recorded = recorded_config(compose_config("algo=dpo"), _Strategy())
+    (tmp_path / checkpoint.CONFIG).write_text(json.dumps({"config": recorded, "tokenized_data": "x"}))
+    check_resume(compose_config("algo=dpo"), _Strategy(), tmp_path)
+    with pytest.raises(UserError, match="the config differs from the checkpoint's"):
+        check_resume(compose_config("algo=dpo", *added), _Strategy(), tmp_path)
