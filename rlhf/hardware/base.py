@@ -95,7 +95,7 @@ class DataParallel:
         rdzv_endpoint: str | None = None,
         node_rank: int = 0,
         timeout_s: int = 600,
-        compile: bool | str = False,
+        compile: bool | str = "auto",
     ) -> None:
         asked, compile = compile, compiling.resolve_compile(compile, self._cuda(device), self.compiles)
         if compile and not self.compiles:

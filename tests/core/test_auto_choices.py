@@ -66,3 +66,14 @@ def test_only_the_options_left_at_auto_are_named():
     assert auto_keys(Algo(), Strategy()) == ["algo.fused_output_layer"]
     Strategy._compile_asked, Strategy.compiles = "auto", False  # FSDP2, ZeRO: never compiled
     assert auto_keys(Algo(), Strategy()) == ["algo.fused_output_layer"]
+
+
+def test_a_strategy_built_in_python_compiles_as_the_shipped_config_does():
+    """A config file is a constructor call: DataParallel's own default for compile is the YAML's (auto), so a
+    strategy built in Python (rlhf.launch.step_trainer, notebooks) is configured as hardware=auto's."""
+    import inspect
+
+    from rlhf.hardware import DataParallel
+
+    default = inspect.signature(DataParallel).parameters["compile"].default
+    assert default == compose_config().hardware.compile == "auto"
