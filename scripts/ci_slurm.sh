@@ -18,7 +18,10 @@
 # metrics) to an uninterrupted run of the same command; and the same on 2 processes (hardware=cpu_ddp), where Slurm's
 # USR2 reaches the job's process and both ranks at once, against the cpu_ddp sweep job. And a warning while a job is
 # still starting: USR2 1 s after it is RUNNING, every CPU busy, must requeue it (tests/launch/test_submitit_job.py).
-# Then it stops the cluster.
+# Then it stops the cluster. Every final state is read from sacct once the accounting has recorded it (it lags the
+# jobs; rlhf/launch/slurm_accounting.py), and sacct lags on purpose here (scripts/slurm/lagging/sacct) so that the
+# checks are seen to wait.
+#   SLURM_CI_SACCT_LAG_S  seconds sacct hides each job's recorded end from every reader (default 3; 0: none)
 #   SLURM_CI_DIR  where the sweeps go (default outputs/ci-slurm; emptied first)
 #   RLHF_CACHE    the tiny model's warm-start cache, inherited by the jobs (default .ci-cache, as .ci/run)
 #   SLURM_CI_KEEP=1  leave the cluster running at the end (it is stopped by default, even one that was running)
@@ -74,10 +77,11 @@ watch_and_signal() {
 # COMPLETED in sacct, parameters and metrics.jsonl (perf/* aside) bit-identical.
 check_requeued() {
   $PY - "$1" "$2" <<'EOF'
-import json, subprocess, sys
+import json, sys
 from pathlib import Path
 import torch
 from safetensors.torch import load_file
+from rlhf.launch.slurm_accounting import AccountingLag, final_states
 
 sweep, reference = Path(sys.argv[1]), Path(sys.argv[2])
 (run,) = [p.parent.parent for p in sweep.glob("*/.hydra/hydra.yaml")]
@@ -87,9 +91,12 @@ errors = []
 if not resumed:
     errors.append("the job was never resumed (no 'resumed from' in train.log): no USR2, or no checkpoint")
 job = next(p.name.split("_")[0] for p in (sweep / ".submitit").iterdir() if p.is_dir())
-sacct = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "JobID,State,Elapsed"],
-                       capture_output=True, text=True).stdout.split()
-if not any("REQUEUED" in line for line in sacct) or sacct[-1].split("|")[1] != "COMPLETED":
+try:  # once the accounting has recorded the job's end (it lags the job: rlhf/launch/slurm_accounting.py)
+    sacct = ["|".join(r.values()) for r in final_states([job])[job]]
+except (AccountingLag, RuntimeError) as error:
+    errors.append(str(error))
+    sacct = []
+if sacct and (not any("REQUEUED" in line for line in sacct) or sacct[-1].split("|")[1] != "COMPLETED"):
     errors.append(f"sacct does not show a requeue then COMPLETED: {sacct}")
 a, b = load_file(run / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
 if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
@@ -131,6 +138,16 @@ T_START=$(since "$T")
 wait $warm || { tail -n 20 "$OUT/warm_start.log" >&2; fail "building the tiny model failed"; }
 echo "cluster ready in $T_START s; $(sinfo -h -o '%P %D node(s) %c CPUs %T')"
 
+# Slurm's accounting lags a job's end (slurmdbd stores it after slurmctld has ended the job: seconds on a loaded
+# machine). From here on every reader of sacct (these checks, the test below, submitit's watcher in the sweeps) reads
+# it through scripts/slurm/lagging/sacct, which hides each recorded end for SLURM_CI_SACCT_LAG_S seconds: the checks
+# are seen to wait for the record (rlhf/launch/slurm_accounting.py) on every run, not only on a slow machine.
+LAG_S=${SLURM_CI_SACCT_LAG_S:-3}
+if [[ $LAG_S != 0 ]]; then
+  export PATH="$PWD/scripts/slurm/lagging:$PATH" SACCT_LAG_S=$LAG_S SACCT_LAG_DIR="$(realpath -m "$OUT")/sacct-lag"
+  echo "sacct lags $LAG_S s on purpose (scripts/slurm/lagging/sacct; SLURM_CI_SACCT_LAG_S=0: none)"
+fi
+
 echo "== sweeps: optimizer=sgd,adam8bit,lion (1 process each), hardware=cpu_ddp (2 processes), a 2-trial Optuna search, select_then_confirm"
 T=$(now)
 timeout 900 $PY train.py -m "${LAUNCH[@]}" optimizer=sgd,adam8bit,lion "${RUN[@]}" \
@@ -160,22 +177,23 @@ for _ in $(seq 1 60); do [[ -z $(squeue -h -o %i) ]] && break; sleep 0.5; done
 
 echo "== checks"
 $PY - "$OUT" "$STEPS" <<'EOF' || fail "see above"
-import json, subprocess, sys
+import json, sys
 from pathlib import Path
 import yaml
+from rlhf.launch.slurm_accounting import AccountingLag, final_states
 
 out, steps = Path(sys.argv[1]), int(sys.argv[2])
 # Every job the two sweeps submitted (submitit keeps a folder per job, and one per array with its sbatch script).
 ids = {p.name.split("_")[0] for p in out.glob("*/.submitit/*") if p.is_dir()}
-sacct = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(sorted(ids)), "-o",
-                        "JobID,State,Start,End,Elapsed,AllocCPUS"], capture_output=True, text=True)
-if sacct.returncode != 0 or not ids:
-    sys.exit(f"sacct failed (is accounting up?): {sacct.stderr.strip()}, or no job was submitted ({sorted(ids)})")
-(out / "sacct.txt").write_text(sacct.stdout)
-jobs = {}
-for line in sacct.stdout.split():
-    job, state, start, end, elapsed, cpus = line.split("|")
-    jobs[job] = (state, elapsed, cpus, start[-8:], end[-8:])
+if not ids:
+    sys.exit("no job was submitted (no .submitit/<job> folder)")
+try:  # once the accounting has recorded every job's end (it lags the jobs: rlhf/launch/slurm_accounting.py)
+    records = [r for group in final_states(ids, fields=("JobID", "State", "Start", "End", "Elapsed", "AllocCPUS"),
+                                           every_attempt=False).values() for r in group]
+except (AccountingLag, RuntimeError) as error:
+    sys.exit(str(error))
+(out / "sacct.txt").write_text("".join("|".join(r.values()) + "\n" for r in records))
+jobs = {r["JobID"]: (r["State"], r["Elapsed"], r["AllocCPUS"], r["Start"][-8:], r["End"][-8:]) for r in records}
 errors = [f"Slurm job {job} ended {v[0]}" for job, v in jobs.items() if v[0] != "COMPLETED"]
 rows = []
 for sweep, expected in (("optimizers", 3), ("cpu_ddp", 1), ("search", 2), ("select/search", 2), ("select/confirm", 1)):

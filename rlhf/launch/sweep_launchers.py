@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.launch import submitit_job
+from rlhf.launch.slurm_accounting import is_terminal, recorded_end
 from rlhf.sweeps.points import FailedPoint, record_failure
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,16 @@ def last_log_line(text: str, limit: int = 300) -> str:
 
 
 def death_reason(job: Any) -> str:
-    """Why a submitit job left no result, from what submitit knows: its state and its error log."""
+    """Why a submitit job left no result, from what submitit knows: its state and its error log. A Slurm job's state
+    comes from the accounting (``sacct``), which records a job's end a moment after it: one not terminal yet is said
+    to be not recorded yet (:func:`rlhf.launch.slurm_accounting.recorded_end`), not read as the job's end."""
+    from submitit.slurm.slurm import SlurmJob
+
     state = str(job.state)
-    said = f" (job state {state})" if state.upper() not in _HEALTHY_STATES else ""
+    if isinstance(job, SlurmJob) and not is_terminal(state):
+        said = f" ({recorded_end(state)})"
+    else:
+        said = f" (job state {state})" if state.upper() not in _HEALTHY_STATES else ""
     try:
         text = job.stderr() or ""
         where = str(job.paths.stderr)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from submitit.helpers import DelayedSubmission
 
 from rlhf import train
-from rlhf.launch import submitit_job
+from rlhf.launch import slurm_accounting, submitit_job
 from tests.conftest import FAST, ROOT, compose_config
 
 RUN = [*FAST, "hardware.threads_per_process=1"]  # 1 CPU, 1 thread: the same numbers in a job and in this process
@@ -233,15 +233,12 @@ def test_a_slurm_preemption_warning_one_second_after_the_job_starts_requeues_it(
         out = _stop(launcher)
         if job is not None and launcher.returncode != 0:
             subprocess.run(["scancel", job], timeout=20)
-    for _ in range(100):  # the launcher returns on the job's result; Slurm ends the job a moment later
-        if not _squeue("-j", job, "-o", "%i")[0]:
-            break
-        time.sleep(0.3)
-    sacct = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True,
-                           text=True, timeout=20).stdout.split()
     logs = _job_logs(sweep)
-    said = f"timeline {timeline}; sacct {sacct}; job log:\n{logs[-3000:]}\nsweep:\n{out[-2000:]}"
+    said = f"timeline {timeline}; job log:\n{logs[-3000:]}\nsweep:\n{out[-2000:]}"
     assert launcher.returncode == 0, said
+    # the launcher returns on the job's result; Slurm ends the job, then its accounting records it, moments later
+    sacct = [r["State"] for r in slurm_accounting.final_states([job])[job]]
+    said = f"sacct {sacct}; {said}"
     assert "Caught signal SIGUSR2" in logs, said  # the warning reached the job, and submitit's handler
     assert "REQUEUED" in sacct and sacct[-1] == "COMPLETED", said
     _assert_same_as_uninterrupted(sweep, reference)
