@@ -5,11 +5,14 @@ optimizers can skip a step on the device."""
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
 
 from rlhf.core.limits import Range
+
+log = logging.getLogger(__name__)
 
 
 def param_groups(model: torch.nn.Module) -> list[dict]:
@@ -44,9 +47,28 @@ def schedule(make: functools.partial, optimizer: torch.optim.Optimizer, total_st
     """The learning-rate schedule a ``conf/scheduler`` option makes (a partial call) for a run of ``total_steps``
     optimizer steps. ``num_training_steps: null`` (cosine, linear) means the run's length: ``train.max_steps``, or
     what ``train.num_epochs`` makes of the data, known only once the data is loaded."""
+    line = warmup_warning(make.keywords.get("num_warmup_steps", 0), total_steps, optimizer)
+    if line:
+        log.warning("%s", line)
     if make.keywords.get("num_training_steps", 0) is None:
         return make(optimizer, num_training_steps=total_steps)
     return make(optimizer)
+
+
+def warmup_warning(num_warmup_steps: int, total_steps: int, optimizer: torch.optim.Optimizer | None = None) -> str | None:
+    """The start-up warning for a warmup as long as the run or longer: step k trains at lr x k / num_warmup_steps, so
+    a run of ``total_steps`` <= ``num_warmup_steps`` ends below the peak it never reaches (not scaled here: the run
+    keeps the schedule it was given). None for a warmup shorter than the run, or a run of no steps."""
+    if not total_steps or not num_warmup_steps or num_warmup_steps < total_steps:
+        return None
+    peaks = [float(group.get("initial_lr", group["lr"])) for group in optimizer.param_groups] if optimizer is not None else []
+    reached = "the learning rate rises for the whole run and never reaches its peak"
+    if peaks:  # step k (from 0) trains at peak x k / num_warmup_steps
+        reached += (f" optimizer.lr={max(peaks):g} (the last step trains at "
+                    f"{max(peaks) * (total_steps - 1) / num_warmup_steps:.3g})")
+    return (f"scheduler.num_warmup_steps={num_warmup_steps} is not shorter than the run's {total_steps} optimizer "
+            f"step(s): {reached}. Fix: scheduler.num_warmup_steps={total_steps // 10} (or another count below "
+            f"{total_steps}; TRL's default is 0), or a run longer than {num_warmup_steps} steps (train.max_steps)")
 
 
 # --- schedules with a linear warmup ---------------------------------------------------------------------------

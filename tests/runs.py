@@ -65,8 +65,9 @@ def assert_same_run(a: Path, b: Path, last_step: int, processes: int = 1) -> Non
 
 
 def summary(run: Path) -> dict:
-    """summary.json without perf/* (timings), the final metrics as exact floats."""
+    """summary.json without perf/* (timings) and the machine's load (``load``), the final metrics as exact floats."""
     summary = json.loads((run / "summary.json").read_text())
+    summary.pop("load", None)  # what other work did on the machine meanwhile, as perf/busy_cpus_other
     summary["final"] = {k: float(v).hex() for k, v in summary["final"].items() if not k.startswith("perf/")}
     return summary
 

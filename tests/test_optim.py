@@ -58,3 +58,34 @@ def test_a_schedules_checkpoint_holds_no_function_and_resumes_where_it_was():
                                      num_warmup_steps=2, num_training_steps=10)
     again.load_state_dict(state)
     assert again.get_last_lr() == scheduler.get_last_lr() and again.last_epoch == 4
+
+
+@pytest.mark.parametrize("make", [optim.cosine_with_warmup, optim.linear_with_warmup, optim.constant_with_warmup])
+def test_a_warmup_as_long_as_the_run_is_warned_with_the_lr_it_ends_at_and_kept(make, caplog):
+    """The run of 6 steps with scheduler.num_warmup_steps=10 never reaches optimizer.lr: said at start-up, with the
+    fix; the schedule is the one asked for (not scaled); a warmup shorter than the run says nothing (red: silent)."""
+    import functools
+
+    extra = {} if make is optim.constant_with_warmup else {"num_training_steps": None}
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=1e-6)
+    with caplog.at_level("WARNING", logger="rlhf.optim"):
+        scheduler = optim.schedule(functools.partial(make, num_warmup_steps=10, **extra), optimizer, 6)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == ("scheduler.num_warmup_steps=10 is not shorter than the run's 6 optimizer step(s): the learning rate "
+                    "rises for the whole run and never reaches its peak optimizer.lr=1e-06 (the last step trains at "
+                    "5e-07). Fix: scheduler.num_warmup_steps=0 (or another count below 6; TRL's default is 0), or a "
+                    "run longer than 10 steps (train.max_steps)")
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates == pytest.approx([k * 1e-7 for k in range(6)])  # warned, not scaled
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlhf.optim"):
+        optim.schedule(functools.partial(make, num_warmup_steps=5, **extra),
+                       torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-6), 6)
+    assert caplog.records == []
+    assert optim.warmup_warning(10, 0) is None  # train.max_steps=0: no step to train
+    assert optim.warmup_warning(10, 10).startswith("scheduler.num_warmup_steps=10 is not shorter than the run's 10")

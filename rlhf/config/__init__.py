@@ -6,6 +6,8 @@ the composed config against every component's signature and limits, TRL's names.
 - :mod:`~rlhf.config.checks`: :func:`check_config` on the composed config; :class:`CheckBeforeRun`, the Hydra
   callback that runs it before the run folder exists.
 - :mod:`~rlhf.config.trl_names`: TRL's argument names and ours.
+- :mod:`~rlhf.config.tuned_defaults`: the defaults that differ from TRL's, and the start-up warning for those tuned
+  on the embedded model left on another model.
 """
 
 from rlhf import old_paths as _old_paths

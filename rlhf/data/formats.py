@@ -84,8 +84,12 @@ def _to_text(row: dict[str, Any], columns: Sequence[str], tokenizer) -> dict[str
     whole = False
     if "prompt" not in row and "messages" in row:  # the last assistant turn is the completion, the rest the prompt
         messages = row["messages"]
-        cut = len(messages) - 1 if messages and messages[-1]["role"] == "assistant" else 0
-        row, whole = {"prompt": messages[:cut], "completion": messages[cut:]}, True
+        answered = bool(messages) and messages[-1]["role"] == "assistant"
+        if any(column in ANSWERS for column in columns):
+            cut = len(messages) - 1 if answered else 0
+            row, whole = {**row, "prompt": messages[:cut], "completion": messages[cut:]}, True
+        else:  # prompt-only (online algorithms): the conversation up to its last answer, or all of it, is the prompt
+            row = {**row, "prompt": messages[:-1] if answered else messages}
     elif "completion" in columns and "completion" not in row and "text" in row:
         row = {"prompt": "", "completion": row["text"]}
     prompt = row["prompt"]

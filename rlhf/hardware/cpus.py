@@ -101,6 +101,34 @@ def choose_threads(threads_per_process: int | None, local_processes: int, resume
                     f"thread(s) a process, not {even}; hardware.threads_per_process sets it)")
 
 
+def oversubscribed(threads: int, local_processes: int, threads_per_process: int | None) -> str | None:
+    """The start-up warning for more threads on this machine than the job's CPUs (``threads`` a process x
+    ``local_processes``), naming what set the count and the fix; None when they fit. A count this module chose never
+    exceeds the CPUs but where there are more processes than CPUs; a resumed bf16 run's count says so in its own line
+    (:func:`choose_threads`)."""
+    cpus, local = cpus_available(), max(1, local_processes)
+    if threads * local <= cpus:
+        return None
+    fits = max(1, cpus // local)
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if threads_per_process is not None:
+        cause, fix = (f"hardware.threads_per_process={threads_per_process}",
+                      f"hardware.threads_per_process={fits}, or null: the CPUs shared out")
+    elif omp.isdigit() and int(omp) == threads and threads > 1 and not os.environ.get(THREADS_WHY):
+        cause, fix = f"OMP_NUM_THREADS={omp}", f"OMP_NUM_THREADS={fits}, or unset it: the CPUs shared out"
+    elif threads == 1:
+        cause, fix = f"{local} processes", f"at most {cpus} process(es) on this machine (hardware.num_processes={cpus})"
+    else:
+        return None
+    # Measured: docs/threads/2026-11-27-busy-machine.md (2 threads a process against other work on 2 CPUs: 331.6 s
+    # against 39.1 s with 1 thread); the same within one run (the project's scale findings of 2026-11-22): 2 processes
+    # x 2 threads on 2 CPUs took 1.5-2.2 s a DPO step against 0.15-0.23 s with 1 thread each.
+    return (f"{local} process(es) x {threads} thread(s) = {threads * local} threads on {cpus} CPU(s) ({cause}): "
+            f"threads beyond the CPUs wait for each other, and steps get several times slower (measured 8.5x with "
+            f"2 threads a process on 2 CPUs that other work kept busy: docs/threads/2026-11-27-busy-machine.md). "
+            f"Fix: {fix}")
+
+
 def sweep_load(folder: Path) -> float | None:
     """The busy CPUs (:func:`busy_cpus`) that the first point of the sweep in ``folder`` measured as it started,
     kept in ``folder/busy_cpus.json``; measured now and kept there by the point that finds no such file. Every point

@@ -31,6 +31,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf.config import tuned_defaults
 from rlhf.config.checks import check_config
 from rlhf.core.errors import UserError
 from rlhf.core.instantiate import build, in_a_sweep
@@ -83,6 +84,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         strategy.threads(local, resumed=resume_check.recorded_threads(resume) if resume else None,
                          busy=(lambda: cpus.sweep_load(sweep)) if sweep is not None else None,
                          bf16=computes_in_bf16(strategy.mixed_precision, OmegaConf.select(cfg, "model.dtype")))
+        warn_at_start(cfg, strategy, local, once_per_run=holds_folder)
         if resume is not None:  # before any process starts or anything loads: the config a resume must keep
             resume_check.check_config(cfg, strategy, resume)
             run_folder.record_resume(resume)
@@ -90,6 +92,21 @@ def run(cfg: DictConfig) -> dict[str, float]:
             return loop.train(cfg, strategy, resume)
         return _start(cfg, resume, processes, strategy.threads_settled, strategy.num_nodes, strategy.node_rank,
                       strategy.rdzv_endpoint, strategy_why=getattr(strategy, "_threads_why", ""))
+
+
+def warn_at_start(cfg: DictConfig, strategy, local: int, once_per_run: bool) -> None:
+    """Start-up warnings decided before anything loads: more threads than this machine's CPUs (by the first process
+    of each machine), and defaults tuned on the embedded model left on another model (once per run:
+    ``once_per_run``, the process that holds the run folder)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        line = cpus.oversubscribed(strategy.threads_settled, local, strategy.threads_per_process)
+        if line:
+            log.warning("%s", line)
+    if once_per_run:
+        overrides, model = tuned_defaults.hydra_context()
+        line = tuned_defaults.warning(cfg, overrides, model)
+        if line:
+            log.warning("%s", line)
 
 
 def _start(cfg: DictConfig, resume: Path | None, processes: int, threads: int, nodes: int, node_rank: int,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from rlhf.run.nonfinite import Verdicts, verdicts_for
 from rlhf.run.resume_check import record
 from rlhf.run.train_settings import TrainSettings
 from rlhf.telemetry import mfu as perf
+from rlhf.telemetry.load import LoadMeter
 from rlhf.telemetry.memory_preflight import (
     MemoryPlan,
     PeakMemory,
@@ -92,6 +93,7 @@ class BuiltRun:
     generation_eval: Any = None  # the eval option (rlhf.evaluation.generated): eval/gen/* beside the algorithm's
     left_out: frozenset[str] = frozenset()  # the algorithm's answer metrics, on data without one answer per prompt
     verdicts: Verdicts | None = None  # the non-finite verdicts kept on the device; None: read every step (rlhf.run.nonfinite)
+    load: LoadMeter = field(default_factory=LoadMeter)  # the machine's load, read at each log window (perf/busy_cpus_other)
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics: the algorithm's own (``eval/<name>``) and the generation evaluation's
@@ -162,7 +164,7 @@ class BuiltRun:
             (self.run_dir / ENVIRONMENT).write_text(json.dumps({
                 "threads_per_process": torch.get_num_threads(), "mixed_precision": self.strategy.mixed_precision,
                 "machine": perf.machine_name(self.accelerator.device), "num_processes": self.accelerator.num_processes,
-                "torch": torch.__version__,
+                "torch": torch.__version__, "cpus": self.load.cpus,  # the CPUs perf/busy_cpus_other counts among
                 "threads_change_numbers": getattr(self.strategy, "threads_change_numbers", False)}, indent=2) + "\n")
 
 

@@ -32,6 +32,7 @@ from rlhf.run.components import BuiltRun, build_run
 from rlhf.run.nonfinite import CAUSES, NonFinite, skip_or_stop
 from rlhf.run.signals import Stopped, catch_stop_signals
 from rlhf.run.window import settle, window_metrics
+from rlhf.telemetry import bf16_updates
 from rlhf.telemetry.loggers import Loggers, log_file
 from rlhf.telemetry.profiling import StepProfiler
 
@@ -100,6 +101,7 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
                disable=not accelerator.is_main_process or run.max_steps == 0,
                mininterval=0.5 if sys.stderr.isatty() else 15.0)
     run.model.train()  # a model loaded with from_pretrained comes in eval mode (dropout off); evaluations set it back
+    hidden = bf16_updates.watch(run.strategy, run.model, run.optimizer, run.max_steps, last=state.last)  # bf16 only
     profiler = StepProfiler(settings.profile_steps, state.step + settings.log_every_steps + 1, run.run_dir,
                             accelerator.device, accelerator.is_main_process, memory=settings.profile_memory)
     save_every_s = 60.0 * settings.save_every_minutes
@@ -110,6 +112,7 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
             profiler.before(state.step + 1)
             due = bool(save_every_s) and _clock() - last_save >= save_every_s  # agreed on by every process below
             outcome = train_step(run, state, batches, stop, save_due=due)
+            hidden.after_step(state.step, record)  # bf16: steps until the forward pass sees an update (once)
             bar.update(1)
             step = state.step
             profiler.after(step, run.max_steps)
@@ -277,7 +280,7 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
     if run.accelerator.is_main_process:
         (run.run_dir / "summary.json").write_text(json.dumps(
             {"final": final, "train": {**asdict(run.settings), "max_steps": run.max_steps}, "seed": seed,
-             "memory_predicted_mb": run.memory.megabytes()}, indent=2))
+             "memory_predicted_mb": run.memory.megabytes(), "load": run.load.summary()}, indent=2))
         run_folder.drop_previous_results(run.run_dir)  # this run's results are complete: the previous run's go
     return final
 

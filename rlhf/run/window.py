@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 
 from rlhf.core.train_state import TrainState
-from rlhf.ops.collectives import max_over_processes
+from rlhf.ops.collectives import max_over_processes, sum_over_processes
 from rlhf.run.components import BuiltRun
+from rlhf.telemetry.load import OTHER, local_share
 from rlhf.telemetry.metrics import window_means
 from rlhf.telemetry.mfu import mfu
 
@@ -24,8 +25,8 @@ def settle(run: BuiltRun, state: TrainState) -> None:
 
 
 def window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, elapsed_s: float) -> dict[str, float]:
-    """The log window's training metrics (means over its steps and every process), speed, lr and counters; the
-    verdicts kept on the device are read first (and may stop the run: :meth:`rlhf.run.nonfinite.Verdicts.settle`)."""
+    """The log window's training metrics (means over its steps and every process), speed, the machine's load, lr
+    and counters; the verdicts kept on the device are read first (and may stop the run: :meth:`rlhf.run.nonfinite.Verdicts.settle`)."""
     settle(run, state)
     processes = run.accelerator.num_processes
     tokens_per_s = int(state.window_tokens) * processes / elapsed_s
@@ -37,6 +38,11 @@ def window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, el
                "perf/peak_mem_mb": max_over_processes(run.peak.mb(), run.accelerator)}
     for phase, seconds in run.algo.timings().items():  # e.g. an online algorithm's sampling, per step
         metrics[f"perf/{phase}_time_s"] = max_over_processes(seconds, run.accelerator) / max(state.window_steps, 1)
+    if run.load.measures:  # the machine's load beside the run, for reports that compare speeds (rlhf.telemetry.load)
+        busy, own = run.load.window()
+        own = sum_over_processes({"own": own}, run.accelerator, same_keys=True)["own"] * local_share(processes)
+        if math.isfinite(busy) and math.isfinite(own):
+            metrics[OTHER] = run.load.add(busy, own)
     if grad_norm is not None and math.isfinite(grad_norm):
         metrics["train/grad_norm"] = grad_norm
     if state.nonfinite_steps:

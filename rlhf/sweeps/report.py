@@ -24,6 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rlhf.sweeps.caveats import LOAD_COLUMN, median_load
 from rlhf.sweeps.plots import (  # noqa: F401  (the report's figures)
     KL,
     REWARD,
@@ -166,12 +167,13 @@ def metric_columns(metric: str) -> list[str]:
     return [f"{metric} @0", f"{metric} end", f"{metric} best", f"{metric} best step"]
 
 
-PERF_COLUMNS = ["train/loss end", "tokens/s", "peak MB", "wall s"]
+PERF_COLUMNS = ["train/loss end", "tokens/s", LOAD_COLUMN, "peak MB", "wall s"]  # LOAD_COLUMN: other work's CPUs
 
 
 def figures(run: Run, metrics: Sequence[str], lines) -> dict[str, float | None]:
     """The row's numbers: each metric at step 0, at its last logging, at its best and that step; the last train
-    loss; tokens/s (mean over the log windows), the peak memory, the wall time."""
+    loss; tokens/s (mean over the log windows) and beside it the CPUs other work kept busy (median over the log
+    windows: :func:`rlhf.sweeps.caveats.median_load`), the peak memory, the wall time."""
     row: dict[str, float | None] = {}
     for metric in metrics:
         history = run.history(metric)
@@ -186,7 +188,7 @@ def figures(run: Run, metrics: Sequence[str], lines) -> dict[str, float | None]:
     peaks = [value for _, value in run.history("perf/peak_mem_mb")] + [(run.final or {}).get("perf/peak_mem_mb")]
     peaks = [float(value) for value in peaks if value is not None]
     row.update(zip(PERF_COLUMNS, (run.last("train/loss"), statistics.fmean(speeds) if speeds else None,
-                                  max(peaks) if peaks else None, wall_time_s(run, lines))))
+                                  median_load(run), max(peaks) if peaks else None, wall_time_s(run, lines))))
     return row
 
 

@@ -9,6 +9,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from rlhf.sweeps import caveats
+
 FIGURE_DIGITS = 4  # significant digits of a measured figure (a loss, an accuracy, tokens/s)
 SPREAD_DIGITS = 2  # significant digits of a figure's standard deviation over seeds
 VALUE_DIGITS = 3  # significant digits of a setting (a learning rate) at least; more where a column needs them
@@ -130,11 +132,12 @@ def csv_rows(report) -> list[list[Any]]:
 
 
 def markdown(report) -> str:
-    """The table in Markdown, below the note on runs that did not run alike (:func:`environment_note`), if any."""
+    """The table in Markdown, below the note on runs that did not run alike (:func:`environment_note`) and those on
+    speeds and curves that could be misread (:mod:`rlhf.sweeps.caveats`), if any."""
     header, rows = table(report)
     escape = lambda cell: str(cell).replace("|", "\\|")  # noqa: E731
     lines = [header, ["---"] * len(header), *rows]
-    return note_markdown(environment_note(named_runs(report))) + "".join(
+    return note_markdown(environment_note(named_runs(report))) + caveats.markdown(named_runs(report)) + "".join(
         "| " + " | ".join(map(escape, line)) + " |\n" for line in lines)
 
 
@@ -144,5 +147,6 @@ def text(report) -> str:
     widths = [max(len(x) for x in column) for column in zip(header, *rows)]
     note = environment_note(named_runs(report))
     head = f"{NOTE}:\n" + "".join(f"  - {line}\n" for line in note) + "\n" if note else ""
+    head += caveats.text(named_runs(report))  # speeds beside different loads, curves of too few points
     return head + "".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() + "\n"
                           for line in [header, ["-" * w for w in widths], *rows])

@@ -58,6 +58,19 @@ def test_an_online_rows_reward_columns_pass_through_as_they_are_beside_a_convers
     assert text[0] == {"prompt": "2+2=", "answer": "4", FORMAT_COLUMN: TEXT}
 
 
+def test_an_online_rows_messages_are_its_prompt_and_its_reward_columns_pass_through():
+    """A ``messages`` row for an online algorithm: the conversation (up to its last answer, if it ends with one) is
+    the prompt, and the reward columns beside it are kept (they were lost: KeyError, and a conversation ending in a
+    user turn became an empty prompt)."""
+    tok = byte_tokenizer()
+    asked = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2"}]
+    ds = Dataset.from_list([{"messages": asked, "answer": "4"},
+                            {"messages": [*asked, {"role": "assistant", "content": "5"}], "answer": "4"}])
+    rows = standardize(ds, ("prompt",), tok, optional=("answer",))
+    expected = {"prompt": "<|system|>\nbe brief\n<|user|>\n2+2\n<|assistant|>\n", "answer": "4", FORMAT_COLUMN: CHAT}
+    assert rows[0] == expected and rows[1] == expected
+
+
 def test_missing_columns_name_the_problem_and_the_fix():
     ds = Dataset.from_list([{"question": "q", "answer": "a"}])
     with pytest.raises(UserError, match=r"columns \['question', 'answer'\].*prompt/chosen/rejected.*Fix"):

@@ -61,3 +61,26 @@ def test_a_run_in_bf16_weights_or_autocast_keeps_its_count_on_a_busy_machine(fas
     line = next(r.message for r in caplog.records if r.message.startswith("hardware:"))
     assert "2 thread(s) each (2.0 of the 2 CPUs were busy with other work as the run started, but bf16 results" in line
     assert "on a CPU, bf16 results depend on the thread count" in line
+
+
+def test_more_threads_than_cpus_is_a_warning_naming_what_set_them_and_the_fix(monkeypatch):
+    """hardware.threads_per_process, OMP_NUM_THREADS or more processes than CPUs: each oversubscribes the CPUs and
+    is said with the measured cost and its fix; a count that fits, or one this module chose, says nothing (red: the
+    1000 threads of hardware.threads_per_process=1000 on 2 CPUs run without a word)."""
+    monkeypatch.setattr(cpus, "cpus_available", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv(cpus.THREADS_WHY, raising=False)
+    line = cpus.oversubscribed(1000, 1, 1000)
+    assert line.startswith("1 process(es) x 1000 thread(s) = 1000 threads on 2 CPU(s) "
+                           "(hardware.threads_per_process=1000): threads beyond the CPUs wait for each other")
+    assert "measured 8.5x" in line and "docs/threads/2026-11-27-busy-machine.md" in line
+    assert line.endswith("Fix: hardware.threads_per_process=2, or null: the CPUs shared out")
+    assert cpus.oversubscribed(2, 2, 2).endswith("Fix: hardware.threads_per_process=1, or null: the CPUs shared out")
+    assert cpus.oversubscribed(2, 1, 2) is None and cpus.oversubscribed(1, 2, None) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert cpus.choose_threads(None, 1)[0] == 8
+    assert "(OMP_NUM_THREADS=8)" in cpus.oversubscribed(8, 1, None)
+    assert cpus.oversubscribed(8, 1, None).endswith("Fix: OMP_NUM_THREADS=2, or unset it: the CPUs shared out")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cpus.oversubscribed(1, 4, None).endswith("Fix: at most 2 process(es) on this machine "
+                                                    "(hardware.num_processes=2)")

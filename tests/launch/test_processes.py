@@ -70,3 +70,35 @@ def test_a_sweep_checks_its_base_then_each_job_once(tmp_path):
     checked once, in the job."""
     counts = _counts("-m", *FAST, "train.max_steps=1", "seed=0,1", f"hydra.sweep.dir={tmp_path}")
     assert counts == {"check_config": 1 + 2, "strategy": 2, "resume_resolved": 2}
+
+
+# Runs train.py with the model taken for one other than the embedded one, on a machine of 1 CPU.
+_ANOTHER_MODEL_ON_ONE_CPU = r"""
+import runpy, sys
+import rlhf.config.tuned_defaults, rlhf.hardware.cpus
+rlhf.config.tuned_defaults.embedded_model = lambda model: False
+rlhf.hardware.cpus.cpus_available = lambda: 1
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_the_start_up_warnings_of_a_run_name_what_the_user_left_and_what_oversubscribes(tmp_path):
+    """Under train.py, once each, before the first step: the defaults tuned on the embedded model that the command
+    leaves (not algo.beta, which it sets), the warmup longer than the run, and 2 threads on 1 CPU (red: any of them
+    missing, or the beta the user typed named)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", _ANOTHER_MODEL_ON_ONE_CPU, *FAST, "algo.beta=0.1",
+                          "hardware.threads_per_process=2", f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (tmp_path / "train.log").read_text()
+    warnings = [line.split("[WARNING] - ", 1)[1] for line in log.splitlines() if "[WARNING] - " in line]
+    tuned = [w for w in warnings if w.startswith("defaults tuned on the embedded tiny model")]
+    assert len(tuned) == 1 and "algo.beta" not in tuned[0], warnings
+    assert tuned[0].startswith("defaults tuned on the embedded tiny model, not for model=tiny: optimizer.lr=1e-4 (TRL "
+                               "DPOConfig: 1e-6), scheduler.num_warmup_steps=10 (TRL: 0). ")
+    assert [w for w in warnings if w.startswith("scheduler.num_warmup_steps=10 is not shorter than the run's 3 ")]
+    assert [w for w in warnings if w.startswith("1 process(es) x 2 thread(s) = 2 threads on 1 CPU(s) "
+                                                "(hardware.threads_per_process=2)")]
+    assert log.index(tuned[0]) < log.index("hardware: ")  # at start-up

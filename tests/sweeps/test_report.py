@@ -106,7 +106,8 @@ def test_report_files_and_seed_aggregation(sweep, tmp_path, monkeypatch, capsys)
     assert [row[0] for row in rows] == ["0", "1", "2", "3", "crashed", "crashed_now", "running"]
     column = header.index("eval/loss end")
     assert [float(row[column]) for row in rows[:4]] == [run.last("eval/loss") for run in runs[:4]]  # exact
-    text = md.read_text()
+    notes, _, text = md.read_text().rpartition("\n\n")  # a note on the load the runs ran beside, if it differed
+    assert all(line.startswith("> ") for line in notes.splitlines() if line)
     assert text.startswith("| run | optimizer | seed | lr |") and "| --- |" in text
     assert "out of memory \\| try a smaller batch |\n" in text and text.count("\n") == 2 + len(rows)
 
