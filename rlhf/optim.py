@@ -43,12 +43,13 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.Adam) and all(group.get("fused") for group in optimizer.param_groups)
 
 
-def schedule(make: functools.partial, optimizer: torch.optim.Optimizer, total_steps: int):
+def schedule(make: functools.partial, optimizer: torch.optim.Optimizer, total_steps: int, warn: bool = True):
     """The learning-rate schedule a ``conf/scheduler`` option makes (a partial call) for a run of ``total_steps``
     optimizer steps. ``num_training_steps: null`` (cosine, linear) means the run's length: ``train.max_steps``, or
-    what ``train.num_epochs`` makes of the data, known only once the data is loaded."""
+    what ``train.num_epochs`` makes of the data, known only once the data is loaded. ``warn``: log a warmup as long
+    as the run (:func:`warmup_warning`; the process that speaks for the run)."""
     line = warmup_warning(make.keywords.get("num_warmup_steps", 0), total_steps, optimizer)
-    if line:
+    if line and warn:  # warn: the process that speaks for the run (every process builds the schedule)
         log.warning("%s", line)
     if make.keywords.get("num_training_steps", 0) is None:
         return make(optimizer, num_training_steps=total_steps)

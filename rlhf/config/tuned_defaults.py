@@ -62,6 +62,8 @@ class Default:
     tuned: bool = False
     trl_name: str = field(default="")  # TRL's name where it is not the key's last part
     group: bool = False  # ``key`` is a config group (``scheduler=cosine``), not a key
+    trl_optimizer: str = ""  # TRL's value is for this optimizer (a part of ``optimizer._target_``, lowercase: "adam"
+    # for TRL's AdamW); with another, the row is named as tuned, without TRL's value as the fix
 
 
 DEFAULTS: tuple[Default, ...] = (
@@ -75,7 +77,7 @@ DEFAULTS: tuple[Default, ...] = (
             "chosen on the embedded model, ~0.8M parameters from a short warm start (the search: "
             "docs/results/optimizer-comparison.md); on a pretrained model it is far too large: a DPO run of "
             "model=smollm2-135m reached a training loss of 6.6e-11 in 15 steps", tuned=True,
-            trl_name="learning_rate"),
+            trl_name="learning_rate", trl_optimizer="adam"),
     Default("scheduler.num_warmup_steps", _each(("", "scheduler=linear", "scheduler=constant"), 10), {EVERY: 0},
             "10 of the embedded model's 300 steps; a warmup as long as the run never reaches the peak learning rate "
             "(a start-up warning says so)", tuned=True, trl_name="warmup_steps"),
@@ -229,6 +231,7 @@ class Left:
     value: Any
     trl: Any
     config: str | None
+    comparable: bool = True  # TRL's value applies to the run's optimizer (Default.trl_optimizer)
 
 
 def left_at_default(cfg: Any, overrides: Sequence[str] | None = None, folder: Path | None = None) -> list[Left]:
@@ -247,7 +250,9 @@ def left_at_default(cfg: Any, overrides: Sequence[str] | None = None, folder: Pa
         value = OmegaConf.select(cfg, row.key, default=_ABSENT)
         if trl is _ABSENT or value is _ABSENT or value not in row.ours.values() or value == trl:
             continue
-        found.append(Left(row, value, trl, config if own else None))
+        target = str(OmegaConf.select(cfg, "optimizer._target_", default="")).lower()
+        found.append(Left(row, value, trl, config if own else None,
+                          comparable=not row.trl_optimizer or row.trl_optimizer in target))
     return found
 
 
@@ -266,11 +271,13 @@ def warning(cfg: Any, overrides: Sequence[str] | None = None, model: str | None 
         return None
     named = (str(node["name_or_path"]) if node.get("name_or_path") is not None else
              f"model={model}" if model else "this model")
-    listed = ", ".join(f"{x.row.key}={show(x.value)} (TRL{f' {x.config}' if x.config else ''}: {show(x.trl)})"
-                       for x in found)
-    fix = " ".join(f"{x.row.key}={show(x.trl)}" for x in found)
-    return (f"defaults tuned on the embedded tiny model, not for {named}: {listed}. Set them on the command line, "
-            f"e.g. TRL's: {fix} ({PAGE} lists every default that differs from TRL's, and why)")
+    listed = ", ".join(f"{x.row.key}={show(x.value)} (TRL{f' {x.config}' if x.config else ''}: {show(x.trl)}"
+                       + ("" if x.comparable else f", for {x.row.trl_optimizer.capitalize()}W: pick one for this "
+                          "optimizer") + ")" for x in found)
+    fix = " ".join(f"{x.row.key}={show(x.trl)}" for x in found if x.comparable)
+    fix = f", e.g. TRL's: {fix}" if fix else ""
+    return (f"defaults tuned on the embedded tiny model, not for {named}: {listed}. Set them on the command line"
+            f"{fix} ({PAGE} lists every default that differs from TRL's, and why)")
 
 
 def show(value: Any) -> str:

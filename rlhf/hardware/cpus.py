@@ -111,7 +111,9 @@ def oversubscribed(threads: int, local_processes: int, threads_per_process: int 
         return None
     fits = max(1, cpus // local)
     omp = os.environ.get("OMP_NUM_THREADS", "")
-    if threads_per_process is not None:
+    if local > cpus and threads <= fits:  # one thread each is already the fewest: the processes are too many
+        cause, fix = f"{local} processes", f"at most {cpus} process(es) on this machine (hardware.num_processes={cpus})"
+    elif threads_per_process is not None:
         cause, fix = (f"hardware.threads_per_process={threads_per_process}",
                       f"hardware.threads_per_process={fits}, or null: the CPUs shared out")
     elif omp.isdigit() and int(omp) == threads and threads > 1 and not os.environ.get(THREADS_WHY):

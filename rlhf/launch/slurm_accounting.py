@@ -58,7 +58,10 @@ def sacct_records(jobs: Sequence[str], fields: Sequence[str] = ("JobID", "State"
     fields = ["JobID", *[f for f in fields if f != "JobID"]]
     command = ["sacct", "-X", "-n", "-P", *(["-D"] if every_attempt else []), "-o", ",".join(fields),
                "-j", ",".join(jobs)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{' '.join(command)} did not answer within 30 s (slurmdbd busy or down?)") from None
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed (is the accounting up? scripts/slurm/start.sh starts it): "
                            f"{done.stderr.strip()}")
@@ -74,13 +77,19 @@ def final_states(jobs: Iterable[str], fields: Sequence[str] = ("JobID", "State",
                  every_attempt: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S, poll_s: float = 1.0,
                  read: Callable[..., dict[str, list[dict[str, str]]]] = sacct_records,
                  ) -> dict[str, list[dict[str, str]]]:
-    """Each job's records (:func:`sacct_records`) once the last record of every job is in a terminal state.
-    Raises :class:`AccountingLag` after ``timeout_s`` seconds, naming what ``sacct`` last showed."""
+    """Each job's records (:func:`sacct_records`) once the last record of every job is in a terminal state. A
+    failing ``sacct`` (a busy slurmdbd) is asked again. Raises :class:`AccountingLag` after ``timeout_s`` seconds,
+    naming what ``sacct`` last showed (or its last error)."""
     jobs = sorted(set(jobs))
     start = time.monotonic()
+    records: dict[str, list[dict[str, str]]] = {}
+    error = ""
     while True:
-        records = read(jobs, fields=fields, every_attempt=every_attempt)
-        waiting = [job for job in jobs if not _ended(records.get(job, []))]
+        try:
+            records, error = read(jobs, fields=fields, every_attempt=every_attempt), ""
+        except RuntimeError as failed:
+            error = str(failed)
+        waiting = [job for job in jobs if error or not _ended(records.get(job, []))]
         if not waiting:
             return records
         waited = time.monotonic() - start
@@ -88,7 +97,8 @@ def final_states(jobs: Iterable[str], fields: Sequence[str] = ("JobID", "State",
             shown = "; ".join(f"{job}: {[r.get('State') for r in records.get(job, [])] or 'no record'}"
                               for job in waiting)
             raise AccountingLag(f"sacct did not record the end of job(s) {', '.join(waiting)} within {waited:.0f} s "
-                                f"(asked every {poll_s:g} s); it last showed {shown}")
+                                f"(asked every {poll_s:g} s); it last showed {shown}"
+                                + (f"; its last call failed: {error}" if error else ""))
         time.sleep(min(poll_s, max(0.0, timeout_s - waited)))
 
 

@@ -218,7 +218,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     check_memory(memory, peak, strategy, settings, memory_fixes(algo, model, settings, accumulation))
     model, optimizer, training = strategy.prepare(model, lambda m: make_optimizer(param_groups(m)), training)
     max_steps = settings.steps(len(training), accumulation)
-    scheduler = schedule(build(cfg.scheduler), optimizer, max_steps)
+    scheduler = schedule(build(cfg.scheduler), optimizer, max_steps, warn=accelerator.is_main_process)
     policy = strategy.unwrap(model)
     bf16 = strategy.mixed_precision == "bf16" or next(policy.parameters()).dtype == torch.bfloat16
     with accelerator.local_main_process_first():  # measured once per machine, by one process, then cached

@@ -38,7 +38,9 @@ def window_metrics(run: BuiltRun, state: TrainState, grad_norm: float | None, el
                "perf/peak_mem_mb": max_over_processes(run.peak.mb(), run.accelerator)}
     for phase, seconds in run.algo.timings().items():  # e.g. an online algorithm's sampling, per step
         metrics[f"perf/{phase}_time_s"] = max_over_processes(seconds, run.accelerator) / max(state.window_steps, 1)
-    if run.load.measures:  # the machine's load beside the run, for reports that compare speeds (rlhf.telemetry.load)
+    # the machine's load beside the run, for reports that compare speeds (rlhf.telemetry.load); with several
+    # processes every one joins the sum, NaN where it measures nothing (then no process logs it)
+    if run.load.measures or processes > 1:
         busy, own = run.load.window()
         own = sum_over_processes({"own": own}, run.accelerator, same_keys=True)["own"] * local_share(processes)
         if math.isfinite(busy) and math.isfinite(own):

@@ -28,6 +28,8 @@ LOAD_HEAD = (f"Speeds not comparable: tokens/s and wall s of these runs were mea
              f"(min–max), differ by more than {LOAD_MARGIN_CPUS} CPU")
 UNRECORDED_HEAD = (f"Speeds may not compare: tokens/s and wall s depend on other work on the machine, which some of "
                    f"these runs did not record ({OTHER})")
+NONE_RECORDED_HEAD = (f"Speeds may not compare: tokens/s and wall s depend on other work on the machine, which none "
+                      f"of these runs recorded ({OTHER})")
 POINTS_HEAD = (f"Too few points: these runs logged fewer than {MIN_POINTS} training points, so their curves "
                f"(report.png) are a dot or a straight line whatever the training did. Fix: a train.log_every_steps "
                f"of at most a third of the run's steps")
@@ -74,7 +76,8 @@ def load_note(runs: Sequence[tuple[str, Any]]) -> tuple[str, list[str]]:
                          f"window{'s' if load['windows'] != 1 else ''})")
     if missing:
         lines.append(f"load not recorded: {_runs(missing)}")
-    return (LOAD_HEAD if differ else UNRECORDED_HEAD), lines
+    head = LOAD_HEAD if differ else UNRECORDED_HEAD if medians else NONE_RECORDED_HEAD
+    return head, lines
 
 
 def points_note(runs: Sequence[tuple[str, Any]]) -> tuple[str, list[str]]:

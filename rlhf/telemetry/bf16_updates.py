@@ -66,10 +66,10 @@ class Sample(NamedTuple):
 class Visibility:
     """What :func:`typical` found."""
 
-    steps: float  # the median over the weights that moved (counted by the elements they stand for) of steps_to_visible
+    steps: float  # the median over the weights counted (by the elements they stand for) of steps_to_visible
     at_once: float  # the share of them that moved half a bf16 step or more in one step (visible at once)
-    sampled: int  # elements sampled that moved
-    still: int  # elements sampled that did not move (frozen rows, no gradient): left out
+    sampled: int  # elements sampled and counted: those of every tensor that moved (a still one among them: hidden)
+    still: int  # elements sampled of tensors that did not move at all (no gradient yet: a LoRA A at step 1): left out
 
 
 def weighted_median(values: torch.Tensor, weights: torch.Tensor) -> float:
@@ -82,14 +82,17 @@ def weighted_median(values: torch.Tensor, weights: torch.Tensor) -> float:
 
 
 def typical(samples: Iterable[Sample]) -> Visibility | None:
-    """The steps until a typical weight's bf16 value changes: :func:`steps_to_visible` of every sampled element that
-    moved, their median counted by the elements each stands for. None when no element moved. (No boolean indexing:
-    elements that did not move count 0, which keeps a 135M-parameter model's sample to some 0.1 s.)"""
+    """The steps until a typical weight's bf16 value changes: :func:`steps_to_visible` of the sampled elements of
+    every tensor that moved, their median counted by the elements each stands for. An element that did not move in a
+    tensor that did counts as hidden (``inf``: an update below float32's resolution at the weight, or no gradient
+    this step); a tensor none of whose sampled elements moved is left out (no gradient yet). None when nothing moved.
+    (No boolean indexing: elements left out count 0, which keeps a 135M-parameter model's sample to some 0.2 s.)"""
     ratios, weights = [], []
     for sample in samples:
         steps = steps_to_visible(sample.before, sample.after, sample.lr_scale).reshape(-1).cpu()
         ratios.append(steps)
-        weights.append(torch.isfinite(steps).double() * float(sample.stands_for))
+        moved = bool(torch.isfinite(steps).any())
+        weights.append(torch.full_like(steps, float(sample.stands_for) if moved else 0.0, dtype=torch.float64))
     values = torch.cat(ratios) if ratios else torch.empty(0)
     counts = torch.cat(weights) if weights else torch.empty(0, dtype=torch.float64)
     moved = int(torch.count_nonzero(counts))
@@ -140,10 +143,14 @@ class Bf16Watch:
         self.lrs = [float(group["lr"]) for _, group in self.tensors]
 
     def after_step(self, step: int, record: Callable[[dict[str, float], int], None]) -> Visibility | None:
-        """Call after each optimizer step (``step``: its number); measures once, then does nothing."""
+        """Call after each optimizer step (``step``: its number); measures once, then does nothing: at the first
+        step whose learning rate is half its peak or more (a warmup's early steps move the weights so little that
+        float32 rounds their updates coarsely), or the run's last step with a learning rate above 0."""
         if self.done:
             return None
-        if not any(self.lrs):  # a warmup's first step: nothing moved; the next one is measured
+        peaks = [float(group.get("initial_lr", lr)) for (_, group), lr in zip(self.tensors, self.lrs)]
+        low = any(2 * lr < peak for lr, peak in zip(self.lrs, peaks))
+        if not any(self.lrs) or (low and step < self.max_steps):  # e.g. within a warmup: a later step is measured
             self._snapshot()
             return None
         result = typical(Sample(before, self._sample(i), _local(t).numel() / max(1, before.numel()),
@@ -193,8 +200,10 @@ def watch(strategy: Any, model: Any, optimizer: Any, max_steps: int, last: dict 
     if METRIC in (last or {}) or not computes_in_bf16(strategy.mixed_precision, dtype):
         return Bf16Watch([], max_steps, main)
     own = {id(p) for p in parameters}
+    own -= {id(p) for p in parameters if p.dim() < 2}  # norms and biases: float32 under autocast
+    own -= _lookups(strategy.unwrap(model))
     tensors = [(p, group) for group in optimizer.param_groups for p in group["params"]
-               if (id(p) not in own or p.dim() >= 2) and _local(p).dtype == torch.float32 and _local(p).numel()]
+               if id(p) in own and _local(p).dtype == torch.float32 and _local(p).numel()]
     if not tensors:  # ZeRO-3 empties its optimizer's groups between steps: DeepSpeed's float32 partitions then
         inner = getattr(model, "optimizer", None)  # (the groups differ in weight decay only: one learning rate)
         flat = next((getattr(inner, name) for name in DEEPSPEED_MASTERS if getattr(inner, name, None)), [])
@@ -203,3 +212,18 @@ def watch(strategy: Any, model: Any, optimizer: Any, max_steps: int, last: dict 
         log.info("bf16: the weights that train are stored in bf16 (or none is a float32 matrix): not measured how "
                  "many steps bf16 hides their updates from the forward pass")
     return Bf16Watch(tensors, max_steps, main)
+
+
+def _lookups(model: Any) -> set[int]:
+    """The input embedding's weight where it is only looked up (autocast rounds the weights of matrix products, not
+    a lookup's rows); where the output layer shares it, it is a matrix product's weight too, and stays."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    try:
+        inputs = get_in() if callable(get_in) else None
+        outputs = get_out() if callable(get_out) else None
+    except (AttributeError, NotImplementedError):
+        return set()
+    weight = getattr(inputs, "weight", None)
+    if weight is None or weight is getattr(outputs, "weight", None):
+        return set()
+    return {id(weight)}

@@ -78,7 +78,7 @@ def test_a_default_equal_to_trls_for_the_algorithm_is_not_named():
     line = warning(compose_config("model=gpt2", "algo=reward"), [])
     assert "optimizer.lr" not in line and "not for openai-community/gpt2: " in line
     assert "optimizer.lr=1e-4 (TRL SFTConfig: 2e-5)" in warning(compose_config("model=gpt2", "algo=sft"), [])
-    assert "optimizer.lr=3e-5 (TRL SFTConfig: 2e-5)" in warning(compose_config("model=gpt2", "algo=sft",
+    assert "optimizer.lr=3e-5 (TRL SFTConfig: 2e-5, for AdamW: pick one for this optimizer)" in warning(compose_config("model=gpt2", "algo=sft",
                                                                                "optimizer=lion"), [])
     assert warning(compose_config("model=gpt2", "algo=ppo"), []).split(": ", 1)[1].startswith(
         "scheduler.num_warmup_steps=10 (TRL: 0).")
@@ -95,3 +95,16 @@ def test_the_embedded_model_is_told_by_its_spec_or_by_the_folder_a_run_of_it_sav
     assert not tuned_defaults.embedded_model({**tiny, "name_or_path": str(tmp_path)})
     assert not tuned_defaults.embedded_model(OmegaConf.to_container(compose_config("model=smollm2-135m").model,
                                                                     resolve=False))
+
+
+def test_trls_learning_rate_is_named_as_adamws_for_another_optimizer():
+    """TRL's 1e-6 is AdamW's: with SGD or Lion it is no fix to copy (it was offered as one)."""
+    cfg = compose_config("model=smollm2-135m", "optimizer=sgd")
+    line = tuned_defaults.warning(cfg, ["model=smollm2-135m", "optimizer=sgd"], "smollm2-135m")
+    assert "optimizer.lr=0.03 (TRL DPOConfig: 1e-6, for AdamW: pick one for this optimizer)" in line, line
+    assert "optimizer.lr=1e-6" not in line
+    only = ["model=smollm2-135m", "optimizer=lion", "algo.beta=0.1", "scheduler.num_warmup_steps=0"]
+    line = tuned_defaults.warning(compose_config(*only), only, "smollm2-135m")
+    assert line.endswith("optimizer.lr=3e-5 (TRL DPOConfig: 1e-6, for AdamW: pick one for this optimizer). Set "
+                         "them on the command line (docs/coming_from_trl.md lists every default that differs from "
+                         "TRL's, and why)"), line

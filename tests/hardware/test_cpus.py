@@ -84,3 +84,5 @@ def test_more_threads_than_cpus_is_a_warning_naming_what_set_them_and_the_fix(mo
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert cpus.oversubscribed(1, 4, None).endswith("Fix: at most 2 process(es) on this machine "
                                                     "(hardware.num_processes=2)")
+    # one thread each, set on purpose: the processes are what to cut, not the threads (the fix named them before)
+    assert cpus.oversubscribed(1, 4, 1).endswith("Fix: at most 2 process(es) on this machine (hardware.num_processes=2)")

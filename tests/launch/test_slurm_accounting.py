@@ -118,3 +118,22 @@ def test_a_dead_slurm_point_whose_end_is_not_recorded_yet_says_so(accounting, tm
     recorded = death_reason(SlurmJob(folder=tmp_path, job_id="41"))
     assert "(job state OUT_OF_MEMORY)" in recorded and "not recorded" not in recorded, recorded
     SlurmJob.watcher.clear()
+
+
+def test_a_failing_sacct_is_asked_again_and_named_at_the_timeout():
+    """A busy slurmdbd's error (or a call that does not answer) is one more reason to wait, not an end."""
+    answers = [RuntimeError("sacct: error: slurmdbd busy"), {"11": [{"JobID": "11", "State": "COMPLETED"}]}]
+
+    def read(jobs, **_):
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert final_states(["11"], read=read, poll_s=0.01)["11"][0]["State"] == "COMPLETED"
+
+    def failing(jobs, **_):
+        raise RuntimeError("sacct: error: slurmdbd busy")
+
+    with pytest.raises(AccountingLag, match="11: no record; its last call failed: sacct: error: slurmdbd busy"):
+        final_states(["11"], read=failing, poll_s=0.05, timeout_s=0.2)

@@ -17,10 +17,10 @@ def _lines(run) -> list[dict]:
 
 def test_a_short_bf16_run_at_a_tiny_learning_rate_is_warned_and_records_the_figure(fast_config, tmp_path, caplog):
     """3 steps at lr 1e-7 in bf16 autocast: the tiny model's weights (~0.02: half a bf16 step ~4e-5) need hundreds
-    of steps; warned with the fix, the figure in metrics.jsonl at the first step with a learning rate (step 2: the
-    warmup's first is at 0) and in summary.json. The same run in float32 says nothing (red without the watch)."""
+    of steps; warned with the fix, the figure in metrics.jsonl at the first step with half the peak learning rate
+    or more (step 2 of a 2-step warmup: the first is at 0) and in summary.json. The same run in float32 says nothing (red without the watch)."""
     caplog.set_level("INFO", logger="rlhf")
-    final = train(fast_config("hardware.mixed_precision=bf16", "optimizer.lr=1e-7"))
+    final = train(fast_config("hardware.mixed_precision=bf16", "optimizer.lr=1e-7", "scheduler.num_warmup_steps=2"))
     warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "bf16 hides" in r.getMessage()]
     assert len(warning) == 1 and "and the run has 3" in warning[0]
     assert "Fix: hardware.mixed_precision=no (the forward pass in float32)" in warning[0]
@@ -43,7 +43,7 @@ def test_a_resume_measures_the_figure_only_where_its_run_had_not(fast_config, tm
     """Checkpoints at steps 1 and 2 of a 3-step bf16 run, measured at step 2: resumed from step 1 it measures at
     step 2 as the uninterrupted run did, to the bit; resumed from step 2 it keeps the checkpoint's figure (red:
     measured on every attempt, or never on a resume)."""
-    settings = ["hardware.mixed_precision=bf16", "optimizer.lr=1e-7", "train.save_every_steps=1",
+    settings = ["hardware.mixed_precision=bf16", "optimizer.lr=1e-7", "scheduler.num_warmup_steps=2", "train.save_every_steps=1",
                 "train.keep_last=null", "hardware.threads_per_process=1"]
     whole = train(fast_config(*settings))[METRIC]
     for step in (1, 2):

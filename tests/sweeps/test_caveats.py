@@ -77,7 +77,9 @@ def test_runs_that_did_not_record_their_load_are_named_where_speeds_are_compared
                      "> - run 0: 0.2 of 2 CPUs (0.2–0.2 over 3 windows)", "> - load not recorded: run 1"]
     _run(tmp_path / "old" / "0_seed=0", None)
     _run(tmp_path / "old" / "1_seed=1", None, seed=1)
-    assert _markdown(tmp_path / "old").split("\n\n", 1)[0].splitlines()[1:] == ["> - load not recorded: runs 0, 1"]
+    old = _markdown(tmp_path / "old").split("\n\n", 1)[0].splitlines()
+    assert old[1:] == ["> - load not recorded: runs 0, 1"] and "which none of these runs did not record" not in old[0]
+    assert old[0].endswith("which none of these runs recorded (perf/busy_cpus_other):")  # not "some of"
     assert _markdown(tmp_path / "mixed" / "1_seed=1").startswith("| run |")
 
 

@@ -45,9 +45,13 @@ def test_steps_to_visible_divide_half_a_step_by_the_update():
 def test_typical_is_the_median_counted_by_the_elements_each_sample_stands_for():
     ones = torch.ones(3)
     small = b.Sample(ones[:1], ones[:1] + 2**-10, stands_for=10)  # 4 steps, for 10 elements
-    big = b.Sample(ones, ones + torch.tensor([2**-6, 2**-6, 0.0]))  # 2^-8 / 2^-6: 0.25 steps twice (one each), one still
-    result = b.typical([small, big])
-    assert result == b.Visibility(steps=4.0, at_once=2 / 12, sampled=3, still=1)
+    big = b.Sample(ones, ones + torch.tensor([2**-6, 2**-6, 0.0]))  # 2^-8 / 2^-6: 0.25 steps twice (one each), one
+    # still: hidden (inf), its tensor moved
+    frozen = b.Sample(ones, ones, stands_for=100)  # no element moved: no gradient yet, left out
+    result = b.typical([small, big, frozen])
+    assert result == b.Visibility(steps=4.0, at_once=2 / 13, sampled=4, still=3)
+    mostly_still = big._replace(after=ones + torch.tensor([2**-6, 0.0, 0.0]))
+    assert b.typical([mostly_still]).steps == math.inf  # two of its three still: hidden, the median
     assert b.typical([small._replace(stands_for=1), big]).steps == 0.25  # counted alike: the 0.25s are the majority
     assert b.typical([b.Sample(ones, ones)]) is None  # nothing moved
     assert b.weighted_median(torch.tensor([3.0, 1.0, 2.0]), torch.tensor([1.0, 1.0, 5.0])) == 2.0
@@ -71,20 +75,21 @@ def _optimizer(weight: torch.Tensor, warmup: int):
 
 def test_the_watch_measures_the_first_step_with_a_learning_rate_scaled_to_the_peak(caplog):
     """Weights of 1.0 and a gradient of 1: at the peak lr 2^-10 a step moves a weight 2^-10, a quarter of half its
-    bf16 step: 4 steps. Warmup of 4: step 1 at lr 0 moves nothing (not measured), step 2 at lr/4 is measured and
-    scaled to the peak: 4, not 16. A run of 10 steps is shorter than 4 x 4: warned, naming the fix."""
+    bf16 step: 4 steps. Warmup of 4: step 1 at lr 0 moves nothing, step 2 at lr/4 is below half the peak (not
+    measured), step 3 at lr/2 is measured and scaled to the peak: 4, not 8. A run of 10 steps is shorter than 4 x 4:
+    warned, naming the fix."""
     weight = torch.nn.Parameter(torch.ones(100, 100))
     optimizer, scheduler = _optimizer(weight, warmup=4)
     watch = b.Bf16Watch([(weight, optimizer.param_groups[0])], max_steps=10, per_tensor=500)
     assert watch.before[0].numel() == 500  # a bounded sample of the 10,000 elements
     recorded = []
     caplog.set_level(logging.INFO, logger="rlhf")
-    for step in (1, 2, 3):
-        weight.grad = torch.ones_like(weight)
+    for step in (1, 2, 3, 4):
+        weight.grad = -torch.ones_like(weight)  # upwards: the weights stay in [1, 2), where half a step is 2^-8
         optimizer.step()
         scheduler.step()
         watch.after_step(step, lambda metrics, at: recorded.append((at, metrics)))
-    assert recorded == [(2, {b.METRIC: 4.0})]  # once
+    assert recorded == [(3, {b.METRIC: 4.0})]  # once
     assert "a typical weight that trains needs 4 optimizer step(s)" in caplog.text
     assert "and the run has 10" in caplog.text and "Fix: hardware.mixed_precision=no" in caplog.text
 
@@ -115,3 +120,33 @@ def test_the_watch_samples_the_trainable_float32_matrices_of_a_run_that_computes
     assert b.watch(_strategy("bf16"), model, optimizer, 10, last={b.METRIC: 3.0}).done  # a resume of a measured run
     stored = model.to(torch.bfloat16)  # model.dtype=bfloat16: rounded away, not delayed; not measured
     assert b.watch(_strategy("no"), stored, torch.optim.AdamW(stored[0].parameters()), 10).done
+
+
+def test_a_run_whose_learning_rate_stays_low_is_measured_at_its_last_step():
+    """A warmup as long as the run never reaches half the peak: measured at the last step, not never."""
+    weight = torch.nn.Parameter(torch.ones(10, 10))
+    optimizer, scheduler = _optimizer(weight, warmup=8)
+    watch = b.Bf16Watch([(weight, optimizer.param_groups[0])], max_steps=3)
+    recorded = []
+    for step in (1, 2, 3):
+        weight.grad = -torch.ones_like(weight)
+        optimizer.step()
+        scheduler.step()
+        watch.after_step(step, lambda metrics, at: recorded.append((at, metrics)))
+    assert recorded == [(3, {b.METRIC: 4.0})]
+
+
+def test_an_input_embedding_only_looked_up_is_not_watched_and_a_tied_one_is():
+    """autocast rounds the weights of matrix products, not the rows a lookup reads: an untied input embedding's
+    updates reach the forward pass as they are (counting it gave an untied model's median a bias)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def tiny(tied: bool):
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied))
+
+    for tied in (False, True):
+        model = tiny(tied)
+        watched = {id(t) for t, _ in b.watch(_strategy("bf16"), model, torch.optim.AdamW(model.parameters()), 10).tensors}
+        embedding = model.get_input_embeddings().weight
+        assert (id(embedding) in watched) == tied and id(model.model.layers[0].mlp.up_proj.weight) in watched
