@@ -24,6 +24,19 @@ def cpus_available() -> int:
         return os.cpu_count() or 1
 
 
+def cpu_ticks(cpus: set[int]) -> dict[int, tuple[int, int]]:
+    """(idle, all) clock ticks of each of ``cpus`` since the machine started (``/proc/stat``: idle counts I/O wait
+    too). Raises OSError without the file."""
+    times = {}
+    with open("/proc/stat") as stat:
+        for line in stat:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+                times[int(name[3:])] = (values[3] + values[4], sum(values))
+    return times
+
+
 def busy_cpus(window_s: float = 0.15) -> float | None:
     """How many of this process's CPUs are busy now, with any process's work: each one's non-idle share of the
     time over ``window_s`` seconds (``/proc/stat``; this process sleeps meanwhile), summed. None where that file is
@@ -33,20 +46,10 @@ def busy_cpus(window_s: float = 0.15) -> float | None:
     except AttributeError:
         return None
 
-    def read() -> dict[int, tuple[int, int]]:
-        times = {}
-        with open("/proc/stat") as stat:
-            for line in stat:
-                name, *fields = line.split()
-                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in mine:
-                    values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
-                    times[int(name[3:])] = (values[3] + values[4], sum(values))
-        return times
-
     try:
-        before = read()
+        before = cpu_ticks(mine)
         time.sleep(window_s)
-        after = read()
+        after = cpu_ticks(mine)
     except (OSError, ValueError, IndexError):
         return None
     busy = 0.0

@@ -19,6 +19,8 @@ import os
 import statistics
 import time
 
+from rlhf.hardware.cpus import cpu_ticks
+
 OTHER = "perf/busy_cpus_other"  # CPUs busy with work other than the run's, mean over a log window
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # the unit of /proc's CPU times
 
@@ -34,18 +36,11 @@ def affinity() -> set[int] | None:
 def busy_ticks(cpus: set[int]) -> tuple[int, int] | None:
     """(busy, all) clock ticks of ``cpus`` since the machine started, summed (``/proc/stat``: busy is everything
     but idle and I/O wait); None without the file."""
-    busy = total = 0
     try:
-        with open("/proc/stat") as stat:
-            for line in stat:
-                name, *fields = line.split()
-                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-                    values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
-                    busy += sum(values) - values[3] - values[4]
-                    total += sum(values)
-    except (OSError, ValueError):
+        ticks = cpu_ticks(cpus)
+    except (OSError, ValueError, IndexError):
         return None
-    return busy, total
+    return sum(total - idle for idle, total in ticks.values()), sum(total for _, total in ticks.values())
 
 
 def process_ticks(pid: int | str = "self") -> int | None:
