@@ -1,6 +1,7 @@
 """How many optimizer steps bf16 hides a run's updates from its forward pass (``train/bf16_steps_to_visible``,
 rlhf/telemetry/bf16_updates.py), on the embedded default and on the packaged real model, at two learning rates each:
-the figures of docs/concepts/strategies.md ("When bf16 hides the updates").
+the figures of docs/results/2026-11-29-bf16-and-the-learning-rate.md (for docs/concepts/strategies.md, "When bf16 hides
+the updates").
 
     python benchmarks/bf16_visibility.py                 # every case (minutes: bf16 on a CPU without bf16 units is slow)
     python benchmarks/bf16_visibility.py --only tiny     # the embedded default's cases only

@@ -77,7 +77,7 @@ def test_without_the_package_the_folder_script_says_the_install_command(tmp_path
 
 
 def test_the_bf16_table_runs_two_steps_at_a_constant_rate(tmp_path):
-    """benchmarks/bf16_lr_table.py's runs (minutes each in bf16 on a CPU: run by hand, docs/how-to/real-chat-model.md)
+    """benchmarks/bf16_lr_table.py's runs (minutes each in bf16 on a CPU: run by hand, docs/results/2026-11-29-bf16-and-the-learning-rate.md)
     compose into a config the checks accept, and their learning rate is the same at both steps (red with the
     scheduler's default warmup)."""
     from hydra.utils import instantiate
