@@ -67,7 +67,7 @@ class DPO(ReferenceRegularized):
             so that the ``[B, T, V]`` logits and their gradient never exist whole (policy and reference;
             :mod:`rlhf.ops.output_layer`): ``auto`` (on a GPU, where those are a step's largest tensors),
             ``true`` (also on a CPU, where it measured 0.91-1.11x: the backward pass computes the logits again),
-            or ``false``. Models that transform their logits after the output layer compute logits whatever this says.
+            ``triton`` (the Triton kernel on a GPU: not yet chosen by ``auto``) or ``false``. Models that transform their logits after the output layer compute logits whatever this says.
         shared_prompt: lay each pair out as one sequence, chosen and rejected after one shared prompt
             (:mod:`rlhf.data.shared_prompt`; prefix sharing), so the prompt runs through the layers once, not twice
             (policy and reference): ``auto`` (where the model can take it: a family checked to, an attention that

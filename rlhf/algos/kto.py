@@ -87,7 +87,7 @@ class KTO(ReferenceRegularized):
             sequences too.
         fused_output_layer: where the output layer computes the token log-probabilities itself, a tile of logits at a time,
             the ``[B, T, V]`` logits never whole (:mod:`rlhf.ops.output_layer`): ``auto`` (on a GPU), ``true``
-            (also on a CPU) or ``false``.
+            (also on a CPU), ``triton`` (the Triton kernel on a GPU) or ``false``.
     """
 
     columns = ("prompt", "completion", "label")

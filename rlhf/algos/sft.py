@@ -38,7 +38,7 @@ class SFT(Algorithm):
             ``completion_only_loss=false`` (every token is scored).
         fused_output_layer: where the output layer computes the token log-probabilities itself, a tile of logits at a time,
             the ``[B, T, V]`` logits never whole (:mod:`rlhf.ops.output_layer`): ``auto`` (on a GPU), ``true``
-            (also on a CPU, where it measured 0.91-1.11x) or ``false``.
+            (also on a CPU, where it measured 0.91-1.11x), ``triton`` (the Triton kernel on a GPU) or ``false``.
         padding_free: a micro-batch's rows packed into one sequence without padding, position ids restarting in
             each row (TRL's ``padding_free``; :func:`~rlhf.data.collate.collate_packed`): no token is padding, and
             the rows are kept apart by their position ids (the variable-length kernel under flash attention, a

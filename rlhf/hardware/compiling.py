@@ -7,7 +7,8 @@ class and so one compiled graph: the compiler's start-up is one layer's, not the
 embeddings, SwiGLU and residual adds of a layer run fused instead of as separate memory-bound kernels. What lies
 outside the blocks runs eagerly: the embedding, the final norm, and the output layer with its tap
 (:mod:`rlhf.ops.output_layer`, which reads a module-level request and would break a compiled graph). ``auto`` is
-``layers`` on a GPU and nothing on a CPU (where compiling was measured slower to start than it saves). ``true`` or a
+what :data:`rlhf.core.auto_choices.CHOICES` says for the device: nothing, on a CPU (where compiling was measured
+slower to start than it saves) and on a GPU until a GPU check measures ``layers`` faster there. ``true`` or a
 backend's name compiles each model whole, as before.
 
 While a run compiles, its training batches of right-padded rows (SFT, reward models, DPO's two sequences a pair) are
@@ -33,14 +34,15 @@ from rlhf.core.errors import UserError
 from rlhf.data.collate import collate_in_buckets
 
 LAYERS = "layers"  # hardware.compile: each repeated block compiled (regional compilation)
-AUTO = "auto"  # hardware.compile: LAYERS on a GPU, nothing on a CPU
+AUTO = "auto"  # hardware.compile: what rlhf.core.auto_choices says for the device (nothing, until a GPU measures LAYERS)
 BUCKET_TOKENS = 64  # while compiling, training batches are padded to a multiple of this many positions
 LAYER_OPTIONS: dict[str, Any] = {}  # torch.compile's options for each block (its defaults: inductor)
 
 
 def resolve_compile(compile: bool | str, uses_cuda: bool, compiles: bool = True) -> bool | str:
-    """What ``hardware.compile`` means here: ``auto`` is :data:`LAYERS` on a GPU for a strategy that ``compiles``
-    (one process, DDP), else ``False``; every other value as given."""
+    """What ``hardware.compile`` means here: ``auto`` is the table's choice for the device
+    (:func:`rlhf.core.auto_choices.pick`) for a strategy that ``compiles`` (one process, DDP), else ``False``; every
+    other value as given."""
     if compile == AUTO:
         return auto_choices.pick("hardware.compile", "cuda" if uses_cuda else "cpu") if compiles else False
     return compile
@@ -92,7 +94,7 @@ def compile_model(model: torch.nn.Module, compile: bool | str) -> None:
     if compile == LAYERS:
         blocks = repeated_blocks(model)
         if blocks is None:
-            raise UserError(f"hardware.compile=layers (what auto means on a GPU): {type(model).__name__} has no stack "
+            raise UserError(f"hardware.compile=layers: {type(model).__name__} has no stack "
                             "of repeated blocks (an nn.ModuleList of one class) to compile. Fix: hardware.compile=true "
                             "(the whole model) or hardware.compile=false")
         config = getattr(model, "config", None)

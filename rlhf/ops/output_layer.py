@@ -3,8 +3,9 @@
 A causal LM's forward pass ends with its output layer, ``logits = hidden @ W.T``: ``[B, T, V]`` values, and in
 training as many again for their gradient. Where only the log-probability of one given token per position is
 wanted (SFT, the DPO family, KTO, the online algorithms' completions), :func:`tap_output_layer` lets the output
-layer compute that directly, a block at a time (:func:`rlhf.ops.token_logps.linear_log_softmax`: on a GPU a Triton
-kernel over blocks of rows, each one matrix product over the whole vocabulary), so the logits never exist whole: on
+layer compute that directly, a block at a time (:func:`rlhf.ops.token_logps.linear_log_softmax`: torch operations
+over tiles of logits, or with ``algo.fused_output_layer=triton`` on a GPU a Triton kernel over blocks of rows, each one
+matrix product over the whole vocabulary), so the logits never exist whole: on
 a GPU they are the largest tensors of a step (``B x T x 152k`` at Qwen's vocabulary). A request may name the only
 positions it needs (``rows``: those that score a completion token, :data:`rlhf.ops.completion_logps.SCORED_ROWS`):
 the layer then gathers just their hidden states, and prompt and padding positions cost nothing. It
@@ -31,11 +32,12 @@ from torch import Tensor
 
 from rlhf.core import auto_choices
 from rlhf.core.errors import UserError
-from rlhf.ops.token_logps import linear_log_softmax, tile_shape, uses_triton
+from rlhf.ops.token_logps import linear_log_softmax, tile_shape, triton_kernel
 
 log = logging.getLogger(__name__)
 
 # Config keys of models that transform the logits after the output layer (transformers' *ForCausalLM forward).
+TRITON = "triton"  # algo.fused_output_layer: the Triton kernel on a GPU (not chosen by auto until a GPU measures it)
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
@@ -78,30 +80,43 @@ def token_request(index: Tensor, with_argmax: bool = False, with_entropy: bool =
 class FusedOutputLayer(torch.nn.Linear):
     """An ``nn.Linear`` output layer (the class is swapped in place by :func:`tap_output_layer`: same parameters,
     same state-dict keys) that answers a pending :class:`TokenRequest` with log-probabilities: always
-    (``fused=True``), or when its input is on a GPU (``"auto"``). Without a request it is the plain layer."""
+    (``fused=True``: with torch operations; ``"triton"``: with the Triton kernel on a GPU, torch operations
+    elsewhere), or as :data:`rlhf.core.auto_choices.CHOICES` says for the device (``"auto"``). Without a request it is
+    the plain layer."""
 
     fused: bool | str = "auto"
     answered = False  # set on the first answer, which is logged
 
+    def _resolved(self, device: torch.device) -> bool | str:
+        return auto_choices.pick("algo.fused_output_layer", device.type) if self.fused == "auto" else self.fused
+
     def answers_on(self, device: torch.device) -> bool:
-        return self.fused is True or (self.fused == "auto"
-                                      and auto_choices.pick("algo.fused_output_layer", device.type) is True)
+        return self._resolved(device) is not False
+
+    def kernel_on(self, device: torch.device) -> bool:
+        """Whether it computes with the Triton kernel on ``device``: asked for (``triton``), on a GPU."""
+        return self._resolved(device) == TRITON and device.type == "cuda"
 
     def forward(self, hidden: Tensor) -> Tensor:
         request = _PENDING[-1] if _PENDING else None
         if request is None or request.logps is not None or not self.answers_on(hidden.device) \
                 or hidden.dim() != 3 or hidden.shape[:2] != (request.index.shape[0], request.index.shape[1] + 1):
             return super().forward(hidden)  # not asked, or not the positions asked for: logits
+        triton = self.kernel_on(hidden.device)
+        if triton and triton_kernel() is None:
+            raise UserError("algo.fused_output_layer=triton: the triton package does not import here. Fix: pip "
+                            "install triton (a CUDA build of torch brings it), or algo.fused_output_layer=true (the "
+                            "same log-probabilities with torch operations)")
         if not self.answered:
             self.answered = True
             count = request.index.numel() if request.rows is None else request.rows.numel()
             rows, chunk = tile_shape(count, self.out_features, hidden.device)
             log.info("the output layer computes the token log-probabilities itself, %d rows x %d vocabulary entries "
                      "of logits at a time, with %s (algo.fused_output_layer=%s)", rows, chunk,
-                     "a Triton kernel" if uses_triton(hidden.device) else "torch operations", str(self.fused).lower())
+                     "a Triton kernel" if triton else "torch operations", str(self.fused).lower())
         request.logps, request.argmax, request.entropy = linear_log_softmax(
             hidden, self.weight, self.bias, request.index, with_argmax=request.with_argmax,
-            with_entropy=request.with_entropy, temperature=request.temperature, rows=request.rows)
+            with_entropy=request.with_entropy, temperature=request.temperature, rows=request.rows, triton=triton)
         return request.logps
 
 
@@ -141,11 +156,12 @@ def logits_rows(model: torch.nn.Module, device: torch.device, rows: int) -> int 
 
 
 def check_when(fused: Any, key: str = "algo.fused_output_layer",
-               fix: str = "auto (on a GPU: the logits never whole), true (everywhere) or false (the output layer "
-                          "computes logits)") -> bool | str:
-    """``fused`` if it is one of auto, true, false; else a :class:`UserError` that names ``key`` and ``fix``."""
-    if not (fused is True or fused is False or fused == "auto"):
-        raise UserError(f"{key}={fused!r} is not one of auto, true, false. Fix: {key}={fix}")
+               fix: str = "auto (on a GPU: the logits never whole), true (everywhere, torch operations), triton (the "
+                          "Triton kernel on a GPU) or false (the output layer computes logits)") -> bool | str:
+    """``fused`` if it is one of auto, true, false, triton; else a :class:`UserError` that names ``key`` and
+    ``fix``."""
+    if not (fused is True or fused is False or fused in ("auto", TRITON)):
+        raise UserError(f"{key}={fused!r} is not one of auto, true, false, {TRITON}. Fix: {key}={fix}")
     return fused
 
 

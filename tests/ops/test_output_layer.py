@@ -197,3 +197,29 @@ def test_a_reference_loaded_on_its_own_is_tapped_as_the_policy(tmp_path):
     algo.setup(policy.model, policy.tokenizer)
     reference = algo.frozen["reference"]
     assert reference is not policy.model and type(reference.get_output_embeddings()) is FusedOutputLayer
+
+
+def test_triton_is_asked_for_by_name_and_answers_with_torch_operations_off_a_gpu(monkeypatch):
+    """``triton`` opts into the Triton kernel on a GPU (auto picks it only once a GPU measured it); on a CPU the
+    layer answers as ``true`` does, with torch operations, and on a GPU without the package the run ends in one
+    message naming the fix."""
+    assert check_when("triton") == "triton"
+    layer = FusedOutputLayer(4, 8)
+    layer.fused = "triton"
+    assert layer.answers_on(torch.device("cpu")) and not layer.kernel_on(torch.device("cpu"))
+    assert layer.kernel_on(torch.device("cuda"))
+    layer.fused = "auto"
+    assert not layer.kernel_on(torch.device("cuda"))  # auto on a GPU: torch operations (rlhf/core/auto_choices.py)
+    tapped = _model()
+    assert tap_output_layer(tapped, "triton")
+    computed = []
+    apply = LinearLogSoftmaxTorch.apply
+    monkeypatch.setattr(LinearLogSoftmaxTorch, "apply", lambda h, *a: computed.append(h.shape[0]) or apply(h, *a))
+    got, _ = _stats_and_grads(tapped, _batch())
+    assert computed  # answered, with torch operations
+    want, _ = _stats_and_grads(_model(), _batch())
+    torch.testing.assert_close(got.logps, want.logps, atol=1e-6, rtol=1e-5)
+    monkeypatch.setattr(FusedOutputLayer, "kernel_on", lambda self, device: True)
+    monkeypatch.setattr("rlhf.ops.output_layer.triton_kernel", lambda: None)
+    with pytest.raises(UserError, match="pip install triton"):
+        _stats_and_grads(tapped, _batch())
