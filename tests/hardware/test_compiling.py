@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlhf import train
+from rlhf.core import auto_choices
 from rlhf.data.collate import collate_in_buckets, collate_sequences, pad_to_multiple
 from rlhf.hardware import DataParallel, compiling
 from rlhf.hardware.compiling import repeated_blocks, resolve_compile
@@ -24,7 +25,7 @@ def test_the_repeated_blocks_are_found_whatever_wraps_them_and_auto_is_layers_on
     wrapped = get_peft_model(fast_initial_model(), LoraConfig(r=2, target_modules=["q_proj"]))
     assert repeated_blocks(wrapped) is wrapped.get_base_model().model.layers
     assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) is None
-    assert resolve_compile("auto", uses_cuda=True) == "layers"
+    assert resolve_compile("auto", uses_cuda=True) == auto_choices.pick("hardware.compile", "cuda")  # not measured: off
     assert resolve_compile("auto", uses_cuda=False) is False
     assert resolve_compile("auto", uses_cuda=True, compiles=False) is False  # FSDP2, ZeRO
     assert resolve_compile("aot_eager", uses_cuda=False) == "aot_eager"
@@ -115,4 +116,4 @@ def test_layers_compiled_on_a_cpu_train_as_eager_and_auto_is_off_there(tmp_path,
     eager, layers = _losses(tmp_path / "auto"), _losses(tmp_path / "layers")
     assert len(eager) == 3 and eager == pytest.approx(layers, rel=1e-4, abs=1e-6)
     assert "decoder layers compiled" in (tmp_path / "layers" / "train.log").read_text()
-    assert "hardware.compile=false (the CPU's choice)" in (tmp_path / "auto" / "train.log").read_text()
+    assert f"hardware.compile=false ({auto_choices.CHOICES['hardware.compile'].cpu_evidence})" in (tmp_path / "auto" / "train.log").read_text()

@@ -116,7 +116,15 @@ def test_the_compiled_decode_step_is_one_graph_for_every_prompt_length_of_a_buck
         assert counters["stats"]["unique_graphs"] == graphs, (bucket, dict(counters["stats"]))
 
 
-def test_auto_decodes_statically_on_an_unsharded_gpu_model_only():
+def test_auto_decodes_statically_on_an_unsharded_gpu_model_only(monkeypatch):
+    """Where the table picks the static decoder on a GPU (not yet: rlhf/core/auto_choices.py), only there."""
+    import dataclasses
+
+    from rlhf.core import auto_choices
+
+    table = dict(auto_choices.CHOICES)
+    table["algo.generation"] = dataclasses.replace(table["algo.generation"], gpu="static")
+    monkeypatch.setattr(auto_choices, "CHOICES", table)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     auto = Sampling()
     assert uses_static_decoding(auto, cuda, partitioned=False)
