@@ -75,18 +75,21 @@ def dense_mask(branch: Tensor, documents: Tensor, additive: bool = False) -> Ten
     return allowed
 
 
-def block_mask(branch: Tensor, documents: Tensor):
+def block_mask(branch: Tensor, documents: Tensor, compiled: bool | None = None):
     """:func:`sees` as flex attention's ``BlockMask`` for ``[B, T]`` branch and document ids. On a GPU the mask's
     construction is compiled (``create_block_mask(_compile=True)``, as torch's documentation recommends for long
     sequences): evaluated eagerly it materialises ``[B, T, T]`` tensors (the booleans alone are 0.5 GB at the 22,000
-    tokens of 32 packed pairs of a few hundred tokens), compiled it evaluates block by block. On a CPU (tests, short rows) it is evaluated eagerly."""
+    tokens of 32 packed pairs of a few hundred tokens), compiled it evaluates block by block. On a CPU (tests, short
+    rows) it is evaluated eagerly. ``compiled``: compile the construction (True) or not (False) whatever the device
+    (the tests compile it on a CPU); ``None``: on a GPU."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q, kv):
         return sees(branch[b, q], branch[b, kv], documents[b, q], documents[b, kv], q, kv)
 
     rows, length = branch.shape
-    return create_block_mask(mask_mod, rows, None, length, length, device=branch.device, _compile=branch.is_cuda)
+    return create_block_mask(mask_mod, rows, None, length, length, device=branch.device,
+                             _compile=branch.is_cuda if compiled is None else compiled)
 
 
 def model_inputs(batch: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:

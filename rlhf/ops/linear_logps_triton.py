@@ -12,11 +12,14 @@ reference, on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``), shape
   greedy token (the first of equal maxima) and its entropy, all of ``logits / T`` in float32;
 - the backward pass computes a block's logits again, and one kernel pass (:func:`_backward_rows`) overwrites them in
   place with their gradient ``(1[v = token] - softmax(logits / T)[v]) * g / T``; then one product gives the block's
-  hidden-state gradient (every vocabulary entry summed inside it, rounded once) and one its share of the weight's
-  gradient, which is summed over the blocks in float32 (:func:`add_product`).
+  hidden-state gradient (every vocabulary entry summed inside it, rounded once) and one adds its share of the
+  weight's gradient into a float32 accumulator in place (:func:`add_product`: ``addmm_`` for float32 products, a
+  kernel of its own, :func:`_add_product_rows`, for bfloat16 and float16 ones, whose float32 results torch's matrix
+  products cannot add into a float32 tensor). No ``[V, H]`` product of a block exists beside the accumulator.
 
 Nothing is read back to the host: a row without a gradient (``g = 0``) gets zeros from the same arithmetic. The
-``[N, V]`` float32 logits never exist; the memory above the inputs is one block of logits in the products' dtype.
+``[N, V]`` float32 logits never exist; the memory above the inputs is one block of logits in the products' dtype,
+and in the backward pass the weight's float32 gradient.
 Only long-standing ``triton.language`` operations are used (loads and stores with masks, ``max``/``min``/``sum``
 reductions, ``exp``/``log``, ``where``), so that the Triton that ships with a GPU build of torch compiles them.
 """
@@ -24,6 +27,7 @@ reductions, ``exp``/``log``, ``where``), so that the Triton that ships with a GP
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -35,6 +39,10 @@ from rlhf.ops.linear_logps_torch import row_block, spans
 # Vocabulary entries one kernel program reads at a time (a power of two): 4,096 bfloat16 values are 8 KiB, 16 per
 # thread of 8 warps. Smaller where the vocabulary is.
 VOCAB_BLOCK = 4096
+# The tile of the weight's gradient one program of _add_product_rows adds into: vocabulary entries x hidden units,
+# rows of the block read BLOCK_R at a time (tl.dot wants every side at least 16)
+GRAD_BLOCK_V, GRAD_BLOCK_H, GRAD_BLOCK_R = 128, 64, 32
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter (on a CPU), chosen at its import
 
 
 @triton.jit
@@ -92,6 +100,34 @@ def _backward_rows(logits_ptr, tokens_ptr, lse_ptr, grad_ptr, vocab, temperature
         tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _add_product_rows(total_ptr, a_ptr, b_ptr, rows, vocab, width, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_R: tl.constexpr, FLOAT32_DOT: tl.constexpr):
+    """``total[V, H] += a[rows, V].T @ b[rows, H]`` in place, ``total`` float32 and ``a``, ``b`` contiguous in one
+    16-bit dtype: one program per ``[BLOCK_V, BLOCK_H]`` tile of ``total``, the product summed in float32 over the
+    rows (``tl.dot``), then added to the tile once. ``FLOAT32_DOT``: the operands converted to float32 first (exact
+    for 16-bit values), for Triton's interpreter, whose ``tl.dot`` multiplies bfloat16 operands as the integers that
+    hold their bits."""
+    first_v = tl.program_id(0) * BLOCK_V
+    first_h = tl.program_id(1) * BLOCK_H
+    vs = first_v + tl.arange(0, BLOCK_V)
+    hs = first_h + tl.arange(0, BLOCK_H)
+    product = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float32)
+    for first in range(0, rows, BLOCK_R):
+        rs = first + tl.arange(0, BLOCK_R)
+        row_inside = rs[:, None] < rows
+        a = tl.load(a_ptr + rs[:, None].to(tl.int64) * vocab + vs[None, :], mask=row_inside & (vs[None, :] < vocab),
+                    other=0.0)
+        b = tl.load(b_ptr + rs[:, None].to(tl.int64) * width + hs[None, :], mask=row_inside & (hs[None, :] < width),
+                    other=0.0)
+        if FLOAT32_DOT:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        product += tl.dot(tl.trans(a), b)
+    tile = total_ptr + vs[:, None].to(tl.int64) * width + hs[None, :]
+    inside = (vs[:, None] < vocab) & (hs[None, :] < width)
+    tl.store(tile, tl.load(tile, mask=inside, other=0.0) + product, mask=inside)
+
+
 def _launch(vocab: int) -> dict:
     block = min(VOCAB_BLOCK, triton.next_power_of_2(max(vocab, 1)))
     return {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4}
@@ -107,24 +143,19 @@ def _product(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Ten
     return torch.addmm(bias, h, weight.t(), out=out) if bias is not None else torch.mm(h, weight.t(), out=out)
 
 
-_FLOAT32_PRODUCTS: dict[str, bool] = {}  # device type -> whether torch.mm(..., out_dtype=float32) runs there
-
-
-def add_product(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
-    """``total + a @ b`` in float32 (``total`` ``None``: 0), ``a`` and ``b`` in any one dtype. A product of bfloat16
-    or float16 operands comes out in float32 where torch offers that (``torch.mm``'s ``out_dtype``, on CUDA); else
-    it is rounded to its dtype once before being added."""
+def add_product(total: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``total += a.T @ b`` in place: ``total`` ``[V, H]`` float32, ``a`` ``[rows, V]`` and ``b`` ``[rows, H]`` in
+    one dtype. float32 operands: ``addmm_`` (the matrix product adds into ``total``); bfloat16 or float16 ones:
+    :func:`_add_product_rows`, which sums each tile's product in float32 and adds it where it lies, so that no
+    ``[V, H]`` product exists beside ``total``."""
     if a.dtype == torch.float32:
-        return a @ b if total is None else total.addmm_(a, b)
-    kind = a.device.type
-    if kind not in _FLOAT32_PRODUCTS:  # asked once per device type, on a tiny product
-        probe = torch.ones(2, 2, dtype=a.dtype, device=a.device)
-        try:
-            _FLOAT32_PRODUCTS[kind] = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, TypeError):  # no such overload, or not on this device (a CPU)
-            _FLOAT32_PRODUCTS[kind] = False
-    product = torch.mm(a, b, out_dtype=torch.float32) if _FLOAT32_PRODUCTS[kind] else (a @ b).float()
-    return product if total is None else total.add_(product)
+        return total.addmm_(a.t(), b)
+    a, b = a.contiguous(), b.contiguous()
+    rows, vocab, width = a.shape[0], a.shape[1], b.shape[1]
+    grid = (triton.cdiv(vocab, GRAD_BLOCK_V), triton.cdiv(width, GRAD_BLOCK_H))
+    _add_product_rows[grid](total, a, b, rows, vocab, width, BLOCK_V=GRAD_BLOCK_V, BLOCK_H=GRAD_BLOCK_H,
+                            BLOCK_R=GRAD_BLOCK_R, FLOAT32_DOT=INTERPRETED, num_warps=4)
+    return total
 
 
 class LinearLogSoftmaxTriton(torch.autograd.Function):
@@ -169,7 +200,7 @@ class LinearLogSoftmaxTriton(torch.autograd.Function):
             w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
             count, vocab = h.shape[0], w.shape[0]
             grad_h = torch.empty(h.shape, dtype=dtype, device=device) if need_h else None
-            grad_w = None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
             grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=device) if need_b else None
             step = row_block(count, vocab, device)
             buffer = torch.empty(min(step, count), vocab, dtype=dtype, device=device)
@@ -182,11 +213,9 @@ class LinearLogSoftmaxTriton(torch.autograd.Function):
                     grad_b += grad.sum(0, dtype=torch.float32)
                 if grad_h is not None:
                     torch.mm(grad, w, out=grad_h[r0:r1])
-                if need_w:
-                    grad_w = add_product(grad_w, grad.t(), h[r0:r1])
+                if grad_w is not None:
+                    add_product(grad_w, grad, h[r0:r1])
             del buffer
-            if need_w and grad_w is None:  # no rows
-                grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device)
         return (None if grad_h is None else grad_h.to(ctx.hidden_dtype),
                 None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)

@@ -144,17 +144,6 @@ def answers(model: torch.nn.Module, device: torch.device) -> bool:
     return isinstance(layer, FusedOutputLayer) and layer.answers_on(device)
 
 
-def logits_rows(model: torch.nn.Module, device: torch.device, rows: int) -> int | None:
-    """How many of ``rows`` rows of logits exist at once in ``model``'s training step on ``device``: one tile's
-    worth (in whole rows) where its output layer answers with log-probabilities there, else ``None`` (all of
-    them). For the memory preflight."""
-    layer = _output_layer(model)
-    if answers(model, device):
-        tile_rows, chunk = tile_shape(rows, layer.out_features, device)
-        return -(-tile_rows * chunk // layer.out_features)
-    return None
-
-
 def check_when(fused: Any, key: str = "algo.fused_output_layer",
                fix: str = "auto (on a GPU: the logits never whole), true (everywhere, torch operations), triton (the "
                           "Triton kernel on a GPU) or false (the output layer computes logits)") -> bool | str:

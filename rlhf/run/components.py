@@ -30,7 +30,6 @@ from rlhf.hardware import compiling, global_numel
 from rlhf.models import attention
 from rlhf.models.adapters import NoAdapter
 from rlhf.ops.collectives import any_process
-from rlhf.ops.output_layer import logits_rows
 from rlhf.optim import param_groups, schedule
 from rlhf.run.folder import ENVIRONMENT
 from rlhf.run.nonfinite import Verdicts, verdicts_for
@@ -46,6 +45,7 @@ from rlhf.telemetry.memory_preflight import (
     check_fits,
     measured_plan,
     optimizer_bytes_per_parameter,
+    output_layer_bytes,
     resident_bytes,
 )
 from rlhf.telemetry.metrics import evaluate
@@ -255,7 +255,7 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     device = strategy.accelerator.device
     activations = activation_bytes(model.config, sequences, tokens, value_bytes,
                                    checkpointing=activation_checkpointing(model),
-                                   logits_rows=logits_rows(model, device, sequences * tokens),
+                                   output_layer=output_layer_bytes(model, device, sequences * tokens, value_bytes),
                                    attention_bytes=attention.kept_bytes(model.config, tokens, device.type, bf16))
     precision = strategy.stored_precision()
     trainable = next((p for p in model.parameters() if p.requires_grad), None)

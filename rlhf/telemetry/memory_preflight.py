@@ -26,6 +26,8 @@ import torch
 
 from rlhf.hardware.holding import StoredPrecision, global_numel, local_numel
 from rlhf.models.quantize import quantized_bytes
+from rlhf.ops.linear_logps_torch import row_block, tile_shape
+from rlhf.ops.output_layer import answers
 
 MB = 2**20
 AS_LOADED = StoredPrecision()  # the state stored as the model was loaded (data parallel)
@@ -99,7 +101,7 @@ def _config_value(config, names: tuple[str, ...], default):
 
 
 def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, checkpointing: bool,
-                     logits_rows: int | None = None, attention_bytes: int | None = None) -> int:
+                     attention_bytes: int | None = None, output_layer: int | None = None) -> int:
     """An estimate of what the backward pass keeps for one micro-batch of ``sequences`` x ``tokens``.
 
     Per token and decoder layer, autograd keeps about ``12 h + 4 i`` values (h: hidden size, i: MLP width): the
@@ -109,8 +111,9 @@ def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, 
     (:func:`rlhf.models.attention.kept_bytes`: torch's math kernel under bf16 keeps float32 scores and float32
     copies of query, key and value). This follows the accounting of Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1) without its dropout masks
     (dropout is off in preference training). Gradient checkpointing keeps one ``h`` per layer and recomputes one layer at a time.
-    The logits add ``3 V`` float32 values per token (logits, their log-softmax, and its gradient); where the output
-    layer computes them a tile at a time (:mod:`rlhf.ops.output_layer`), three tiles of ``logits_rows`` rows' worth."""
+    The logits add ``3 V`` float32 values per token (logits, their log-softmax, and its gradient); ``output_layer``,
+    where given, replaces that term: what an output layer that answers with log-probabilities a tile at a time
+    (:mod:`rlhf.ops.output_layer`) holds, in bytes (:func:`output_layer_bytes`)."""
     hidden = _config_value(config, ("hidden_size", "n_embd", "d_model"), 0)
     layers = _config_value(config, ("num_hidden_layers", "n_layer", "num_layers"), 0)
     heads = _config_value(config, ("num_attention_heads", "n_head"), 1)
@@ -122,8 +125,54 @@ def activation_bytes(config, sequences: int, tokens: int, bytes_per_value: int, 
     elif getattr(config, "_attn_implementation", None) == "eager":
         per_layer += heads * tokens * bytes_per_value
     kept = (layers * hidden * bytes_per_value + per_layer) if checkpointing else layers * per_layer
-    rows = sequences * tokens if logits_rows is None else min(logits_rows, sequences * tokens)
-    return sequences * tokens * kept + rows * 3 * vocab * 4
+    if output_layer is not None:
+        return sequences * tokens * kept + output_layer
+    return sequences * tokens * (kept + 3 * vocab * 4)
+
+
+def output_layer_held(rows: int, vocab: int, width: int, device: torch.device, product_bytes: int, weight_bytes: int,
+                      hidden_bytes: int, trains: bool, triton: bool) -> int:
+    """Bytes an output layer that answers with token log-probabilities (:mod:`rlhf.ops.output_layer`) holds at its
+    peak for ``rows`` positions of a ``[vocab, width]`` weight stored in ``weight_bytes`` per value, the hidden states
+    in ``hidden_bytes``, the products in ``product_bytes`` (autocast's dtype, else the weight's). Both passes hold
+    the weight in the products' dtype where that is not the weight's (autocast's copy); beyond it, the larger of
+
+    - the forward pass: the logits of one block, with the Triton kernel (``triton``,
+      :mod:`rlhf.ops.linear_logps_triton`) :func:`~rlhf.ops.linear_logps_torch.row_block` rows over the whole
+      vocabulary in the products' dtype, with torch operations (:mod:`rlhf.ops.linear_logps_torch`) three float32
+      tiles of :func:`~rlhf.ops.linear_logps_torch.tile_shape` (the logits, their exponentials, a product);
+    - the backward pass: the logits of one block again (torch operations: two float32 tiles, the logits and their
+      gradient, and in 16-bit products each tile's share of the weight's gradient, ``chunk x width``, before it is
+      added), the hidden states' gradient (float32 with torch operations, the products' dtype with the kernel, then
+      cast to the hidden states' dtype where that differs), and where the weight trains (``trains``) the float32
+      accumulator of its gradient, all of it: with a float32 weight that accumulator becomes the weight's gradient,
+      which the plan counts as well, on a step's first micro-batch, and is added into it on the others."""
+    weight = vocab * width * product_bytes if product_bytes != weight_bytes else 0
+    accumulator = vocab * width * 4 if trains else 0
+    if triton:
+        block = row_block(rows, vocab, device) * vocab * product_bytes
+        hidden = rows * width * (product_bytes + (hidden_bytes if hidden_bytes != product_bytes else 0))
+        return weight + block + hidden + accumulator
+    tile_rows, chunk = tile_shape(rows, vocab, device)
+    tile = tile_rows * chunk * 4
+    shares = (chunk + tile_rows) * width * product_bytes if product_bytes != 4 else 0  # added into float32 sums
+    hidden = rows * width * (4 + (hidden_bytes if hidden_bytes != 4 else 0))
+    return weight + max(3 * tile, 2 * tile + shares + hidden + accumulator)
+
+
+def output_layer_bytes(model: torch.nn.Module, device: torch.device, rows: int, product_bytes: int) -> int | None:
+    """What ``model``'s output layer holds in a training step on ``device`` for ``rows`` positions
+    (:func:`output_layer_held`) where it answers with token log-probabilities there, else ``None`` (it computes
+    logits: :func:`activation_bytes` counts them). ``product_bytes``: the bytes of a value in the products' dtype
+    (2 under bf16 autocast)."""
+    if not answers(model, device):
+        return None
+    layer = model.get_output_embeddings()
+    vocab, width = layer.weight.shape
+    kernel_on = getattr(layer, "kernel_on", None)  # FusedOutputLayer: whether it runs the Triton kernel there
+    return output_layer_held(rows, vocab, width, device, product_bytes, layer.weight.element_size(),
+                             layer.weight.element_size(), layer.weight.requires_grad,
+                             triton=bool(kernel_on(device)) if callable(kernel_on) else False)
 
 
 def plan(weights: int, trainable: int, gradient_width: int, frozen: int, optimizer_bytes: float | None,
@@ -254,60 +303,94 @@ class PeakMemory:
         return max(0, peak - self.start) / MB
 
 
-def _read_int(path: str) -> int | None:
+def _read_int(path: Path) -> int | None:
     try:
-        with open(path) as file:
-            text = file.read().strip()
+        text = path.read_text().strip()
     except OSError:
         return None
     return int(text) if text.isdigit() else None  # cgroup v2's "max": no limit
 
 
-def _cgroup_left(proc: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup") -> int | None:
-    """What this process's memory cgroup's limit leaves (limit less usage), cgroup v2 (``memory.max``,
-    ``memory.current``) or v1 (``memory.limit_in_bytes``, ``memory.usage_in_bytes``): in the process's own cgroup
-    where it is mounted at its path (a Slurm job's step), else at the mount's root (a container's own). None where
-    there is no limit or none can be read."""
+# Where the memory figures of a CPU run are read (module attributes, so that a test can point them at a fake tree)
+PROC_CGROUP = "/proc/self/cgroup"  # the process's cgroup in each hierarchy: "ID:controllers:/path"
+CGROUP_ROOT = "/sys/fs/cgroup"  # where the hierarchies are mounted (v2 unified here, v1 controllers below it)
+MEMINFO = "/proc/meminfo"
+NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as a huge number (a page-rounded 2**63 - 1)
+# The files of a memory cgroup: (limit, usage), cgroup v2 (the unified hierarchy) and v1 (the memory controller's)
+V2_FILES = ("memory.max", "memory.current")
+V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+
+
+@dataclass(frozen=True)
+class CgroupLimit:
+    """The tightest memory limit over the cgroups that hold this process: ``left`` bytes (the limit less the
+    cgroup's usage, which counts every process below it), in cgroup ``path`` (as ``/proc/self/cgroup`` names it)."""
+
+    left: int
+    limit: int
+    used: int
+    path: str
+    file: str
+
+    def describe(self) -> str:
+        """Where the figure comes from, for :func:`check_fits`'s message: the cgroup, its limit and usage, and where
+        it is a Slurm job's (a ``job_N`` or ``slurm`` folder in its path) how to ask for more."""
+        slurm = any(part.startswith("job_") or part == "slurm" for part in self.path.split("/"))
+        more = "; a Slurm job gets more with hydra.launcher.mem_gb (launcher=slurm) or sbatch --mem" if slurm else ""
+        return (f"what the memory limit of cgroup {self.path} leaves: {self.file} {self.limit / MB:,.1f} MB, "
+                f"{self.used / MB:,.1f} MB in use{more}")
+
+
+def _cgroup_left(proc: str | None = None, mount: str | None = None) -> CgroupLimit | None:
+    """The smallest headroom (limit less usage) of the memory cgroups that hold this process, cgroup v2
+    (``memory.max``, ``memory.current``) or v1 (``memory.limit_in_bytes``, ``memory.usage_in_bytes``): its own cgroup
+    and each ancestor up to the hierarchy's root, since a limit applies to everything below it. Slurm puts a job's
+    limit on the job's and the step's cgroups and runs the process in a leaf without a limit of its own
+    (``.../job_N/step_0/user/task_0`` with ``memory.max`` = ``max`` under cgroup v2, an unlimited ``task_0`` under
+    v1: https://slurm.schedmd.com/cgroup_v2.html). Where the process's path is not mounted (a container that sees
+    its own cgroup as the mount's root) only the root is found. ``proc``, ``mount``: :data:`PROC_CGROUP` and
+    :data:`CGROUP_ROOT` unless given. None where no limit can be read."""
     try:
-        lines = Path(proc).read_text().splitlines()
+        lines = Path(proc or PROC_CGROUP).read_text().splitlines()
     except OSError:
         lines = []
     found = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
-            root, files = Path(mount), ("memory.max", "memory.current")
+            root, files = Path(mount or CGROUP_ROOT), V2_FILES
         elif "memory" in controllers.split(","):  # v1
-            root, files = Path(mount) / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            root, files = Path(mount or CGROUP_ROOT) / "memory", V1_FILES
         else:
             continue
-        for folder in (root / path.lstrip("/"), root):
-            limit, used = (_read_int(str(folder / name)) for name in files)
-            if limit is not None and used is not None:
-                if limit < 2**60:  # v1 writes "no limit" as a huge number
-                    found.append(max(0, limit - used))
-                break
-    return min(found) if found else None
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):  # the process's own cgroup first, the root last
+            limit, used = (_read_int(root.joinpath(*parts[:depth], name)) for name in files)
+            if limit is not None and used is not None and limit < NO_LIMIT:
+                found.append(CgroupLimit(max(0, limit - used), limit, used, "/" + "/".join(parts[:depth]),
+                                         files[0]))
+    return min(found, key=lambda limit: limit.left) if found else None
 
 
 def available_bytes(device: torch.device) -> tuple[int | None, str]:
     """How many more bytes this process can take now, and where the figure comes from: on a GPU the device's free
     memory (``torch.cuda.mem_get_info``); on a CPU the system's available memory (``MemAvailable``), or what the
-    memory cgroup's limit leaves (:func:`_cgroup_left`) where that is less. ``None`` where neither can be read."""
+    tightest memory cgroup's limit leaves (:func:`_cgroup_left`) where that is less. ``None`` where neither can be
+    read."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free), f"free memory of {torch.cuda.get_device_name(device)}"
     found: list[tuple[int, str]] = []
     try:
-        with open("/proc/meminfo") as meminfo:
+        with open(MEMINFO) as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
                     found.append((int(line.split()[1]) * 1024, "the system's available memory"))
     except OSError:
         pass
-    left = _cgroup_left()
-    if left is not None:
-        found.append((left, "what the cgroup's memory limit leaves"))
+    cgroup = _cgroup_left()
+    if cgroup is not None:
+        found.append((cgroup.left, cgroup.describe()))
     if not found:
         return None, ""
     return min(found)

@@ -117,3 +117,41 @@ def test_layers_compiled_on_a_cpu_train_as_eager_and_auto_is_off_there(tmp_path,
     assert len(eager) == 3 and eager == pytest.approx(layers, rel=1e-4, abs=1e-6)
     assert "decoder layers compiled" in (tmp_path / "layers" / "train.log").read_text()
     assert f"hardware.compile=false ({auto_choices.CHOICES['hardware.compile'].cpu_evidence})" in (tmp_path / "auto" / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_layers_compiled_by_inductor_compute_what_eager_computes_in_one_graph():
+    """hardware.compile=layers with its own options (inductor, what a GPU gets: on a CPU it generates C++ and
+    compiles it) on a 2-layer model: two training batches of one bucket give eager's logits and every gradient to
+    float32 rounding, with one graph for both layers and both lengths, compiled by inductor (forward and backward).
+    Red where the layers run uncompiled (no inductor graph) or a length recompiles."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from rlhf.embedded.tiny_model import TinySpec
+
+    assert "backend" not in compiling.LAYER_OPTIONS  # torch.compile's default: inductor
+    torch.manual_seed(0)
+    model = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, warm_start_steps=0).build().model
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiling.compile_model(model, "layers")
+    for length in (5, 29):
+        rows = [[3 + i % 50 for i in range(length)], [7] * (length - 2)]
+        batch = collate_in_buckets(lambda r: collate_sequences(r, [[1] * len(x) for x in r], 0),
+                                   compiling.BUCKET_TOKENS, 0, rows)
+        outputs = []
+        for net in (model, eager):
+            net.zero_grad()
+            logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            (logits * batch["attention_mask"][..., None]).pow(2).mean().backward()
+            outputs.append((logits.detach(), [p.grad.clone() for p in net.parameters()]))
+        (got, got_grads), (want, want_grads) = outputs
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for mine, theirs in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # both layers, both lengths
+    # inductor compiled the layer's forward and backward graphs (from its cache where an earlier run left them)
+    assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] == 2

@@ -172,3 +172,44 @@ def test_no_host_sync_in_the_forward_or_the_backward(kernel, monkeypatch, triton
     monkeypatch.undo()
     assert h.grad is not None and w.grad.abs().sum() > 0 and b.grad.abs().sum() > 0
     assert forward == {} and backward == {}, (forward, backward)
+
+
+def _backward_memory(kernel, monkeypatch, rows_per_block: int, vocab: int = 512, width: int = 64, rows: int = 64):
+    """The Triton function's gradients of ``rows`` float32 hidden states and a float32 ``[vocab, width]`` weight
+    with bfloat16 products (autocast's), in row blocks of ``rows_per_block``, and the bytes torch allocated in its
+    backward pass: (gradients, peak, total)."""
+    from tests.ops.live_bytes import LiveBytes
+
+    monkeypatch.setattr(linear_logps_torch, "LINEAR_TILE_BYTES_CPU", rows_per_block * vocab * 4)
+    assert linear_logps_torch.row_block(rows, vocab, torch.device("cpu")) == rows_per_block
+    torch.manual_seed(0)
+    h = torch.randn(rows, width, requires_grad=True)
+    w = (torch.randn(vocab, width) / 8).requires_grad_()
+    tokens, g = torch.randint(vocab, (rows,)), torch.randn(rows)
+    logps = kernel.LinearLogSoftmaxTriton.apply(h, w, None, tokens, False, False, torch.bfloat16, 0.7)[0]
+    loss = (logps * g).sum()
+    with LiveBytes() as seen:
+        loss.backward()
+    return (h.grad, w.grad), seen.peak, seen.total
+
+
+def test_the_weight_gradient_is_added_in_place_at_any_number_of_row_blocks(kernel, monkeypatch):
+    """bfloat16 products in 1 and 8 row blocks: the same gradients, and the backward pass allocates no ``[V, H]``
+    product per block beside the float32 accumulator of the weight's gradient: its bytes allocated in all do not grow
+    with the blocks, its peak does not grow, and its peak is what the memory preflight counts for the layer
+    (:func:`rlhf.telemetry.memory_preflight.output_layer_held`). Red when each block's product is made whole and then
+    added (``(a @ b).float()`` then ``add_``: 6 bytes x V x H more per block)."""
+    from rlhf.telemetry.memory_preflight import output_layer_held
+
+    one, one_peak, one_total = _backward_memory(kernel, monkeypatch, rows_per_block=64)
+    eight, eight_peak, eight_total = _backward_memory(kernel, monkeypatch, rows_per_block=8)
+    for mine, theirs in zip(eight, one):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    vocab_by_width = 512 * 64
+    assert eight_total - one_total < vocab_by_width, (one_total, eight_total)  # < a quarter of one float32 [V, H]
+    assert eight_peak <= one_peak, (one_peak, eight_peak)
+    for rows_per_block, peak in ((64, one_peak), (8, eight_peak)):
+        monkeypatch.setattr(linear_logps_torch, "LINEAR_TILE_BYTES_CPU", rows_per_block * 512 * 4)
+        predicted = output_layer_held(64, 512, 64, torch.device("cpu"), product_bytes=2, weight_bytes=4,
+                                      hidden_bytes=4, trains=True, triton=True)
+        assert 0.9 < peak / predicted < 1.1, (rows_per_block, peak, predicted)
