@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check in one command (benchmarks/gpu_check.py): installs the wheels carried in .whl/ (benchmarks/device_wheels.sh)
-# into /tmp/site where there are any, runs the check (which first imports every package it needs, printing their
-# versions, and stops with exit 2 naming the missing one) and leaves its page, its JSON, its log and the profiles in
-# $OUT (the device tool's output folder; outputs/gpu_check elsewhere). Arguments go to gpu_check.py.
+# The GPU check in one command (the package benchmarks/gpu_check/, run as `python benchmarks/gpu_check`): installs the wheels carried in .whl/ (benchmarks/device_wheels.sh) into /tmp/site where there are any,
+# runs the check (which first imports every package it needs, printing their versions, and stops with exit 2 naming
+# the missing one) and leaves its page, its JSON, its log and the profiles in $OUT (the device tool's output folder;
+# outputs/gpu_check elsewhere). Arguments go to the check (--help lists them).
 #
 #   bash benchmarks/device_wheels.sh                         # here, once: the wheels (.whl/, ignored by git)
 #   device run, carry [".whl"], timeout_s 550:  bash benchmarks/gpu_check.sh --part headline --budget-s 460
@@ -21,4 +21,4 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=${OUT:-outputs/gpu_check}
 mkdir -p "$out"
-$PYTHON benchmarks/gpu_check.py --out "$out" "$@" 2>&1 | tee "$out/gpu_check.log"
+$PYTHON benchmarks/gpu_check --out "$out" "$@" 2>&1 | tee "$out/gpu_check.log"

@@ -37,7 +37,7 @@ from rlhf.ops.token_logps import linear_log_softmax, selective_log_softmax
 SHAPES = [(16, 49, 4096), (16, 49, 16384), (16, 49, 32000), (16, 257, 4096)]
 FUSED_SHAPES = [(16, 49, 768, 32000), (16, 49, 512, 16384), (16, 257, 256, 4096)]  # batch, positions, hidden, vocab
 FUSED_TILES_MIB = (4, 16, 64)
-# On a GPU: gpu_check.py's SFT batches at 100m's and ~1B's widths, and Qwen2.5-0.5B's vocabulary at 4k tokens
+# On a GPU: the GPU check's SFT batches at 100m's and ~1B's widths, and Qwen2.5-0.5B's vocabulary at 4k tokens
 FUSED_SHAPES_GPU = [(64, 65, 768, 32000), (64, 65, 2048, 32000), (8, 513, 896, 151936)]
 
 

@@ -4,7 +4,6 @@ budget, the profile's summary of a trace, and the paths' comparison with the pla
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,11 +11,17 @@ import sys
 
 import pytest
 
+from rlhf.core.auto_choices import CHOICES
 from tests.conftest import ROOT
 
-_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_check)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench  # noqa: E402
+from gpu_check import plan as plans  # noqa: E402
+from gpu_check import state  # noqa: E402
+from gpu_check.page.defaults import shown  # noqa: E402
+from gpu_check.page.markdown import goals  # noqa: E402
+from gpu_check.sections import correctness, preflight, speed, timed  # noqa: E402
+from gpu_check.workers import isolated, turns, worker  # noqa: E402
 
 
 def test_the_rehearsal_runs_every_section_and_writes_the_page(tmp_path):
@@ -36,6 +41,11 @@ def test_the_rehearsal_runs_every_section_and_writes_the_page(tmp_path):
                       "peft=lora (the adapters start at zero)", "GRPO, 8 completions a prompt",
                       "PPO, 8 completions a prompt", "resume from step 1 of 2"], checks
     rows = {c["check"].split(":")[0]: c for c in report["correctness"]}
+    probed = {c["check"].split(": ", 1)[1].split(" = ")[0]: c for c in report["correctness"][:4]}
+    assert all(c["ok"] is True for c in probed.values()), probed  # each GPU path's probe, at a CPU's sizes
+    assert "tokens equal" in probed["static decoding"]["value"], probed  # greedy and sampled against generate
+    assert "blocks skipped" in probed["pairs packed under flex attention with layout_masks' block mask"]["value"]
+    assert "T=0.7, with a bias" in probed["the output layer's Triton kernel"]["value"]  # under Triton's interpreter
     assert rows["shared-prompt layout under flex attention = two plain sequences a pair (DPO loss; gradients)"] == {
         "check": "shared-prompt layout under flex attention = two plain sequences a pair (DPO loss; gradients)",
         "value": "GPU only", "ok": None}
@@ -79,10 +89,11 @@ def test_the_rehearsal_runs_every_section_and_writes_the_page(tmp_path):
     pages = list(tmp_path.glob("20*-*.md"))
     assert len(pages) == 1 and "cpu" in pages[0].name and pages[0].name.endswith("-all.md"), pages
     page = pages[0].read_text()
+    compile_choice = shown(CHOICES["hardware.compile"].gpu)
     for heading in ("## Goals", "## Correctness", "## Speed and memory against TRL", "Checkpoint (DPO as shipped, "
                     "batch 8)", "## Profile (3m, batch 8, dpo_fp32, short rows", "| rlhf | (no GPU kernels in the trace)",
                     "## Levers", "## The output layer's log-probabilities", "| hardware=zero3, one process: 3 steps",
-                    "## The `auto` defaults on a GPU", "| `hardware.compile` | layers |"):
+                    "## The `auto` defaults on a GPU", f"| `hardware.compile` | {compile_choice} |"):
         assert heading in page, heading
     assert "| 3m (4M) | 8 | dpo_fp32 | short | 2 |" in page
     assert "| DPO bf16 ≥ 1.3× TRL's samples/s (real lengths) | not measured | not measured |" in page
@@ -102,7 +113,7 @@ def test_goals_are_met_only_by_every_row_that_reads_them_and_unmeasured_ones_say
                       _row("dpo_bf16", 1.5, size="1b", batch=16, mfu=0.41, ours_mb=300.0, trl_mb=250.0),
                       _row("dpo_bf16", 0.5, batch=64, shape="short")],  # short rows: not a real-lengths goal's
             "checkpoint": {"share": 0.019}}
-    verdicts = {goal: (measured, verdict) for goal, measured, verdict in gpu_check.goals(data)}
+    verdicts = {goal: (measured, verdict) for goal, measured, verdict in goals(data)}
     assert verdicts["DPO bf16 ≥ 1.3× TRL's samples/s (real lengths)"] == (
         "100m b8 1.40×; 100m b64 1.20×; 1b b16 1.50×", "NOT met")
     assert verdicts["SFT bf16 ≥ 1.3× (real lengths)"][1] == "met"
@@ -116,32 +127,31 @@ def test_goals_are_met_only_by_every_row_that_reads_them_and_unmeasured_ones_say
     assert verdicts["a checkpoint at the default interval, batch 8 ≤ 2% of training"] == ("1.90%", "met")
     for row in data["speed"]:
         row["ratio_best"] = 1.1
-    assert gpu_check.goals(data)[3][2] == "met"
+    assert goals(data)[3][2] == "met"
     data["speed"][2]["ratio_best"] = 0.9
-    assert gpu_check.goals(data)[3][2] == "NOT met"
+    assert goals(data)[3][2] == "NOT met"
     data["checkpoint"] = {"share": 0.021}
-    assert gpu_check.goals(data)[-1][2] == "NOT met"
+    assert goals(data)[-1][2] == "NOT met"
 
 
 def test_sections_left_out_are_named_and_an_unknown_one_is_refused():
     """--skip layouts,kernels: a later device call spends its budget on what an earlier one did not reach."""
     import argparse
 
-    assert gpu_check.skipped_sections("layouts, kernels") == {"layouts", "kernels"}
-    assert gpu_check.skipped_sections("") == set()
+    assert state.skipped_sections("layouts, kernels") == {"layouts", "kernels"}
+    assert state.skipped_sections("") == set()
     with pytest.raises(argparse.ArgumentTypeError, match="unknown section.*layout; the sections are losses, layouts"):
-        gpu_check.skipped_sections("layout")
+        state.skipped_sections("layout")
 
 
 def test_the_plan_names_what_the_benchmark_has_and_pairs_are_chosen_from_it():
-    gpu_check.check_plan(gpu_check.PLAN)
+    plans.check_plan(plans.PLAN)
     with pytest.raises(ValueError, match="unknown size, case or shape"):
-        gpu_check.check_plan([("100m", 8, "dpo_bf17", "real")])
+        plans.check_plan([("100m", 8, "dpo_bf17", "real")])
     with pytest.raises(ValueError, match="unknown size, case or shape"):
-        gpu_check.check_plan([("100m", 8, "dpo_bf16", "longer")])
+        plans.check_plan([("100m", 8, "dpo_bf16", "longer")])
     with pytest.raises(ValueError, match="not a multiple of 8"):
-        gpu_check.check_plan([("100m", 12, "grpo_bf16", "real")])
-    plans = gpu_check.plans
+        plans.check_plan([("100m", 12, "grpo_bf16", "real")])
     assert plans.parse_pairs("100m/32/sft_bf16, 1b/16/dpo_bf16", plans.HEADLINE) == [
         ("1b", 16, "dpo_bf16", "real"), ("100m", 32, "sft_bf16", "real")]  # in the plan's order
     assert plans.parse_pairs("100m/64/dpo_bf16/short", plans.PLAN) == [("100m", 64, "dpo_bf16", "short")]
@@ -150,7 +160,6 @@ def test_the_plan_names_what_the_benchmark_has_and_pairs_are_chosen_from_it():
 
 
 def test_the_estimate_scales_with_tokens_and_rounds_and_learns_from_the_pairs_run():
-    plans = gpu_check.plans
     real, short = (plans.step_seconds("1b", 16, "dpo_bf16", shape) for shape in ("real", "short"))
     assert real == pytest.approx(16 * 2 * 641 / plans.TOKENS_PER_S[("1b", "dpo")])  # padded tokens at the rate
     assert short == plans.STEP_FLOOR_S["1b"]  # 16 short pairs: launch-bound
@@ -167,36 +176,34 @@ def test_the_estimate_scales_with_tokens_and_rounds_and_learns_from_the_pairs_ru
     assert plans.calibrated(100.0, [(10.0, 100.0)]) == 300.0 and plans.calibrated(100.0, [(10.0, 1.0)]) == 50.0
     # the whole headline (3 rounds, three sides, the profile, every cost charged) fits its device call's budget with
     # a 5% margin, and that call's limit leaves the grace and a minute; the rest takes what the session leaves
-    (_, headline, headline_limit), (_, rest, rest_limit) = gpu_check.DEVICE_CALLS
+    (_, headline, headline_limit), (_, rest, rest_limit) = state.DEVICE_CALLS
     budget = int(headline.split("--budget-s ")[1])
     assert plans.plan_seconds(plans.HEADLINE, 3, profiled=plans.PROFILE_CASE) <= 0.95 * budget and budget <= 480
     assert plans.plan_seconds(plans.HEADLINE + plans.LATER[:1], 3, profiled=plans.PROFILE_CASE) > 0.95 * budget
-    assert headline_limit >= budget + gpu_check.GRACE_S + 60 and headline_limit <= 900 - 60 - 240
-    assert rest_limit is None and gpu_check.rest_call(239) is None  # no machine starts with less than 4 minutes
-    command, limit = gpu_check.rest_call(900 - 90 - headline_limit)  # a 900 s session, a machine start of 90 s
-    assert limit <= 900 - 90 - headline_limit and limit >= int(command.split("--budget-s ")[1]) + gpu_check.GRACE_S + 60
+    assert headline_limit >= budget + state.GRACE_S + 60 and headline_limit <= 900 - 60 - 240
+    assert rest_limit is None and state.rest_call(239) is None  # no machine starts with less than 4 minutes
+    command, limit = state.rest_call(900 - 90 - headline_limit)  # a 900 s session, a machine start of 90 s
+    assert limit <= 900 - 90 - headline_limit and limit >= int(command.split("--budget-s ")[1]) + state.GRACE_S + 60
     assert plans.parse_pairs("1b/32/dpo_bf16", plans.HEADLINE + plans.LATER) == [("1b", 32, "dpo_bf16", "real")]
 
 
 def test_a_budget_skips_what_would_pass_it_and_bounds_each_run_by_the_deadline(monkeypatch):
     import time
 
-    import gpu_check_state
 
-    budget = gpu_check_state.SectionBudget(time.perf_counter() - 100.0, 400.0, 55.0)
+    budget = state.SectionBudget(time.perf_counter() - 100.0, 400.0, 55.0)
     assert budget.fits(299.0) and not budget.fits(301.0)
-    assert gpu_check.bench.timeout_s() == pytest.approx(355.0, abs=1.0)  # a run of its own: until the deadline
-    monkeypatch.setattr(gpu_check.bench, "DEADLINE", time.perf_counter() + 100.0)
+    assert bench.timeout_s() == pytest.approx(355.0, abs=1.0)  # a run of its own: until the deadline
+    monkeypatch.setattr(bench, "DEADLINE", time.perf_counter() + 100.0)
     time.sleep(0.2)
-    assert gpu_check.bench.timeout_s() == pytest.approx(99.8, abs=0.1)  # read when the run starts, not once a pair
-    monkeypatch.setattr(gpu_check.bench, "DEADLINE", time.perf_counter() - 100.0)
-    assert gpu_check.bench.timeout_s() == 5.0
-    assert gpu_check_state.SectionBudget(time.perf_counter() - 100.0, 10.0, 0.0, enforced=False).fits(1e9)
-    assert gpu_check.bench.DEADLINE is None
+    assert bench.timeout_s() == pytest.approx(99.8, abs=0.1)  # read when the run starts, not once a pair
+    monkeypatch.setattr(bench, "DEADLINE", time.perf_counter() - 100.0)
+    assert bench.timeout_s() == 5.0
+    assert state.SectionBudget(time.perf_counter() - 100.0, 10.0, 0.0, enforced=False).fits(1e9)
+    assert bench.DEADLINE is None
 
 
 def test_a_trace_gives_the_top_kernels_and_the_share_of_the_window_the_gpu_sits_idle():
-    import gpu_check_speed
 
     def event(cat, name, ts, dur):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
@@ -205,18 +212,18 @@ def test_a_trace_gives_the_top_kernels_and_the_share_of_the_window_the_gpu_sits_
                              event("kernel", "gemm", 100, 200), event("kernel", "gemm", 250, 150),  # overlapping
                              event("kernel", "softmax", 600, 100), event("gpu_memcpy", "copy", 900, 50),
                              {"ph": "i", "name": "marker", "ts": 5000}]}  # not a span
-    summary = gpu_check_speed.trace_summary(trace)
+    summary = speed.trace_summary(trace)
     assert summary["span_ms"] == pytest.approx(1.0) and summary["gpu_events"] == 4
     assert summary["busy_ms"] == pytest.approx(0.45)  # 100-400, 600-700, 900-950
     assert summary["idle_share"] == pytest.approx(0.55)
     assert summary["kernels"] == [{"name": "gemm", "calls": 2, "ms": pytest.approx(0.35), "share": pytest.approx(0.35 / 0.45)},
                                   {"name": "softmax", "calls": 1, "ms": pytest.approx(0.1), "share": pytest.approx(0.1 / 0.45)}]
-    cpu = gpu_check_speed.trace_summary({"traceEvents": [event("cpu_op", "aten::mm", 0, 10)]})
+    cpu = speed.trace_summary({"traceEvents": [event("cpu_op", "aten::mm", 0, 10)]})
     assert cpu["idle_share"] is None and cpu["kernels"] == [] and cpu["gpu_events"] == 0
 
 
 def test_a_path_is_compared_with_the_plain_run_where_the_math_is_the_same():
-    from gpu_check_correctness import PATH_STEPS, compare_logs, refusal
+    from gpu_check.sections.correctness import PATH_STEPS, compare_logs, refusal
 
     def logs(loss, logp=-100.0):
         return [{"train/loss": loss + k, "train/logps/chosen": logp, "train/logps/rejected": logp - 1}
@@ -235,16 +242,17 @@ def test_a_path_is_compared_with_the_plain_run_where_the_math_is_the_same():
     assert refusal("Traceback ...\nRuntimeError: boom") is None
 
 
-@pytest.mark.parametrize("lever", [lever for lever in gpu_check.LEVERS if lever[5] is not None],
+@pytest.mark.parametrize("lever", [lever for lever in plans.LEVERS if lever[5] is not None],
                          ids=lambda lever: f"{lever[0]}-{lever[2]}-{lever[4]}")
 def test_each_lever_composes_and_passes_the_config_check(lever):
-    """The GPU runs each lever's overrides once: a typo there would cost a lent minute, so each composes here."""
+    """The GPU runs each lever's overrides once: a typo there would cost a lent minute, so each composes here, on the
+    hardware the check's runs of ours use there (``hardware=gpu``: flex attention is refused on a CPU)."""
     from rlhf.config.checks import check_config
     from tests.conftest import compose_config
 
     size, batch, case, shape, _, overrides = lever
-    algo, case_overrides, _ = gpu_check.bench.CASES[case]
-    check_config(compose_config(f"algo={algo}", *case_overrides, *overrides))
+    algo, case_overrides, _ = bench.CASES[case]
+    check_config(compose_config(f"algo={algo}", "hardware=gpu", *case_overrides, *overrides))
 
 
 class FakeWorker:
@@ -254,11 +262,10 @@ class FakeWorker:
         self.side, self.calls, self.speeds, self.fails = side, calls, speeds, fails
 
     def ask(self, command, deadline):
-        import gpu_check_turns
 
         self.calls.append((command["op"], self.side))
         if command["op"] == self.fails:
-            raise gpu_check_turns.SideFailed(f"{self.side} {command['op']} failed")
+            raise turns.SideFailed(f"{self.side} {command['op']} failed")
         if command["op"] == "run":
             return {"samples_per_s": next(self.speeds), "peak_mem_mb": 10.0, "compiles": 0}
         return {}
@@ -279,14 +286,13 @@ def test_a_pair_times_its_sides_by_turns_and_reports_the_medians(tmp_path, monke
     """Three rounds: ours, TRL, TRL's best, ours, ... (each side built once in its worker, then one window a turn):
     the row is each side's median window and the ratios of the medians, with every round's ratio (red if the sides
     run in blocks, or a mean is taken)."""
-    import gpu_check_speed
 
     calls = []
     pool = FakePool({"ours": FakeWorker("ours", calls, iter([100.0, 300.0, 200.0])),
                      "trl": FakeWorker("trl", calls, iter([100.0, 150.0, 400.0])),
                      "trl_best": FakeWorker("trl_best", calls, iter([50.0, 100.0, 400.0]))})
-    monkeypatch.setattr(gpu_check_speed, "best_options_missing", lambda: None)
-    row = gpu_check.speed_pair("3m", 8, "dpo_fp32", "short", tmp_path, 1000, tmp_path, "cpu", {"float32": 1e12}, 2,
+    monkeypatch.setattr(speed, "best_options_missing", lambda: None)
+    row = speed.speed_pair("3m", 8, "dpo_fp32", "short", tmp_path, 1000, tmp_path, "cpu", {"float32": 1e12}, 2,
                                3, pool, 0.0, 1, ["hardware.compile=false"])
     builds = [("build", side) for side in ("ours", "trl", "trl_best")]
     frees = [("free", side) for side in ("ours", "trl", "trl_best")]
@@ -296,17 +302,17 @@ def test_a_pair_times_its_sides_by_turns_and_reports_the_medians(tmp_path, monke
     assert row["round_ratios"] == pytest.approx([1.0, 2.0, 0.5])
     assert row["round_ratios_best"] == pytest.approx([2.0, 3.0, 0.5])
     assert row["fallbacks"] == ["hardware.compile=false"] and row["compiles"]["ours"] == [0, 0, 0]
-    assert gpu_check.ratio_cell(row) == "**1.33×** (0.50–2.00, 3 rounds)"
-    assert gpu_check.ratio_cell(row, best=True) == "**2.00×** (0.50–3.00, 3 rounds)"
-    assert gpu_check.ratio_cell({"ratio": 1.2, "round_ratios": [1.2]}) == "**1.20×**"
-    assert gpu_check.ratio_cell({"ratio": 1.2, "ratio_best": None}, best=True) == "-"
-    assert gpu_check.median_run([{"samples_per_s": s} for s in (4.0, 1.0, 3.0, 2.0)]) == {"samples_per_s": 2.0}
+    assert speed.ratio_cell(row) == "**1.33×** (0.50–2.00, 3 rounds)"
+    assert speed.ratio_cell(row, best=True) == "**2.00×** (0.50–3.00, 3 rounds)"
+    assert speed.ratio_cell({"ratio": 1.2, "round_ratios": [1.2]}) == "**1.20×**"
+    assert speed.ratio_cell({"ratio": 1.2, "ratio_best": None}, best=True) == "-"
+    assert speed.median_run([{"samples_per_s": s} for s in (4.0, 1.0, 3.0, 2.0)]) == {"samples_per_s": 2.0}
 
 
 def test_a_failed_side_is_dropped_and_named_and_blocks_free_each_side_before_the_next():
     """TRL's best failing its second window: its worker is dropped, its later turns left out, the others go on; with
     blocks each side runs all its windows, then frees its run before the next side is built."""
-    from gpu_check_turns import pair_runs, turns
+    from gpu_check.workers.turns import pair_runs, turns
 
     assert turns(["a", "b"], 2) == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
     assert turns(["a", "b"], 2, blocks=True) == [(0, "a"), (1, "a"), (0, "b"), (1, "b")]
@@ -325,54 +331,65 @@ def test_a_failed_side_is_dropped_and_named_and_blocks_free_each_side_before_the
                      ("build", "trl"), ("run", "trl"), ("run", "trl"), ("free", "trl")]
 
 
-def test_a_default_that_fails_its_preflight_is_turned_off_by_name_for_the_call(tmp_path):
-    """A probe that raises (faked here: the real ones need a GPU) gives a failed row naming its override; that override
-    reaches every run of ours whose algorithm has the key (not GRPO's generation in DPO's runs), a lever's own value
-    of the key wins, and a lever asking for flex attention is skipped when flex failed."""
-    import gpu_check_preflight as preflight
-    import gpu_check_speed
+def test_a_gpu_path_that_fails_its_preflight_is_not_measured_and_auto_falls_back_by_name(tmp_path, monkeypatch):
+    """A probe that raises (faked here) gives a failed row, and the levers that ask for its path are skipped; where
+    auto picks that path on a GPU (here the Triton kernel and static decoding, as the table would after a page
+    measured them) it is turned off by its named override for the call, which reaches every run of ours whose
+    algorithm has the key (not GRPO's generation in DPO's runs); a lever's own value of the key wins."""
+    import dataclasses
+
+    from rlhf.core import auto_choices
+
+    table = dict(auto_choices.CHOICES)
+    table["algo.fused_output_layer"] = dataclasses.replace(table["algo.fused_output_layer"], gpu="triton")
+    table["algo.generation"] = dataclasses.replace(table["algo.generation"], gpu="static")
+    table["hardware.compile"] = dataclasses.replace(table["hardware.compile"], gpu=False)
+    monkeypatch.setattr(auto_choices, "CHOICES", table)
 
     def boom(device):
         raise RuntimeError("triton: out of resources")
 
-    probes = [("Triton output layer", boom, "algo.fused_output_layer=false"),
-              ("static-cache decoding", lambda device: None, "algo.generation=transformers"),
-              ("flex attention block mask", boom, None), ("decoding", boom, "algo.generation=transformers")]
+    probes = [("Triton output layer", boom, "algo.fused_output_layer=triton"),
+              ("compiled layers", boom, "hardware.compile=layers"),
+              ("static-cache decoding", lambda device: "fine", "algo.generation=static"),
+              ("flex attention", boom, "model.attn_implementation=flex_attention"),
+              ("decoding", boom, "algo.generation=static")]
     rows = preflight.preflight("cpu", probes)
-    assert [r["ok"] for r in rows] == [False, True, False, False]
+    assert [r["ok"] for r in rows] == [False, False, True, False, False]
     assert rows[0]["value"] == ("raised RuntimeError: triton: out of resources; turned off for this call: "
-                                "algo.fused_output_layer=false")
-    assert preflight.fallback_overrides(rows, "dpo") == ["algo.fused_output_layer=false"]
-    assert preflight.fallback_overrides(rows, "grpo") == ["algo.fused_output_layer=false",
+                                "algo.fused_output_layer=true")
+    assert rows[1]["override"] is None and rows[1]["value"].endswith("levers asking for hardware.compile=layers skipped")
+    assert rows[2]["value"].endswith(": fine")
+    assert preflight.fallback_overrides(rows, "dpo") == ["algo.fused_output_layer=true"]
+    assert preflight.fallback_overrides(rows, "grpo") == ["algo.fused_output_layer=true",
                                                           "algo.generation=transformers"]
-    assert preflight.lever_blocked(rows, ["model.attn_implementation=flex_attention"]) == (
-        "flex attention failed the preflight")
+    flex = "model.attn_implementation=flex_attention failed the preflight"
+    assert preflight.lever_blocked(rows, ["model.attn_implementation=flex_attention"]) == flex
+    assert preflight.lever_blocked(rows, ["algo.padding_free=true"]) == flex  # flex attention by another option
+    assert preflight.lever_blocked(rows, ["hardware.compile=layers"]) == "hardware.compile=layers failed the preflight"
     assert preflight.lever_blocked(rows, ["algo.shared_prompt=false"]) is None
-    assert all(r["ok"] is None for r in preflight.preflight("cpu"))  # the real probes: a GPU's
-    specs = gpu_check_speed.side_specs("3m", 8, "dpo_fp32", "short", tmp_path, tmp_path, "cpu", 2, 10,
-                                       preflight.fallback_overrides(rows, "dpo"), {"use_liger_kernel": True})
-    assert specs["ours"]["extra"] == ["algo.fused_output_layer=false"] and specs["trl_best"]["fields"]
+    specs = speed.side_specs("3m", 8, "dpo_fp32", "short", tmp_path, tmp_path, "cpu", 2, 10,
+                             preflight.fallback_overrides(rows, "dpo"), {"use_liger_kernel": True})
+    assert specs["ours"]["extra"] == ["algo.fused_output_layer=true"] and specs["trl_best"]["fields"]
     assert "extra" not in specs["trl"]  # TRL's sides run as TRL ships them
-    lever = gpu_check_speed.side_specs("3m", 8, "dpo_fp32", "short", tmp_path, tmp_path, "cpu", 2, 10,
-                                       ["algo.fused_output_layer=false", "hardware.compile=false"], None,
-                                       lever=["algo.fused_output_layer=true"])
-    assert lever["lever"]["extra"] == ["algo.fused_output_layer=true", "hardware.compile=false"]
+    lever = speed.side_specs("3m", 8, "dpo_fp32", "short", tmp_path, tmp_path, "cpu", 2, 10,
+                             ["algo.fused_output_layer=true", "hardware.compile=false"], None,
+                             lever=["algo.fused_output_layer=false"])
+    assert lever["lever"]["extra"] == ["algo.fused_output_layer=false", "hardware.compile=false"]
 
 
 def test_a_window_of_ours_counts_only_its_own_samples_where_the_verdicts_stay_on_the_device(tmp_path):
     """train.nonfinite_on_device=true (a GPU's default): the warm-up steps' verdicts are still on the device when the
     window starts; read inside the window, their samples would count in its samples/s (3 warm-up + 2 timed steps of
     8 samples gave 40 where 16 ran)."""
-    import gpu_check_speed
-    import gpu_check_worker
 
     model_dir = tmp_path / "model"
-    gpu_check.bench.build_model("3m", model_dir)
-    data, _ = gpu_check_speed.write_data("dpo", "short", 8, 6, tmp_path)
+    bench.build_model("3m", model_dir)
+    data, _ = speed.write_data("dpo", "short", 8, 6, tmp_path)
     spec = {"case": "dpo_fp32", "model_dir": str(model_dir), "data": str(data), "batch": 8, "steps": 2, "threads": 1,
             "device": "cpu", "shape": "short", "size": "3m", "max_steps": 8, "run_dir": str(tmp_path / "run"),
             "cache": str(tmp_path / "cache"), "extra": ["train.nonfinite_on_device=true"]}
-    ours = gpu_check_worker.Ours(spec)
+    ours = worker.Ours(spec)
     assert ours.run.verdicts is not None  # the verdicts are kept on the device here, as on a GPU
     ours.steps(3)  # the warm-up
     window = ours.window(2)
@@ -382,7 +399,6 @@ def test_a_window_of_ours_counts_only_its_own_samples_where_the_verdicts_stay_on
 def test_an_isolated_call_returns_its_result_and_a_crash_a_hang_or_an_error_fail_it_alone():
     """The preflight's probes, the models' builds and the in-process checks run this way on a GPU: a process that
     aborts (a compiler's crash, a broken CUDA context) or hangs fails its own call, not the coordinator."""
-    import gpu_check_isolated as isolated
 
     assert isolated.call("math:sqrt", [16.0], 30) == 4.0
     assert isolated.call("os.path:split", ["a/b"], 30) == ["a", "b"]  # JSON: a tuple comes back as a list
@@ -400,7 +416,7 @@ def test_an_isolated_call_returns_its_result_and_a_crash_a_hang_or_an_error_fail
 def test_a_required_side_that_fails_ends_the_pair_and_blocks_profile_each_side_before_dropping_it(tmp_path):
     """Ours failing its build: no other side is built or timed (the pair has no row without it). With blocks, the
     profiled side is profiled right after its rounds and dropped before the next side is built."""
-    from gpu_check_turns import pair_runs
+    from gpu_check.workers.turns import pair_runs
 
     calls = []
     speeds = iter([1.0] * 20)
@@ -419,28 +435,30 @@ def test_a_required_side_that_fails_ends_the_pair_and_blocks_profile_each_side_b
 def test_the_preflights_fallbacks_reach_the_paths_and_a_lever_that_only_asks_for_one_is_skipped(tmp_path):
     """A failed probe's override reaches the runs of ours outside the speed pairs too (here a path's command), and
     a lever whose overrides are all fallbacks already would compare a run with itself: skipped, saying why."""
-    import gpu_check_correctness as correctness
-    import gpu_check_sections
-    import gpu_check_state
 
     rows = [{"check": "preflight: Triton output layer", "ok": False, "failed": True,
              "override": "algo.fused_output_layer=false"},
             {"check": "preflight: static-cache decoding", "ok": False, "failed": True,
              "override": "algo.generation=transformers"}]
-    correctness.PREFLIGHT_ROWS[:] = rows
+    preflight.CALL_ROWS[:] = rows
     try:
         command = correctness.path_command(tmp_path, tmp_path, tmp_path, tmp_path, "cpu", "dpo", ["peft=lora"])
         assert "algo.fused_output_layer=false" in command and "algo.generation=transformers" not in command
-        assert correctness.algo_options("dpo") == {"fused_output_layer": False}
+        assert preflight.algo_options("dpo") == {"fused_output_layer": False}
     finally:
-        correctness.PREFLIGHT_ROWS.clear()
-    report = gpu_check_state.Report(tmp_path, {})
-    budget = gpu_check_state.SectionBudget(0.0, 1.0, 0.0, enforced=False)
+        preflight.CALL_ROWS.clear()
+    report = state.Report(tmp_path, {})
+    budget = state.SectionBudget(0.0, 1.0, 0.0, enforced=False)
     levers = [("3m", 8, "dpo_fp32", "short", "plain output layer", ["algo.fused_output_layer=false"])]
-    gpu_check_sections.levers_section(levers, 1, report, budget, lambda size: pytest.fail("built"), tmp_path, "cpu",
+    timed.levers_section(levers, 1, report, budget, lambda size: pytest.fail("built"), tmp_path, "cpu",
                                       None, rows)
     [skipped] = report.data["skipped"]
     assert skipped["why"].startswith("the preflight turned its option off for this call already"), skipped
+    report = state.Report(tmp_path, {})  # on a GPU, a lever that asks for what auto runs there already
+    same = [("100m", 32, "dpo_bf16", "real", "shared prompt", ["algo.shared_prompt=true"])]
+    timed.levers_section(same, 1, report, budget, lambda size: pytest.fail("built"), tmp_path, "cuda", None, [])
+    [skipped] = report.data["skipped"]
+    assert "is what auto runs on a GPU already" in skipped["why"], skipped
 
 
 def test_a_worker_op_is_stopped_at_its_own_time_and_nothing_is_sent_past_the_deadline(tmp_path):
@@ -448,7 +466,7 @@ def test_a_worker_op_is_stopped_at_its_own_time_and_nothing_is_sent_past_the_dea
     an op whose time has passed is not sent; close past the call's deadline kills at once."""
     import time
 
-    from gpu_check_turns import SideFailed, Worker
+    from gpu_check.workers.turns import SideFailed, Worker
 
     worker = Worker("ours", 1, tmp_path / "workers.log", name="ours")
     began = time.perf_counter()

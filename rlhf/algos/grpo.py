@@ -86,7 +86,7 @@ class GRPO(PolicyGradient):
         cache_implementation: the key-value cache ``generate`` samples with (TRL's name): ``None`` (transformers'
             dynamic cache, grown token by token) or ``"static"`` (allocated once at its longest; transformers then
             compiles the decoding step on a GPU). The same completions on a CPU (tested); its speed is measured by
-            ``benchmarks/gpu_check.py``'s levers.
+            ``benchmarks/gpu_check``'s levers.
         generation: the decoder of the rollouts (:mod:`rlhf.models.decoding`): ``auto`` (a static cache with the
             decoding step compiled into CUDA graphs and the ends checked every few tokens on a GPU, for a model
             not sharded over processes and no ``cache_implementation``; transformers' ``generate`` elsewhere),

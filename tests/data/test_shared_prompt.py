@@ -87,7 +87,7 @@ def test_every_checked_family_gives_the_two_sequences_statistics(family, attn):
 def test_under_flex_attention_the_layout_is_a_block_mask_with_the_two_sequences_statistics():
     """model.attn_implementation=flex_attention: the layout goes to the model as a BlockMask (blocks nobody sees are
     skipped), and the forward pass gives the plain batch's statistics (flex attention has no backward pass on a CPU:
-    the gradients are checked on a GPU by benchmarks/gpu_check.py)."""
+    the gradients are checked on a GPU by benchmarks/gpu_check)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     model = _model("llama", "flex_attention")

@@ -1,5 +1,6 @@
-"""The GPU check's correctness rows (``benchmarks/gpu_check.py``): layouts against two plain sequences a pair, every
-single-GPU path of the package run once (:func:`paths`), and a resume against the uninterrupted run."""
+"""The GPU check's correctness rows: layouts against two plain sequences a pair, every single-GPU path of the package
+run once (:func:`paths`), and a resume against the uninterrupted run. A training run of ours whose output says that
+torch's compiler hit its recompile limit fails its row (:mod:`gpu_check.recompiles`)."""
 
 from __future__ import annotations
 
@@ -10,42 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (benchmarks/bench.py)
+import bench  # benchmarks/bench.py
+
+from gpu_check.recompiles import hits_in, message
+from gpu_check.sections.preflight import fallbacks
+from gpu_check.state import last_line, threads
 
 ROOT = bench.ROOT
 LOSS_TOLERANCE = 1e-4  # |Δ| of a first-step loss, ours against TRL's (and a layout's against the plain one)
 GRADIENT_TOLERANCE = 1e-3  # the largest gradient difference over the largest gradient
 CHECKPOINT_STEPS = 100  # a step interval reported beside the default (a time interval)
-THREADS = [1]  # torch threads of each process the check starts (set by gpu_check.main)
-
-
-def _threads() -> int:
-    return THREADS[0]
-
-
-PREFLIGHT_ROWS: list[dict] = []  # the call's preflight (gpu_check.py sets it): its fallbacks reach every run of ours
-
-
-def fallbacks(algo: str) -> list[str]:
-    """The preflight's fallback overrides for a run of ``algo`` (``gpu_check_preflight.fallback_overrides``)."""
-    from gpu_check_preflight import fallback_overrides
-
-    return fallback_overrides(PREFLIGHT_ROWS, algo)
-
-
-def algo_options(algo: str) -> dict:
-    """The fallbacks of ``algo`` that are its own options (``algo.<key>=<value>``), as keyword arguments."""
-    import yaml
-
-    return {o.split("=", 1)[0][len("algo."):]: yaml.safe_load(o.split("=", 1)[1])
-            for o in fallbacks(algo) if o.startswith("algo.")}
-
-
-def last_line(error: BaseException) -> str:
-    """An error's last line, for a table cell (its type where it has no message)."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[-1][:200]}" if lines else type(error).__name__
 
 
 def default_save_minutes() -> float:
@@ -119,11 +94,15 @@ def layouts(model_dir: Path, device: str) -> list[dict]:
 
 
 def train(command: list[str], what: str) -> None:
-    """Run one of our training commands; raise with its error output when it fails."""
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=bench._env(_threads()),
+    """Run one of our training commands; raise with its error output when it fails, or when torch's compiler hit its
+    recompile limit in it."""
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=bench._env(threads()),
                             timeout=bench.timeout_s())
     if result.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{result.stderr[-3000:]}")
+    hits = hits_in(result.stdout + result.stderr)
+    if hits:
+        raise RuntimeError(message(what, hits))
 
 
 def resume_and_checkpoints(model_dir: Path, work: Path, device: str, steps: int, batch: int = 8) -> tuple[dict, dict]:
@@ -135,7 +114,7 @@ def resume_and_checkpoints(model_dir: Path, work: Path, device: str, steps: int,
     data = work / "resume.jsonl"
     bench.write_jsonl(bench.make_rows("dpo", "short", 8 * batch * steps), data)
     whole, resumed = work / "resume-whole", work / "resume-resumed"
-    base = bench._our_command("dpo_shipped", model_dir, data, whole, batch, steps, _threads(), work / "cache",
+    base = bench._our_command("dpo_shipped", model_dir, data, whole, batch, steps, threads(), work / "cache",
                               [*fallbacks("dpo"), f"train.save_every_steps={steps}", "train.save_final=true",
                                "train.keep_last=null"],
                               device)
@@ -187,7 +166,7 @@ def path_command(model_dir: Path, data: Path, run_dir: Path, cache: Path, device
     per_device = [f"train.per_device_batch_size={batch // bench.GROUP}", f"algo.num_generations={bench.GROUP}",
                   "algo.log_completions=false"] if online else [f"train.per_device_batch_size={batch}"]
     return [sys.executable, str(ROOT / "train.py"), f"algo={algo}", *hardware, *fallbacks(algo), *overrides,
-            f"hardware.threads_per_process={_threads()}", f"model.name_or_path={model_dir}", f"data.path={data}",
+            f"hardware.threads_per_process={threads()}", f"model.name_or_path={model_dir}", f"data.path={data}",
             "data.eval_size=8", f"data.cache_dir={cache}", *per_device, f"train.max_steps={PATH_STEPS}",
             "train.log_every_steps=1", "train.eval_at_start=false", "train.eval_every_steps=0",
             "train.save_every_steps=0", "train.save_every_minutes=0", "train.save_final=false", "optimizer=adamw",
@@ -234,8 +213,11 @@ def paths(model_dir: Path, work: Path, device: str) -> list[dict]:
         run_dir = work / f"path-{len(list(work.glob('path-*')))}"
         command = path_command(model_dir, data["grpo" if algo in ("grpo", "ppo") else "dpo"], run_dir,
                                work / "cache", device, algo, overrides)
-        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=bench._env(_threads()),
+        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=bench._env(threads()),
                                 timeout=bench.timeout_s())
+        hits = hits_in(result.stdout + result.stderr)
+        if result.returncode == 0 and hits:
+            return None, message(name, hits), False
         if result.returncode == 0:
             return logged(run_dir), None, False
         said = refusal(result.stdout + result.stderr)

@@ -1,18 +1,19 @@
-"""The GPU check's timed runs (``benchmarks/gpu_check.py``): a pair against TRL (and TRL with its best options) by
-turns in the call's long-lived workers (:mod:`gpu_check_turns`), a lever against our defaults the same way, a
+"""The GPU check's timed runs: a pair against TRL (and TRL with its best options) by turns in the call's long-lived
+workers (:mod:`gpu_check.workers.turns`), a lever against our defaults the same way, a
 profile of both sides (top kernels, the GPU's idle share), and the allocator's record of both sides at the peak."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (benchmarks/bench.py)
-from gpu_check_correctness import _threads, fallbacks  # noqa: E402
-from gpu_check_turns import pair_runs  # noqa: E402
+import bench  # benchmarks/bench.py
+
+from gpu_check import plan as plans
+from gpu_check.sections.preflight import fallbacks
+from gpu_check.state import threads
+from gpu_check.workers.turns import pair_runs
 
 
 def write_data(algo: str, shape: str, batch: int, steps: int, work: Path) -> tuple[Path, list[dict]]:
@@ -43,13 +44,13 @@ def with_overrides(extra: list[str], more: list[str]) -> list[str]:
 def side_specs(size: str, batch: int, case: str, shape: str, model_dir: Path, work: Path, device: str, steps: int,
                total_steps: int, fallbacks: list[str], best_fields: dict | None, lever: list[str] | None = None
                ) -> dict[str, dict]:
-    """Each side's build spec for :func:`gpu_check_turns.pair_runs`: ours (with the preflight's ``fallbacks``);
+    """Each side's build spec for :func:`gpu_check.workers.turns.pair_runs`: ours (with the preflight's ``fallbacks``);
     TRL's and, with ``best_fields``, TRL's best; or with ``lever``, ours and ours with the lever's overrides."""
     algo = bench.CASES[case][0]
     data, _ = write_data(algo, shape, batch, total_steps, work)
     folder = work / f"{size}-{batch}-{case}-{shape}" / f"{len(list(work.glob(f'{size}-{batch}-{case}-{shape}/*')))}"
     common = {"case": case, "model_dir": str(model_dir), "data": str(data), "batch": batch, "steps": steps,
-              "threads": _threads(), "device": device, "shape": shape, "size": size, "max_steps": total_steps + 2}
+              "threads": threads(), "device": device, "shape": shape, "size": size, "max_steps": total_steps + 2}
     ours = {**common, "run_dir": str(folder / "ours"), "cache": str(work / "cache"), "extra": fallbacks}
     if lever is not None:
         return {"ours": ours, "lever": {**ours, "run_dir": str(folder / "lever"),
@@ -64,8 +65,6 @@ def op_timeouts(size: str, batch: int, case: str, shape: str, steps: int, warmup
     """Seconds each worker op of a pair may take before its side is stopped: a build ~3x its estimate with the
     warm-up's steps at a tenth of the expected speed and the compiler's first graphs; a window 10x its steps + 60 s;
     the profile likewise; a free a minute."""
-    import gpu_check_plan as plans
-
     step_s = plans.step_seconds(size, batch, case, shape)
     return {"build": 3 * plans.BUILD_S[size] + 10 * warmup * step_s + 3 * plans.FIRST_COMPILE_S,
             "run": 10 * steps * step_s + 60.0, "profile": 10 * bench.PROFILED_STEPS * step_s + 90.0, "free": 60.0}
@@ -80,7 +79,7 @@ def speed_pair(size: str, batch: int, case: str, shape: str, model_dir: Path, pa
                peaks: dict, steps: int, rounds: int, pool, deadline: float, warmup: int, fallbacks: list[str] = (),
                blocks: bool = False, profile: dict[str, Path] | None = None, on_turn=None) -> dict:
     """Ours, TRL's and TRL's with its best options (``bench.TRL_BEST``) on one case, with MFU as the benchmark
-    computes it, in the call's long-lived workers (``pool``: :mod:`gpu_check_turns`).
+    computes it, in the call's long-lived workers (``pool``: :mod:`gpu_check.workers.turns`).
 
     ``rounds`` timed windows of each side by turns (ours, TRL, TRL's best, ours, ...; ``blocks``: one side after
     another, where they do not fit on the device together): the row is each side's median window (its samples/s,
@@ -174,7 +173,7 @@ def lever_pair(size: str, batch: int, case: str, shape: str, name: str, override
 
 def _spread(ratios: list[float]) -> tuple[float, float] | None:
     """``(lowest, highest)`` of the rounds' ratios (None without rounds): what a default's verdict reads
-    (``gpu_check_defaults.verdict``)."""
+    (:func:`gpu_check.page.defaults.verdict`)."""
     return (min(ratios), max(ratios)) if ratios else None
 
 
@@ -235,9 +234,9 @@ def memory_records(model_dir: Path, work: Path, device: str, steps: int) -> dict
     size, batch, case, shape = MEMORY_CASE
     data, _ = write_data(bench.CASES[case][0], shape, batch, steps, work)
     ours_dir, trl_dir = work / "memory-ours", work / "memory-trl"
-    bench.run_ours_into(ours_dir, case, model_dir, data, work / "cache", batch, steps, _threads(),
+    bench.run_ours_into(ours_dir, case, model_dir, data, work / "cache", batch, steps, threads(),
                         [*fallbacks(bench.CASES[case][0]), "train.profile_steps=1", "train.profile_memory=true"],
                         device, shape)
-    bench.run_trl(case, model_dir, data, work, batch, steps, _threads(), device, profile_to=trl_dir,
+    bench.run_trl(case, model_dir, data, work, batch, steps, threads(), device, profile_to=trl_dir,
                   profile_memory=True, shape=shape)
     return {side: (folder / "memory.txt").read_text() for side, folder in (("rlhf", ours_dir), ("TRL", trl_dir))}

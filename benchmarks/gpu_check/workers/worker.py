@@ -1,9 +1,8 @@
-"""One side of the GPU check's speed pairs in a process that lives for the whole check (``benchmarks/gpu_check.py``):
-started once, it builds a side for each pair and trains it turn by turn as the coordinator
-(:mod:`gpu_check_turns`) asks, so that the process's start-up (imports, CUDA, the compiler's first graphs) is paid
-once per call, not once per run.
+"""One side of the GPU check's speed pairs in a process that lives for the whole check: started once, it builds a
+side for each pair and trains it turn by turn as the coordinator (:mod:`gpu_check.workers.turns`) asks, so that the
+process's start-up (imports, CUDA, the compiler's first graphs) is paid once per call, not once per run.
 
-    python benchmarks/gpu_check_worker.py        # reads one JSON command a line on stdin
+    python -m gpu_check.workers.worker ours|trl    # reads one JSON command a line on stdin
 
 Commands, each answered by one line ``@gpu_check {...}`` on stdout (``{"error": ...}`` where it failed; whatever
 else the libraries print goes to the same stream, before it):
@@ -19,6 +18,9 @@ else the libraries print goes to the same stream, before it):
   (:class:`rlhf.telemetry.profiling.StepProfiler`: ``profile.txt`` and ``profile_trace.json`` in ``folder``);
 - ``{"op": "free"}``: drop the side (its model, optimizer, data; the device's cached memory);
 - ``{"op": "quit"}``.
+
+Every answer says whether torch's compiler hit its recompile limit since the last one (``recompile_limit``: the
+warnings, :mod:`gpu_check.recompiles`): past it our compiled paths run eagerly, and the turns fail that side.
 """
 
 from __future__ import annotations
@@ -30,12 +32,18 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (benchmarks/bench.py)
-from gpu_check_isolated import REPLY  # noqa: E402  (the marker of a reply line)
+import bench  # benchmarks/bench.py
+
+from gpu_check.recompiles import RecompileWatch
+from gpu_check.workers.isolated import REPLY  # the marker of a reply line
+
+WATCH = RecompileWatch("this side", fail=False)  # for the process's life: each answer takes its own hits
 
 
 def reply(message: dict) -> None:
+    hits = WATCH.take()
+    if hits:
+        message = {**message, "recompile_limit": hits}
     sys.stdout.write(REPLY + json.dumps(message) + "\n")
     sys.stdout.flush()
 
@@ -261,7 +269,8 @@ def main() -> int:
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
-    (serve_ours if sys.argv[1:] == ["ours"] else serve_trl)()
+    with WATCH:
+        (serve_ours if sys.argv[1:] == ["ours"] else serve_trl)()
     return 0
 
 

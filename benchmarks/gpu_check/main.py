@@ -1,4 +1,4 @@
-"""The GPU check: everything that needs a GPU, in two device calls, each written as a dated page
+"""The GPU check's coordinator: everything that needs a GPU, in two device calls, each written as a dated page
 (``docs/gpu/<date>-<device>.md``) and a summary table of the goals on stdout.
 
     bash benchmarks/device_wheels.sh        # here, once: the wheels the GPU machine lacks (.whl/, carried)
@@ -7,40 +7,49 @@
     # device run, carry [".whl"], right after, only if status's budget_left_s >= 240 (the second call, in what the
     # session's device time leaves): timeout_s budget_left_s - 30
     bash benchmarks/gpu_check.sh --part rest --budget-s <budget_left_s - 120>
-    python benchmarks/gpu_check.py --device cpu --out /tmp/rehearsal   # the rehearsal: tiny sizes, every section
+    WHEELS=none bash benchmarks/gpu_check.sh --device cpu   # the rehearsal: tiny sizes, every section
     bash benchmarks/gpu_check.sh --part headline --pairs 1b/16/sft_bf16,100m/32/dpo_bf16   # a later call: named pairs
 
-Parts (``--part``): ``headline`` is the speed section at real lengths (:data:`gpu_check_plan.HEADLINE`) and the
-profile; ``rest`` is everything else; ``all`` (the rehearsal's) both. Sections, in order (each result is written to
-``<out>/gpu_check.json`` as soon as it exists, so a run stopped at its limit still leaves what it measured):
+``benchmarks/gpu_check.sh`` runs ``python benchmarks/gpu_check`` (``python -m gpu_check`` with ``benchmarks/`` on the
+path does the same). Parts (``--part``): ``headline`` is the speed section at real lengths
+(:data:`gpu_check.plan.HEADLINE`) and the profile; ``rest`` is everything else; ``all`` (the rehearsal's) both. Sections, in order (each result is
+written to ``<out>/gpu_check.json`` as soon as it exists, so a run stopped at its limit still leaves what it
+measured); a section during which torch's compiler hit its recompile limit fails (:mod:`gpu_check.recompiles`):
 
-0. **Preflight** (every CUDA part, ~60 s: ``gpu_check_preflight.PROBES``, side by side, each in a process of its own):
-   the Triton output layer against its torch twin, a compiled decoder layer, flex attention under a block mask,
-   static-cache decoding in CUDA graphs from a bf16 policy with compiled layers, on small inputs. A default that fails is turned off for the rest of the call by its
-   named override (``algo.fused_output_layer=false``, ``hardware.compile=false``, ``algo.generation=transformers``;
-   flex attention: the levers that ask for it are skipped), given to every run of ours (losses, paths, resume,
-   speed, levers, memory; a lever that only asks for a fallback is skipped), and its row on the page says so.
-   On a GPU the models are built and the in-process checks (losses, layouts, kernels) run each in a process of its
-   own (``gpu_check_isolated``), so this process holds no CUDA work a sticky error could break.
+0. **Preflight** (every part, ~60 s: :data:`gpu_check.sections.preflight.PROBES`, side by side, each in a process of
+   its own; on the CPU's rehearsal too, at a CPU's sizes): each GPU path against a reference that shares none of its
+   code (:mod:`gpu_check.sections.probes`): the output layer's Triton kernel against float64 (values and gradients,
+   a temperature and a bias in play), compiled decoder layers against eager, pairs packed under flex attention with
+   ``rlhf.data.layout_masks``' own block mask against sdpa with its dense mask, the static-cache decoder's tokens
+   against transformers' ``generate``'s (greedy, and sampled with one seed). A path that fails is not measured: the
+   levers that ask for it are skipped, and where ``auto`` chooses it on a GPU it is turned off for the rest of the
+   call by its named override (``algo.fused_output_layer=true``, ``hardware.compile=false``,
+   ``algo.generation=transformers``), given to every run of ours (losses, paths, resume, speed, levers, memory; a
+   lever that only asks for a fallback is skipped), and its row on the page says so. On a GPU the models are built
+   and the in-process checks (losses, layouts, kernels) run each in a process of its own
+   (:mod:`gpu_check.workers.isolated`), so this process holds no CUDA work a sticky error could break.
 
 1. **Correctness** (float32): the first-step DPO, SFT and GRPO losses of ours and TRL's on the same batch
    (``benchmarks/bench.py``'s checks), |Δ| < 1e-4; the tiled output layer, the shared-prompt layout (on a GPU also
    under flex attention's block mask) and padding-free pairs against two plain sequences a pair: DPO's loss and
-   every parameter's gradient; **every single-GPU path** (``gpu_check_correctness.PATHS``: ``hardware=fsdp`` and
-   ``hardware=zero3`` on one process, ``peft=lora``, GRPO, PPO) for a few steps, against ``hardware=gpu``'s losses
-   where the math is the same; a resume against the uninterrupted run (bit for bit, else the largest difference).
+   every parameter's gradient; **every single-GPU path** (:data:`gpu_check.sections.correctness.PATHS`:
+   ``hardware=fsdp`` and ``hardware=zero3`` on one process, ``peft=lora``, GRPO, PPO) for a few steps, against
+   ``hardware=gpu``'s losses where the math is the same; a resume against the uninterrupted run (bit for bit, else
+   the largest difference).
 2. **Checkpoint cost**: the resume's first run's checkpoint seconds as a share of training.
-3. **The output layer's kernels** (``gpu_check_kernels.WAYS``): the logits whole, our torch tiles and Triton kernel, Liger-Kernel's, and
-   any kernel added to that list.
-4. **Speed and memory** against TRL at equal settings and against TRL with its own best options (Liger-Kernel: TRL 1.16's
-   padding-free needs flash attention for SFT and falls back to padding for DPO), in the plan's order, each pair started only while its estimate (``gpu_check_plan.pair_seconds``,
-   corrected by the pairs before it) fits the budget: samples/s, the ratios with their range over ``--rounds``
-   alternating rounds, peak GPU memory, MFU.
+3. **The output layer's kernels** (:data:`gpu_check.sections.kernels.WAYS`): the logits whole, our torch tiles and
+   Triton kernel, Liger-Kernel's, and any kernel added to that list.
+4. **Speed and memory** against TRL at equal settings and against TRL with its own best options (Liger-Kernel: TRL
+   1.16's padding-free needs flash attention for SFT and falls back to padding for DPO), in the plan's order, each
+   pair started only while its estimate (:func:`gpu_check.plan.pair_seconds`, corrected by the pairs before it) fits
+   the budget: samples/s, the ratios with their range over ``--rounds`` alternating rounds, peak GPU memory, MFU.
 5. **Profile** (headline): the first pair's both sides under torch.profiler: top CUDA kernels, the GPU's idle share.
-6. **Levers** (``gpu_check_plan.LEVERS``): our side with one option changed against our defaults on the same case.
+6. **Levers** (:data:`gpu_check.plan.LEVERS`): our side with one option changed against our defaults on the same
+   case; what they say of each ``auto`` default (:mod:`gpu_check.page.defaults`).
 7. **Memory at the peak** (a GPU only): both sides' allocator history over a profiled step.
 
-Then the goals (``gpu_check_plan.GOALS``) are judged from what was measured ("not measured" where a case did not run).
+Then the goals (:data:`gpu_check.plan.GOALS`) are judged from what was measured ("not measured" where a case did not
+run).
 """
 
 from __future__ import annotations
@@ -55,27 +64,20 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (benchmarks/bench.py)
-import gpu_check_correctness as correctness  # noqa: E402
-import gpu_check_isolated as isolated  # noqa: E402
-import gpu_check_plan as plans  # noqa: E402
-from gpu_check_correctness import LOSS_TOLERANCE, last_line  # noqa: E402,F401
-from gpu_check_page import goals, page, summary  # noqa: E402,F401
-from gpu_check_plan import LEVERS, PLAN, check_levers, check_plan  # noqa: E402,F401
-from gpu_check_preflight import preflight  # noqa: E402
-from gpu_check_sections import levers_section, memory_section, speed_section  # noqa: E402
-from gpu_check_speed import best_options_missing, median_run, ratio_cell, speed_pair  # noqa: E402,F401
-from gpu_check_state import (  # noqa: E402,F401
-    DEVICE_CALLS,
-    GRACE_S,
-    Report,
-    SectionBudget,
-    device_commands,
-    rest_call,
-    skipped_sections,
-)
-from gpu_check_turns import SIDES, Pool  # noqa: E402
+import bench  # benchmarks/bench.py
+
+from gpu_check import plan as plans
+from gpu_check import state
+from gpu_check.page.markdown import page, summary
+from gpu_check.plan import LEVERS, PLAN, check_levers, check_plan
+from gpu_check.recompiles import RecompileWatch
+from gpu_check.sections import correctness, preflight
+from gpu_check.sections.correctness import LOSS_TOLERANCE
+from gpu_check.sections.speed import best_options_missing
+from gpu_check.sections.timed import levers_section, memory_section, speed_section
+from gpu_check.state import GRACE_S, Report, SectionBudget, device_commands, last_line, skipped_sections
+from gpu_check.workers import isolated
+from gpu_check.workers.turns import SIDES, Pool
 
 ROOT = bench.ROOT
 PARTS = {"headline": {"speed", "profile"},
@@ -101,7 +103,8 @@ def optional_version(name: str) -> str:
 
 
 def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cuda: the check; cpu: its rehearsal at tiny sizes (every code path, no figure)")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "gpu_check"), help="where gpu_check.json and the page go")
@@ -152,8 +155,8 @@ def main() -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: torch sees no GPU here (the rehearsal is --device cpu)", file=sys.stderr)
         return 2
-    correctness.THREADS[0] = args.threads or cpus_available()
-    torch.set_num_threads(correctness.THREADS[0])
+    state.THREADS[0] = args.threads or cpus_available()
+    torch.set_num_threads(state.threads())
     check_plan(PLAN + plans.TINY_PLAN)
     check_levers(LEVERS, PLAN)
     check_levers(plans.TINY_LEVERS, plans.TINY_PLAN)
@@ -168,7 +171,7 @@ def main() -> int:
     estimate = plans.plan_seconds(plan, args.rounds, profiled=profiled if "profile" in sections else None) \
         if "speed" in sections else 0.0
     header = {"date": time.strftime("%Y-%m-%d"), "machine": f"{device_name}, {platform.system()}",
-              "versions": bench.versions(), "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:]),
+              "versions": bench.versions(), "command": "python benchmarks/gpu_check " + " ".join(sys.argv[1:]),
               "budget_s": args.budget_s, "elapsed_s": 0.0, "device": device, "part": args.part,
               "plan_estimate_s": estimate}
     report = Report(out, header)
@@ -179,22 +182,22 @@ def main() -> int:
     if "speed" in sections:
         note(f"the speed plan: {len(plan)} pair(s) x {args.rounds} round(s), estimated {estimate:.0f} s against a "
              f"{args.budget_s} s budget (pairs that would pass it are skipped)")
-    pool = Pool(correctness.THREADS[0], out)  # the workers' output: <out>/workers.log (of the 8 files that come back)
+    pool = Pool(state.threads(), out)  # the workers' output: <out>/workers.log (of the 8 files that come back)
     if "speed" in sections:  # the workers' imports run while the preflight, the models and the correctness run
         pool.start([s for s in SIDES if s != "trl_best" or best_options_missing() is None])
-    preflight_rows = preflight(device) if sections & {"speed", "levers"} or device == "cuda" else []
+    preflight_rows = preflight.preflight(device) if sections & {"speed", "levers"} or device == "cuda" else []
     for row in preflight_rows:
         report.add("correctness", {k: v for k, v in row.items() if k in ("check", "value", "ok")})
         if row.get("failed"):
             note(f"{row['check']} FAILED: {row['value']}")
     report.data["fallbacks"] = [r["override"] for r in preflight_rows if r.get("failed") and r.get("override")]
-    correctness.PREFLIGHT_ROWS[:] = preflight_rows  # every run of ours: paths, resume, memory, speed, levers
+    preflight.CALL_ROWS[:] = preflight_rows  # every run of ours: paths, resume, memory, speed, levers
     with tempfile.TemporaryDirectory() as tmp, contextlib.closing(pool):
         work = Path(tmp)
         models: dict[str, tuple[Path, int]] = {}
 
         def isolated_on_gpu(target: str, args: list, cap_s: float, here):
-            """``target(*args)``: on a GPU in a process of its own (:mod:`gpu_check_isolated`; ``cap_s`` at most
+            """``target(*args)``: on a GPU in a process of its own (:mod:`gpu_check.workers.isolated`; ``cap_s`` at most
             and never past the call's deadline), so that this process holds no CUDA work; on a CPU ``here()``."""
             if device != "cuda":
                 return here()
@@ -209,13 +212,14 @@ def main() -> int:
             return models[size]
 
         def guarded(what: str, section, estimate_s: float = 0.0):
-            """Run one section; one that raises is a finding (a failed correctness row), not the end of the
-            check; one that would pass the budget is a row saying so."""
+            """Run one section; one that raises (or hits torch's recompile limit here) is a finding (a failed
+            correctness row), not the end of the check; one that would pass the budget is a row saying so."""
             if not budget.fits(estimate_s):
                 report.add("correctness", {"check": what, "value": "not run: out of the time budget", "ok": None})
                 return None
             try:
-                return section()
+                with RecompileWatch(what):
+                    return section()
             except Exception as error:  # noqa: BLE001
                 traceback.print_exc()
                 report.add("correctness", {"check": what, "value": f"raised {last_line(error)}", "ok": False})
@@ -227,7 +231,7 @@ def main() -> int:
         if sections & {"losses", "layouts", "paths", "resume"}:
             model_dir, _ = model(size)
         if "losses" in sections:
-            loss_options = {algo: correctness.algo_options(algo) for algo in ("dpo", "sft")}  # the preflight's
+            loss_options = {algo: preflight.algo_options(algo) for algo in ("dpo", "sft")}  # the preflight's
             for algo, (ours, theirs) in (guarded("losses against TRL", lambda: isolated_on_gpu(
                     "bench:check_losses", [str(model_dir), "short", 8, device, loss_options], 240.0,
                     lambda: bench.check_losses(model_dir, "short", device=device, options=loss_options)),
@@ -237,7 +241,7 @@ def main() -> int:
                                            "ok": abs(ours - theirs) < LOSS_TOLERANCE})
             note("losses against TRL checked")
         for section, what, run, estimate_s in (
-                ("layouts", "layouts", lambda: isolated_on_gpu("gpu_check_correctness:layouts", [str(model_dir), device],
+                ("layouts", "layouts", lambda: isolated_on_gpu("gpu_check.sections.correctness:layouts", [str(model_dir), device],
                                                                180.0, lambda: correctness.layouts(model_dir, device)),
                  startup),
                 ("paths", "single-GPU paths", lambda: correctness.paths(model_dir, work, device),
@@ -256,7 +260,7 @@ def main() -> int:
         if "kernels" in sections:
             # in a process of its own on the CPU too (the rehearsal runs the isolated path once)
             for row in guarded("output layer kernels", lambda: isolated.call(
-                    "gpu_check_kernels:output_layer_kernels", [device], min(150.0, bench.timeout_s() or 150.0)),
+                    "gpu_check.sections.kernels:output_layer_kernels", [device], min(150.0, bench.timeout_s() or 150.0)),
                     15.0) or []:
                 report.add("kernels", row)
             note("output layer kernels timed")

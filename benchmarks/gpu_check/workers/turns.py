@@ -1,14 +1,16 @@
-"""The GPU check's long-lived workers and their turns (``benchmarks/gpu_check.py``): one process per side (ours, TRL,
-TRL with its best options; a lever's second run of ours), started once at the beginning of a call
-(:mod:`gpu_check_worker`), and the order in which a pair's sides are timed.
+"""The GPU check's long-lived workers and their turns: one process per side (ours, TRL, TRL with its best options; a
+lever's second run of ours), started once at the beginning of a call (:mod:`gpu_check.workers.worker`), and the
+order in which a pair's sides are timed.
 
 A pair builds each side in its worker (warm-up steps untimed), then gives the turns ours, TRL, TRL's best, ours, ...
 (:func:`turns`): each turn one timed window whose ends wait for the device; each side keeps its run between its
 turns, and drops it after the pair. Where the sides do not fit on the device together (``blocks``) each side runs
 all its windows (and its profile) and drops its run before the next side is built. Every answer is awaited for its
-op's own time (``gpu_check_speed.op_timeouts``) and never past the call's deadline, after which nothing is sent; a
-side that fails or passes its time is stopped (its worker killed, started again for the next pair) and its column
-says why; ours or TRL's failing ends the pair at once. The workers' output goes to one ``workers.log``.
+op's own time (:func:`gpu_check.sections.speed.op_timeouts`) and never past the call's deadline, after which nothing
+is sent; a side that fails or passes its time is stopped (its worker killed, started again for the next pair) and
+its column says why; ours or TRL's failing ends the pair at once. A side whose answer says torch's compiler hit its
+recompile limit (:mod:`gpu_check.recompiles`) fails likewise: past it, its compiled paths ran eagerly. The workers'
+output goes to one ``workers.log``.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (benchmarks/bench.py)
-from gpu_check_isolated import reply_at  # noqa: E402
+import bench  # benchmarks/bench.py
 
-HERE = Path(__file__).resolve().parent
+from gpu_check.recompiles import message
+from gpu_check.workers.isolated import ROOT, child_env, reply_at
+
 SIDES = ("ours", "trl", "trl_best")  # the order of a round
 KINDS = {"ours": "ours", "lever": "ours", "trl": "trl", "trl_best": "trl"}  # the worker each side runs in
 # Both sides' allocator: segments that grow rather than fragment (a 1B pair near the device's memory), unless set.
@@ -50,9 +52,10 @@ class Worker:
         self.prefix = f"[{name or kind}] "
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log.open("a", buffering=1)  # a line at a time: the workers share the file
-        self.process = subprocess.Popen([sys.executable, str(HERE / "gpu_check_worker.py"), kind], cwd=bench.ROOT,
+        self.process = subprocess.Popen([sys.executable, "-m", "gpu_check.workers.worker", kind], cwd=ROOT,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, bufsize=1, env={**bench._env(threads), **ALLOCATOR, **(env or {})})
+                                        text=True, bufsize=1,
+                                        env=child_env(bench._env(threads), {**ALLOCATOR, **(env or {})}))
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -90,6 +93,8 @@ class Worker:
             raise SideFailed(f"the {self.kind} worker exited: {' | '.join(list(self.tail)[-3:])}")
         if "error" in answer:
             raise SideFailed(answer["error"].strip().splitlines()[-1][:300] if answer["error"].strip() else "error")
+        if answer.get("recompile_limit"):
+            raise SideFailed(message(f"{self.prefix.strip()} {command['op']}", answer["recompile_limit"]))
         return answer
 
     def kill(self) -> None:

@@ -1,4 +1,4 @@
-"""The GPU check's timed sections (``benchmarks/gpu_check.py``): the speed pairs in the plan's order while the budget
+"""The GPU check's timed sections: the speed pairs in the plan's order while the budget
 lasts (the profiled pair's profile right after its rounds), the levers against our defaults, the memory records."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import time
 import traceback
 from pathlib import Path
 
-import bench
-import gpu_check_plan as plans
-from gpu_check_correctness import last_line
-from gpu_check_preflight import fallback_overrides, lever_blocked
-from gpu_check_speed import (
+import bench  # benchmarks/bench.py
+
+from gpu_check import plan as plans
+from gpu_check.sections.preflight import fallback_overrides, lever_blocked
+from gpu_check.sections.speed import (
     MEMORY_CASE,
     best_options_missing,
     lever_pair,
@@ -20,6 +20,7 @@ from gpu_check_speed import (
     ratio_cell,
     speed_pair,
 )
+from gpu_check.state import last_line
 
 
 def device_memory_gb(device: str) -> float | None:
@@ -93,6 +94,16 @@ def speed_section(plan: list[tuple], profiled: tuple | None, rounds: int, report
                                        f"{row['failed']}"})
 
 
+def auto_values(case: str) -> set[str]:
+    """The ``key=value`` overrides that a GPU run of ``case`` has already: each ``auto`` option's GPU choice
+    (``rlhf.core.auto_choices.CHOICES``) where the case does not set the key."""
+    from rlhf.core.auto_choices import CHOICES
+
+    set_by_case = {o.split("=", 1)[0] for o in bench.CASES[case][1]}
+    return {f"{key}={str(c.gpu).lower() if isinstance(c.gpu, bool) else c.gpu}" for key, c in CHOICES.items()
+            if key not in set_by_case}
+
+
 def levers_section(levers: list, rounds: int, report, budget, model, work: Path, device: str, pool,
                    preflight_rows: list[dict]) -> None:
     """Each lever against our defaults on its case, by turns in two of our workers."""
@@ -100,12 +111,15 @@ def levers_section(levers: list, rounds: int, report, budget, model, work: Path,
     for size, batch, case, shape, name, overrides in levers:
         entry = {"size": size, "batch": batch, "case": case, "shape": shape, "lever": name}
         if overrides is None:
-            report.add("skipped", {**entry, "why": "its option is not built yet (gpu_check_plan.LEVERS: None)"})
+            report.add("skipped", {**entry, "why": "its option is not built yet (gpu_check.plan.LEVERS: None)"})
             continue
         blocked = lever_blocked(preflight_rows, overrides)
         already = fallback_overrides(preflight_rows, bench.CASES[case][0])
         if not blocked and all(o in already for o in overrides):
             blocked = f"the preflight turned its option off for this call already ({', '.join(overrides)}): " \
+                      "both sides would be the same run"
+        elif not blocked and device == "cuda" and all(o in auto_values(case) for o in overrides):
+            blocked = f"{', '.join(overrides)} is what auto runs on a GPU already (rlhf/core/auto_choices.py): " \
                       "both sides would be the same run"
         if blocked:
             report.add("skipped", {**entry, "why": blocked})

@@ -1,5 +1,5 @@
-"""The GPU check's bookkeeping (``benchmarks/gpu_check.py``): its device calls, the sections, the report written after
-every addition, and the time budget that decides what still starts."""
+"""The GPU check's bookkeeping: its device calls, the sections, the report written after every addition, the time
+budget that decides what still starts, and the call's settings that every section reads (:data:`THREADS`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,19 @@ import time
 from pathlib import Path
 
 import bench
+
+THREADS = [1]  # torch threads of each process the check starts (set by gpu_check.main from --threads)
+
+
+def threads() -> int:
+    return THREADS[0]
+
+
+def last_line(error: BaseException) -> str:
+    """An error's last line, for a table cell (its type where it has no message)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[-1][:200]}" if lines else type(error).__name__
+
 
 GRACE_S = 30  # seconds past --budget-s after which a run still going is stopped
 # (what, command, the device call's timeout_s), printed at the end; carry [".whl"]. timeout_s: the budget, GRACE_S and
@@ -79,7 +92,8 @@ class SectionBudget:
     """Seconds since ``started`` against ``budget_s``: :meth:`fits` says whether work expected to take
     ``estimate_s`` ends within it (always, where not ``enforced``: the rehearsal runs everything); the call's
     :meth:`deadline` is ``grace_s`` past the budget (``bench.DEADLINE`` where ``enforced``): a process of its own
-    started later may run until then, and the workers' answers are awaited until then (``gpu_check_turns``)."""
+    started later may run until then, and the workers' answers are awaited until then
+    (:mod:`gpu_check.workers.turns`)."""
 
     def __init__(self, started: float, budget_s: float, grace_s: float, enforced: bool = True) -> None:
         self.started, self.budget_s, self.grace_s, self.enforced = started, budget_s, grace_s, enforced

@@ -1,9 +1,9 @@
-"""What the GPU check runs, in which order, and how long each pair is expected to take (``benchmarks/gpu_check.py``).
+"""What the GPU check runs, in which order, and how long each pair is expected to take.
 
 A plan entry is ``(size, batch, case, shape)``: a model size and a case of ``benchmarks/bench.py``, the samples a
 step, and a data shape (``bench.SHAPES``: ``real`` is prompts up to 256 and completions up to 384 tokens, GRPO
-sampling 128; ``short`` is 32 + 32). A pair runs in the call's long-lived workers (``gpu_check_turns``): each side
-built and warmed up (:data:`WARMUP_STEPS`), then ``rounds`` timed windows of :func:`steps_for` steps each by turns:
+sampling 128; ``short`` is 32 + 32). A pair runs in the call's long-lived workers (:mod:`gpu_check.workers.turns`):
+each side built and warmed up (:data:`WARMUP_STEPS`), then ``rounds`` timed windows of :func:`steps_for` steps each by turns:
 ours, TRL, TRL with its own best options (``bench.TRL_BEST``), ours, ...; a pair starts only while
 :func:`pair_seconds` says it fits the budget, its estimate corrected by how far the pairs before it were off
 (:func:`calibrated`).
@@ -20,11 +20,7 @@ completions/s at 32 new tokens; ~1B: the same per layer).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (benchmarks/bench.py: sizes, cases, shapes, the command of one of our runs)
+import bench  # benchmarks/bench.py: sizes, cases, shapes, the command of one of our runs
 
 ROOT = bench.ROOT
 
@@ -43,7 +39,7 @@ LATER = [("100m", 16, "dpo_bf16", "real"), ("100m", 16, "sft_bf16", "real"), ("1
 # Pairs whose three sides do not fit on the device together (TRL ~116 GB alone at 1b, batch 32 real rows; 1b batch 16
 # DPO ~160 GB with three sides resident): each side runs its rounds (and its profile) and drops its run before the
 # next is built, on a GPU of at least MIN_MEMORY_GB (else skipped). A pair run by turns whose side runs out of memory
-# is run again this way (gpu_check_speed.speed_pair).
+# is run again this way (gpu_check.sections.speed.speed_pair).
 BLOCKS = {pair for pair in HEADLINE + LATER if pair[0] == "1b"}
 MIN_MEMORY_GB = {("1b", 32, "dpo_bf16", "real"): 120}
 # Short rows (32 + 32 tokens): a step there is mostly kernel launches; the launch-overhead rows (--part rest).
@@ -62,21 +58,26 @@ BLOCKS.add(TINY_PLAN[1])  # the rehearsal runs blocks with real workers too (one
 
 # Levers, our side only, each against our defaults on the same case in the same call (the speed row when it ran,
 # else one more run of the defaults): (size, batch, case, shape, name, overrides). ``None`` overrides: a lever whose
-# option is not built yet, listed so that its row says so; fill in the override when it lands.
+# option is not built yet, listed so that its row says so; fill in the override when it lands. Each ``auto`` option
+# of rlhf/core/auto_choices.py has a lever that changes it alone (the page's verdict on its GPU choice:
+# gpu_check.page.defaults), and each path built but not chosen there (``untried``) one that turns it on: a path
+# becomes auto's GPU choice only with a page where that lever was faster in every round.
 LEVERS = [
     ("100m", 32, "dpo_bf16", "real", "two sequences a pair", ["algo.shared_prompt=false"]),
     ("100m", 32, "dpo_bf16", "real", "plain output layer", ["algo.fused_output_layer=false"]),
+    ("100m", 32, "dpo_bf16", "real", "the output layer's Triton kernel", ["algo.fused_output_layer=triton"]),
     ("100m", 32, "dpo_bf16", "real", "packed shared prompt (flex block mask)",
      ["model.attn_implementation=flex_attention"]),
     ("100m", 32, "dpo_bf16", "real", "padding-free pairs, no shared prompt (flex attention)",
      ["algo.padding_free=true", "algo.shared_prompt=false"]),
     ("100m", 32, "sft_bf16", "real", "padding-free (flex attention)", ["algo.padding_free=true"]),
-    ("100m", 32, "dpo_bf16", "real", "eager decoder layers (no regional compilation)", ["hardware.compile=false"]),
+    ("100m", 32, "dpo_bf16", "real", "compiled decoder layers (regional compilation)", ["hardware.compile=layers"]),
     ("100m", 32, "dpo_bf16", "real", "the verdict read every step (found-inf not on the device)",
      ["train.nonfinite_on_device=false"]),
-    ("100m", 16, "grpo_bf16", "real", "transformers' generate (dynamic cache)", ["algo.generation=transformers"]),
+    ("100m", 16, "grpo_bf16", "real", "the static-cache decoder (its step in CUDA graphs)", ["algo.generation=static"]),
     ("100m", 16, "grpo_bf16", "real", "transformers' generate, static cache", ["algo.cache_implementation=static"]),
     ("1b", 16, "dpo_bf16", "real", "plain output layer", ["algo.fused_output_layer=false"]),
+    ("1b", 16, "dpo_bf16", "real", "the output layer's Triton kernel", ["algo.fused_output_layer=triton"]),
 ]
 TINY_LEVERS = [("3m", 8, "dpo_fp32", "short", "plain output layer", ["algo.fused_output_layer=false"]),
                ("3m", 8, "dpo_fp32", "short", "an option not built yet", None)]

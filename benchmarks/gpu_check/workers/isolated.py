@@ -1,13 +1,14 @@
-"""A function of the GPU check run in a process of its own (``benchmarks/gpu_check.py``), so that what it does to
-the device cannot take the rest of the call down: a sticky CUDA error (an illegal address, a broken graph capture)
-ends with its process, a crash in a compiler (Triton, LLVM) kills its process, not the coordinator, and a hang is
-stopped at its timeout.
+"""A function of the GPU check run in a process of its own, so that what it does to the device cannot take the rest
+of the call down: a sticky CUDA error (an illegal address, a broken graph capture) ends with its process, a crash in
+a compiler (Triton, LLVM) kills its process, not the coordinator, and a hang is stopped at its timeout.
 
-    python benchmarks/gpu_check_isolated.py     # reads {"call": "module:function", "args": [...]} on stdin
+    python -m gpu_check.workers.isolated     # reads {"call": "module:function", "args": [...]} on stdin
 
-The child imports ``module`` (from ``benchmarks/`` or the repository root), calls ``function(*args)`` and prints its
-JSON result on one line ``@gpu_check {"result": ...}`` (``{"error": ...}`` where it raised); whatever else is
-printed goes to the same stream, around it.
+The child (started by :class:`Call`, with ``benchmarks/`` and the repository root on its path: :func:`child_env`)
+imports ``module`` (``bench``, ``gpu_check.sections.probes``, ...), calls ``function(*args)`` and prints its JSON
+result on one line ``@gpu_check {"result": ...}`` (``{"error": ...}`` where it raised, or where torch's compiler hit
+its recompile limit during the call: :mod:`gpu_check.recompiles`); whatever else is printed goes to the same
+stream, around it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,21 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPLY = "@gpu_check "  # the marker of a reply (as gpu_check_worker's)
+from gpu_check.recompiles import RecompileWatch
+
+BENCHMARKS = Path(__file__).resolve().parents[2]  # benchmarks/: the package gpu_check and bench.py
+ROOT = BENCHMARKS.parent
+REPLY = "@gpu_check "  # the marker of a reply (as gpu_check.workers.worker's)
+
+
+def child_env(base: dict[str, str] | None = None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) and ``env`` over it, with ``benchmarks/`` and the repository
+    root first on ``PYTHONPATH``: a child started with ``python -m gpu_check...`` imports the package, ``bench`` and
+    ``rlhf`` from this checkout."""
+    merged = {**(os.environ if base is None else base), **(env or {})}
+    path = merged.get("PYTHONPATH")
+    merged["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS), str(ROOT), *([path] if path else [])])
+    return merged
 
 
 class IsolatedFailed(RuntimeError):
@@ -61,9 +75,9 @@ class Call:
 
     def __init__(self, target: str, args: list, env: dict[str, str] | None = None) -> None:
         self.target, self.started = target, time.perf_counter()
-        self.process = subprocess.Popen([sys.executable, str(HERE / "gpu_check_isolated.py")], cwd=HERE.parent,
+        self.process = subprocess.Popen([sys.executable, "-m", "gpu_check.workers.isolated"], cwd=ROOT,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, env={**os.environ, **(env or {})}, start_new_session=True)
+                                        text=True, env=child_env(env=env), start_new_session=True)
         self.command = json.dumps({"call": target, "args": args})
 
     def result(self, timeout_s: float):
@@ -103,11 +117,11 @@ def call(target: str, args: list, timeout_s: float, env: dict[str, str] | None =
 
 
 def main() -> int:
-    sys.path[:0] = [str(HERE), str(HERE.parent)]
     command = json.loads(sys.stdin.read())
     module, name = command["call"].split(":")
     try:
-        result = getattr(importlib.import_module(module), name)(*command["args"])
+        with RecompileWatch(command["call"]):  # a call that ran eagerly past the limit has not checked its path
+            result = getattr(importlib.import_module(module), name)(*command["args"])
         message = {"result": result}
     except Exception as error:  # noqa: BLE001  (the parent records it)
         traceback.print_exc()

@@ -1,4 +1,4 @@
-"""The GPU check's output-layer kernels (``benchmarks/gpu_check.py``): SFT's loss from the last hidden states,
+"""The GPU check's output-layer kernels: SFT's loss from the last hidden states,
 forward and backward, each way of :data:`WAYS` on the same batch.
 
 A way is ``(name, make)``: ``make()`` returns ``loss(hidden, weight, labels)`` (hidden ``(1, N, H)``, weight

@@ -1,16 +1,11 @@
-"""The GPU check's dated page and summary (``benchmarks/gpu_check.py``): the goals judged from what was measured,
-then each section's table."""
+"""The GPU check's dated page and summary: the goals judged from what was measured, then each section's table."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check_correctness import CHECKPOINT_STEPS  # noqa: E402
-from gpu_check_defaults import defaults_lines  # noqa: E402
-from gpu_check_plan import GOALS  # noqa: E402
-from gpu_check_speed import MEMORY_CASE, ratio_cell  # noqa: E402
+from gpu_check.page.defaults import defaults_lines
+from gpu_check.plan import GOALS
+from gpu_check.sections.correctness import CHECKPOINT_STEPS
+from gpu_check.sections.speed import MEMORY_CASE, ratio_cell
 
 
 def _reads(row: dict, case: str, shape: str) -> bool:
