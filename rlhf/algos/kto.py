@@ -110,6 +110,11 @@ class KTO(ReferenceRegularized):
         encoded = encode(tokenizer, row["prompt"], row["completion"], self.max_prompt_length, self.max_length,
                          row.get(FORMAT_COLUMN, TEXT))
         require_completion(encoded, row, "completion", self.max_length)
+        if self.max_length is not None:  # the completion kept whole: collate pairs it with another row's prompt for
+            # the KL estimate and cuts each sequence to max_length after pairing (as TRL's KTO collator does)
+            whole = encode(tokenizer, row["prompt"], row["completion"], self.max_prompt_length, None,
+                           row.get(FORMAT_COLUMN, TEXT))
+            encoded = {**whole, TRUNCATED: encoded[TRUNCATED]}
         start = encoded["completion_mask"].index(1)
         ids = encoded["input_ids"]
         return {"prompt_ids": ids[:start], "completion_ids": ids[start:], "label": bool(row["label"]),

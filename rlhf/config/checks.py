@@ -11,7 +11,8 @@ types it and the fix for:
   ``int``/``float``/``bool``/``str`` argument (``algo.beta=abc``), a list where one value belongs (a sweep written
   ``[0.1,0.2]``), and a value outside its range: the target's own :func:`rlhf.core.limits.limits`, or for optimizers
   and schedulers the limits their group shares (:data:`GROUP_LIMITS`, from :mod:`rlhf.optim`);
-- NaN or infinity anywhere; ``model.dtype=float16`` on a CPU; a ``resume_changes`` that is not a list of keys.
+- NaN or infinity anywhere; ``model.dtype=float16`` on a CPU; ``model.attn_implementation=flex_attention`` where torch
+  cannot train through it; a ``resume_changes`` that is not a list of keys.
 - an ``objective`` whose metric the run does not report (:func:`rlhf.sweeps.points.check_objective`);
 - a reference strategy that needs the policy's LoRA adapter (``algo/reference=adapter``, ``ref_adapter``) with
   ``peft=none``;
@@ -186,6 +187,7 @@ def check_config(cfg: DictConfig) -> None:
         validate.check_limits(container["train"], TrainSettings, "train")
     _walk(container, "")
     validate.check_float16_on_cpu(container)
+    _check_attention(container)
     validate.check_resume_changes(container)
     _check_data_columns(container)
     _check_peft(container)
@@ -252,6 +254,16 @@ def _check_algorithm_with_run(container: dict) -> None:
         check = getattr(get_object(algo["_target_"]), "check_run", None)
         if check is not None:
             check(algo, container)
+
+
+def _check_attention(container: dict) -> None:
+    """Flex attention where torch cannot train through it, before anything loads
+    (:func:`rlhf.models.attention.check_trains`; imported only when asked for)."""
+    model = container.get("model")
+    if isinstance(model, dict) and model.get("attn_implementation") == "flex_attention":
+        from rlhf.models.attention import check_trains
+
+        check_trains(model, container.get("hardware") or {})
 
 
 def _check_peft(container: dict) -> None:

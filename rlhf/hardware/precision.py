@@ -3,6 +3,7 @@ run computes in bf16 at all (on a CPU its results then depend on the thread coun
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,9 +30,23 @@ def check_precision(mixed_precision: Any, key: str = "hardware.mixed_precision")
 
 def computes_in_bf16(mixed_precision: str, model_dtype: Any) -> bool:
     """Whether a run computes in bf16: autocast (``mixed_precision``, resolved), or a model loaded in bfloat16
-    (``model.dtype``; ``auto``: the checkpoint's own dtype, often bfloat16). On a CPU its results then depend on the
-    thread count (docs/threads/2026-11-28-same-numbers.md)."""
+    (``model_dtype``: :func:`model_dtype`; ``auto`` where the checkpoint's own dtype could not be read, counted as
+    bf16). On a CPU its results then depend on the thread count (docs/threads/2026-11-28-same-numbers.md)."""
     return mixed_precision == "bf16" or model_dtype in ("bfloat16", "auto")
+
+
+def model_dtype(model: Mapping[str, Any] | None) -> Any:
+    """The dtype a run's model (its ``model`` config section) is loaded in: ``model.dtype``, with ``auto`` read from
+    the checkpoint before anything loads (:func:`rlhf.models.loading.stored_dtype`: a float32 checkpoint computes in
+    float32), and left ``auto`` where it cannot be read there."""
+    if not model:
+        return None
+    dtype = model.get("dtype")
+    if dtype != "auto":
+        return dtype
+    from rlhf.models.loading import stored_dtype
+
+    return stored_dtype(model.get("name_or_path"), model.get("revision")) or "auto"
 
 
 def cpu_has_bf16_matmul() -> bool:

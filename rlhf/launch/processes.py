@@ -38,7 +38,7 @@ from rlhf.core.instantiate import build, in_a_sweep
 from rlhf.hardware import cpus
 from rlhf.hardware.cpus import THREADS_WHY
 from rlhf.hardware.ports import free_port
-from rlhf.hardware.precision import computes_in_bf16
+from rlhf.hardware.precision import computes_in_bf16, model_dtype
 from rlhf.run import checkpoint, resume_check, signals
 from rlhf.run import folder as run_folder
 from rlhf.run.signals import Stopped, catch_stop_signals
@@ -83,7 +83,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         sweep = Path(HydraConfig.get().sweep.dir) if in_a_sweep() else None
         strategy.threads(local, resumed=resume_check.recorded_threads(resume) if resume else None,
                          busy=(lambda: cpus.sweep_load(sweep)) if sweep is not None else None,
-                         bf16=computes_in_bf16(strategy.mixed_precision, OmegaConf.select(cfg, "model.dtype")))
+                         bf16=computes_in_bf16(strategy.mixed_precision, model_dtype(cfg.get("model"))))
         warn_at_start(cfg, strategy, local, once_per_run=holds_folder)
         if resume is not None:  # before any process starts or anything loads: the config a resume must keep
             resume_check.check_config(cfg, strategy, resume)

@@ -16,6 +16,8 @@ fewer than ``heads x 192`` float32 values per token and layer (:func:`kept_bytes
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,6 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from rlhf.core.errors import UserError
 
 AUTO = "auto"  # the config value
 NAME = "rlhf_sdpa"  # what a model's config._attn_implementation says under ``auto`` (registered with transformers)
@@ -86,3 +90,43 @@ def kept_bytes(config: Any, keys: int, device_type: str, bf16: bool) -> int | No
         return None
     hidden, heads = getattr(config, "hidden_size", 0), getattr(config, "num_attention_heads", 1)
     return 3 * hidden * (4 - 2) + heads * keys * 4
+
+
+FLEX = "flex_attention"  # transformers' name for flex attention (torch.nn.attention.flex_attention)
+
+
+def flex_backward_fails(device_type: str) -> str | None:
+    """Why torch here cannot train through flex attention on ``device_type`` (its own error, e.g. ``FlexAttention
+    does not support backward on CPU``), or None where it can: one forward and backward pass of a query of 8 numbers,
+    milliseconds."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    query = torch.zeros(1, 1, 1, 8, device=device_type, requires_grad=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's advice to compile flex attention: beside the point here
+            flex_attention(query, query, query).sum().backward()
+    except (NotImplementedError, RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {str(error).rstrip('.')}"
+    return None
+
+
+def check_trains(model: Mapping[str, Any], hardware: Mapping[str, Any]) -> None:
+    """Refuse ``model.attn_implementation=flex_attention`` on a device where torch cannot train through it (every
+    algorithm trains the policy), before anything loads: asked of torch (:func:`flex_backward_fails`) on the run's
+    device. A GPU not yet used by this process is not asked: the probe would hold a CUDA context in the process that
+    starts the run, for the whole run; there a failure comes from torch at the first step."""
+    from rlhf.core.limits import uses_cpu
+
+    if not isinstance(model, Mapping) or model.get("attn_implementation") != FLEX or not isinstance(hardware, Mapping):
+        return
+    device = "cpu" if uses_cpu(hardware) else "cuda"
+    if device == "cuda" and not torch.cuda.is_initialized():
+        return
+    reason = flex_backward_fails(device)
+    if reason is not None:
+        raise UserError(
+            f"model.attn_implementation={FLEX}: torch {torch.__version__} cannot train through flex attention on the "
+            f"{device} that this run computes on ({reason}). Fix: model.attn_implementation=auto (sdpa) or eager; "
+            "the shared prompt (algo.shared_prompt) and algo.padding_free work with both there, under a dense mask "
+            "instead of flex attention's block mask. Flex attention trains on a GPU.")

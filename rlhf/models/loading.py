@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,69 @@ def _local_model(values: dict[str, Any], where: str) -> None:
     """A check across arguments (:func:`rlhf.core.limits.limits`): a local model folder exists, before anything loads."""
     if isinstance(values.get("name_or_path"), str):
         check_model_path(values["name_or_path"])
+
+
+# The dtype names a checkpoint's safetensors header gives its tensors (the safetensors format's own names).
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def stored_dtype(name_or_path: str | None = None, revision: str | None = None) -> str | None:
+    """The dtype ``model.dtype=auto`` loads a model in, read without loading it, as transformers decides it
+    (``PreTrainedModel.from_pretrained``: the config's ``dtype``, which transformers before 4.56 called
+    ``torch_dtype``, else the dtype of the first floating tensor in the weights file): ``float32`` for the embedded
+    tiny model and a packaged one (``name_or_path`` None: both built or saved in float32, :mod:`rlhf.models.packaged`).
+    ``None`` where it cannot be read here (a Hub model neither in the cache nor reachable; a folder without
+    ``config.json``)."""
+    if name_or_path is None:
+        return "float32"
+    path = os.path.expanduser(str(name_or_path))
+    if os.path.isdir(path):
+        config = os.path.join(path, "config.json")
+    else:
+        config = _hub_file(path, revision, "config.json")
+    if config is None or not os.path.isfile(config):
+        return None
+    with open(config) as file:
+        fields = json.load(file)
+    dtype = fields.get("dtype") or fields.get("torch_dtype")
+    if isinstance(dtype, str) and dtype != "auto":
+        return dtype.removeprefix("torch.")
+    return _weights_dtype(os.path.dirname(config))
+
+
+def _hub_file(repo_id: str, revision: str | None, filename: str) -> str | None:
+    """``filename`` of the Hub model ``repo_id`` from the cache, else downloaded where the Hub answers (the load
+    fetches it next anyway); None otherwise."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(repo_id, filename, revision=revision)
+        if isinstance(cached, str):
+            return cached
+        if hub.offline_mode() or not hub.reachable():
+            return None
+        return hf_hub_download(repo_id, filename, revision=revision)
+    except Exception:  # not a repository id, no such file, the Hub's errors: unread, said by the load itself
+        return None
+
+
+def _weights_dtype(folder: str) -> str | None:
+    """The dtype of the first floating tensor of the safetensors weights in ``folder`` (a sharded checkpoint's first
+    shard), from the file's header alone (https://huggingface.co/docs/safetensors: an 8-byte little-endian length,
+    then a JSON header that names each tensor's dtype); None without such a file."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as file:
+            shards = sorted(set(json.load(file).get("weight_map", {}).values()))
+        weights = os.path.join(folder, shards[0]) if shards else ""
+    else:
+        weights = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(weights):
+        return None
+    with open(weights, "rb") as file:
+        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+    return next((_SAFETENSORS_DTYPES[entry["dtype"]] for name, entry in header.items()
+                 if name != "__metadata__" and entry.get("dtype") in _SAFETENSORS_DTYPES), None)
 
 
 @limits(_local_model, _known_head)

@@ -2,7 +2,7 @@
 
 Every checkpoint holds ``config.json`` (written before ``meta.json``): the run's resolved config, flattened to
 dotted keys, minus what cannot change the optimization (:data:`NOT_OPTIMIZING`: where the run writes and how it
-reports, when it evaluates and saves, and where its processes run), with ``hardware.device: auto``,
+reports, when it evaluates and saves, where its processes run, and whether it compiles what it computes), with ``hardware.device: auto``,
 ``hardware.mixed_precision: auto`` and ``hardware.num_processes: null`` replaced by what they mean on the machine
 that wrote it; plus a fingerprint of the
 tokenized training split (:func:`rlhf.data.fingerprint.data_fingerprint`). Everything else is compared on resume: the whole config is
@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf.core.errors import UserError
 from rlhf.core.limits import show
-from rlhf.hardware.precision import computes_in_bf16
+from rlhf.hardware.precision import computes_in_bf16, model_dtype
 from rlhf.old_paths import MOVED
 from rlhf.run.checkpoint import CONFIG as FILE  # in each checkpoint folder, beside meta.json
 
@@ -40,9 +40,9 @@ DATA = "tokenized_data"  # the fingerprint's name in the record, in messages and
 
 # What cannot change the optimization, so a resume may change it freely: where the run writes and reports
 # (output_dir, logger, hydra, launcher, objective), how it was started (resume, resume_changes), when and how it logs,
-# evaluates and saves (evaluation, eval=generate's too, runs in eval mode in a forked random state), and where its
-# processes run. A key below one of
-# these is excluded with it.
+# evaluates and saves (evaluation, eval=generate's too, runs in eval mode in a forked random state), where its
+# processes run, and options that compute the same functions another way. The one list of what a resume does not
+# compare; a key below one of these is excluded with it.
 NOT_OPTIMIZING = (
     "output_dir", "resume", "resume_changes", "logger", "hydra", "launcher", "objective", "eval",
     "train.log_every_steps", "train.eval_every_steps", "train.eval_at_start", "train.eval_batch_size",
@@ -52,6 +52,10 @@ NOT_OPTIMIZING = (
     "data.num_workers",  # the batches are the same with any count of workers (rlhf.data.loaders.train_loader)
     "hardware.timeout_s", "hardware.rdzv_endpoint", "hardware.node_rank",
     "model.gradient_checkpointing",  # recomputes the same activations: the same gradients bit for bit (tested)
+    # The same functions computed faster: the numbers agree to float rounding, not bit for bit (kernels fused and
+    # reordered, as on another GPU), so a resume may turn it on or off. Checkpoints written before it was resolved
+    # recorded `false` where a GPU run now resolves `auto` to `layers`.
+    "hardware.compile",  # compiled and eager train alike (tests/hardware/test_compiling.py)
 )
 # Options added after checkpoints were first written, each with the value that does what a run did before the
 # option existed: a checkpoint without the key is compared as having it (any other key a checkpoint lacks is a change,
@@ -89,10 +93,9 @@ def recorded_config(cfg: DictConfig, strategy) -> dict[str, Any]:
         flat["hardware.mixed_precision"] = strategy.mixed_precision  # resolved when the strategy was built
     if "hardware.num_processes" in flat:
         flat["hardware.num_processes"] = strategy.processes_per_node()
-    if "hardware.compile" in flat:  # what auto means here (layers on a GPU, nothing on a CPU)
-        flat["hardware.compile"] = getattr(strategy, "compile", flat["hardware.compile"])
     if THREADS in flat:  # bf16 steps on a CPU differ with the thread count; float32's and a GPU's do not (docs/threads/)
-        if strategy.uses_cuda() or not computes_in_bf16(flat.get("hardware.mixed_precision"), flat.get("model.dtype")):
+        if strategy.uses_cuda() or not computes_in_bf16(flat.get("hardware.mixed_precision"),
+                                                        model_dtype(cfg.get("model"))):
             del flat[THREADS]
         else:
             flat[THREADS] = getattr(strategy, "threads_settled", None) or flat[THREADS]

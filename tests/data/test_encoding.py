@@ -78,6 +78,39 @@ def test_a_rendered_conversation_gets_no_specials_and_no_eos_and_pairs_share_one
     assert whole["completion_mask"] == [1] * len(whole["input_ids"])
 
 
+def test_a_pair_whose_sides_cut_the_prompt_differently_shares_the_shorter_cut_and_one_prompt(caplog):
+    """The prompt "xa" ends on its own in the chosen sequence (x a c) but merges with the rejected answer's first
+    letter ("ab" one token): chosen's own cut is 3 tokens, rejected's 2. Both sides start their answer at 2, the
+    shorter (TRL's DPO takes the minimum), so the pair keeps one prompt, which the shared-prompt layout lays out once,
+    and a prompt cut (max_prompt_length) cuts the same tokens from both (red: each side cut at its own point, the
+    pair refused by the layout)."""
+    import torch
+
+    from rlhf.data import shared_prompt
+
+    tok = _MergingTokenizer()
+    own = {side: common_prefix_length(tok("xa")["input_ids"], tok(whole)["input_ids"])
+           for side, whole in (("chosen", "xac</s>"), ("rejected", "xabc</s>"))}
+    assert own == {"chosen": 3, "rejected": 2}
+    encoding._warned = False
+    with caplog.at_level(logging.WARNING, logger="rlhf.data.encoding"):
+        out = encode_answers(tok, "xa", {"chosen": "c", "rejected": "bc"})
+    assert out["chosen"]["input_ids"] == [1, ord("x"), ord("a"), ord("c"), 2]
+    assert out["rejected"]["input_ids"] == [1, ord("x"), 300, ord("c"), 2]
+    assert out["chosen"]["completion_mask"] == out["rejected"]["completion_mask"] == [0, 0, 1, 1, 1]
+    assert "is not a prefix" in caplog.text  # chosen's "a" trains as answer, not prompt: said
+    batch = shared_prompt.collate(*[[out[side][key]] for side in ("chosen", "rejected")
+                                    for key in ("input_ids", "completion_mask")], pad_id=0)
+    # the prompt's first token is shared; its last (x) begins each branch, then each answer: x a c </s> | x ab c </s>
+    assert batch["input_ids"].tolist() == [[1, ord("x"), ord("a"), ord("c"), 2, ord("x"), 300, ord("c"), 2]]
+    assert batch[shared_prompt.BRANCH_IDS].tolist() == [[0, 1, 1, 1, 1, 2, 2, 2, 2]]
+    assert torch.equal(batch["completion_mask"], torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 1]]))
+    cut = encode_answers(tok, "xa", {"chosen": "c", "rejected": "bc"}, max_prompt_length=1)
+    assert cut["chosen"]["input_ids"] == [ord("x"), ord("a"), ord("c"), 2]
+    assert cut["rejected"]["input_ids"] == [ord("x"), 300, ord("c"), 2]
+    assert cut["chosen"][encoding.TRUNCATED] == cut["rejected"][encoding.TRUNCATED] == encoding.PROMPT_CUT
+
+
 def test_the_tiny_tokenizer_tokenizes_as_before_the_joint_tokenization():
     """The byte tokenizer merges nothing and adds no specials: one tokenization is prompt ids + answer ids + EOS,
     so the embedded task's tokens (and every figure measured on them) are what they were."""

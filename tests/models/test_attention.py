@@ -110,3 +110,27 @@ def test_the_estimate_is_close_to_what_autograd_keeps_under_the_math_kernel():
     assert 0.67 * kept[attention.NAME] < estimate < 1.5 * kept[attention.NAME], (estimate, kept)
     added = estimate - activation_bytes(model.config, sequences, tokens, 2, False)
     assert 0.67 * more < added < 1.5 * more, (added, more)
+
+
+def test_flex_attention_where_torch_cannot_train_through_it_is_refused_before_loading(monkeypatch):
+    """``model.attn_implementation=flex_attention`` on a CPU, whose torch has no flex backward pass, is refused by the
+    config check (before the run folder or any model), naming torch's reason and the attention that works there; the
+    answer is torch's own (a torch that could train through it passes); sdpa and eager pass (red: the check left out,
+    the run ending in torch's NotImplementedError at its first backward pass)."""
+    import pytest
+
+    from rlhf.config.checks import check_config
+    from rlhf.core.errors import UserError
+    from tests.conftest import compose_config
+
+    reason = attention.flex_backward_fails("cpu")
+    assert reason is not None and "backward" in reason, reason
+    flex = ("algo=dpo", "hardware=cpu", "model.attn_implementation=flex_attention")
+    with pytest.raises(UserError, match=r"model.attn_implementation=flex_attention: torch .* cannot train through flex "
+                                        r"attention on the cpu .*NotImplementedError.* Fix: "
+                                        r"model.attn_implementation=auto \(sdpa\) or eager; the shared prompt"):
+        check_config(compose_config(*flex))
+    for other in ("sdpa", "eager"):
+        check_config(compose_config("algo=dpo", "hardware=cpu", f"model.attn_implementation={other}"))
+    monkeypatch.setattr(attention, "flex_backward_fails", lambda device_type: None)  # a torch that trains through it
+    check_config(compose_config(*flex))

@@ -4,7 +4,10 @@ reference that differs from the policy), the reward model and KTO; generation st
 
 Each side gets the rows as a user has them (TRL's conversational format); ours go through the data pipeline
 (:func:`rlhf.data.formats.standardize`, then the algorithm's ``tokenize``, ``collate`` and ``loss``), TRL's through its
-trainer's own preparation and ``evaluate()`` in float32 on the CPU.
+trainer's own preparation and ``evaluate()`` in float32 on the CPU. Untruncated, and truncated: ``max_length`` keeps a
+sequence's start as TRL's ``keep_start`` does, after ``max_prompt_length`` kept a prompt's end (TRL 1.16 has no such
+option: its tokenized prompts are cut alike before its collator truncates). TRL's reward trainer drops a pair longer
+than ``max_length`` instead of cutting it: no truncated comparison there.
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ def _ours(algo, rows, tokenizer, model, reference=None) -> float:
         return float(algo.loss(model, batch)[0])
 
 
-def _trl(trainer_class, config_class, rows, tokenizer, model, **kwargs) -> float:
+def _trl(trainer_class, config_class, rows, tokenizer, model, prompt_tokens: int | None = None, **kwargs) -> float:
+    """TRL's first-step loss on ``rows``; ``prompt_tokens``: each tokenized prompt cut to its last that many tokens
+    before TRL's collator truncates to ``max_length`` (what ``max_prompt_length`` does, which TRL 1.16 lacks)."""
     from datasets import Dataset
 
     fields = kwargs.pop("fields", {})
@@ -73,7 +78,24 @@ def _trl(trainer_class, config_class, rows, tokenizer, model, **kwargs) -> float
                             bf16=False, **fields)
         trainer = trainer_class(model=copy.deepcopy(model), args=args, processing_class=tokenizer,
                                 train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows), **kwargs)
+        if prompt_tokens is not None:
+            trainer.eval_dataset = trainer.eval_dataset.map(lambda row: {"prompt_ids": row["prompt_ids"][-prompt_tokens:]})
         return trainer.evaluate()["eval_loss"]
+
+
+def _cuts(pair: dict, tokenizer, max_prompt_length: int | None, max_length: int | None) -> list[int]:
+    """What truncation cuts of a conversational ``pair``'s chosen and rejected sequences
+    (:data:`rlhf.data.encoding.TRUNCATED`'s flags), as DPO tokenizes them."""
+    from datasets import Dataset
+
+    from rlhf.algos.dpo import DPO
+    from rlhf.data.encoding import FORMAT_COLUMN, TRUNCATED, encode_answers
+    from rlhf.data.formats import standardize
+
+    row = standardize(Dataset.from_list([pair]), DPO.columns, tokenizer)[0]
+    sides = encode_answers(tokenizer, row["prompt"], {side: row[side] for side in ("chosen", "rejected")},
+                           row[FORMAT_COLUMN], max_prompt_length, max_length)
+    return [sides[side][TRUNCATED] for side in ("chosen", "rejected")]
 
 
 @pytest.mark.parametrize("rows", [[SINGLE], [MULTI]], ids=["single-turn", "multi-turn-with-system"])
@@ -87,6 +109,37 @@ def test_dpo_first_step_loss_equals_trls_on_conversational_pairs(policy, rows):
                  reference)
     theirs = _trl(DPOTrainer, DPOConfig, rows, policy.tokenizer, policy.model, ref_model=copy.deepcopy(reference),
                   fields={"beta": 0.1, "max_length": None})
+    assert abs(ours - theirs) < TOLERANCE, (ours, theirs)
+
+
+# MULTI's prompt is 47 tokens, its answers 5 (chosen) and 17 (rejected) with the end of turn.
+TRUNCATIONS = {
+    # the sequence cut to 50 tokens, keeping its start: both answers lose their end
+    "max_length": ({"max_length": 50, "max_prompt_length": None}, None),
+    # the prompt cut to its last 40 tokens first (the system turn's start goes), then the sequence to 49: the
+    # rejected answer loses its end, the chosen one fits
+    "max_prompt_length": ({"max_length": 49, "max_prompt_length": 40}, 40),
+}
+
+
+@pytest.mark.parametrize("case", TRUNCATIONS)
+def test_dpo_first_step_loss_equals_trls_when_truncated(policy, case):
+    """Truncation keeps TRL's order: the prompt cut to ``max_prompt_length`` (its end kept), then the sequence to
+    ``max_length`` (its start kept, as TRL's ``keep_start``); TRL 1.16 has no ``max_prompt_length``, so its tokenized
+    prompts are cut as ours before its collator truncates (red: the sequence cut before the prompt, or its end kept)."""
+    from trl import DPOConfig, DPOTrainer
+
+    from rlhf.algos.dpo import DPO
+    from rlhf.data.encoding import END_CUT, PROMPT_CUT
+
+    limits, prompt_tokens = TRUNCATIONS[case]
+    prompt_cut = PROMPT_CUT if prompt_tokens else 0
+    assert _cuts(MULTI, policy.tokenizer, limits["max_prompt_length"], limits["max_length"]) == [
+        prompt_cut | (0 if prompt_tokens else END_CUT), prompt_cut | END_CUT]
+    reference = _perturbed(policy.model)
+    ours = _ours(DPO(beta=0.1, **limits), [MULTI], policy.tokenizer, policy.model, reference)
+    theirs = _trl(DPOTrainer, DPOConfig, [MULTI], policy.tokenizer, policy.model, prompt_tokens,
+                  ref_model=copy.deepcopy(reference), fields={"beta": 0.1, "max_length": limits["max_length"]})
     assert abs(ours - theirs) < TOLERANCE, (ours, theirs)
 
 
@@ -118,6 +171,41 @@ def test_sft_first_step_loss_equals_trls_on_conversational_rows(policy, rows):
 
     ours = _ours(SFT(max_length=None, max_prompt_length=None), rows, policy.tokenizer, policy.model)
     theirs = _trl(SFTTrainer, SFTConfig, rows, policy.tokenizer, policy.model, fields={"max_length": None})
+    assert abs(ours - theirs) < TOLERANCE, (ours, theirs)
+
+
+def test_sft_first_step_loss_equals_trls_when_truncated(policy):
+    """``max_length`` cuts a sequence's end, as TRL's SFT trainer does (``keep_start``): 50 tokens of MULTI's 64 with
+    its rejected answer (red: the end kept instead)."""
+    from trl import SFTConfig, SFTTrainer
+
+    from rlhf.algos.sft import SFT
+    from rlhf.data.encoding import END_CUT
+
+    assert _cuts(MULTI, policy.tokenizer, None, 50) == [END_CUT, END_CUT]
+    rows = [{"prompt": MULTI["prompt"], "completion": MULTI["rejected"]}]
+    ours = _ours(SFT(max_length=50, max_prompt_length=None), rows, policy.tokenizer, policy.model)
+    theirs = _trl(SFTTrainer, SFTConfig, rows, policy.tokenizer, policy.model, fields={"max_length": 50})
+    assert abs(ours - theirs) < TOLERANCE, (ours, theirs)
+
+
+def test_kto_first_step_loss_equals_trls_when_truncated(policy):
+    """``max_length`` at 50: MULTI's rows lose their answers' end (SINGLE's fit), and so do the mismatched pairs of
+    the KL estimate, each cut after pairing as TRL's KTO collator cuts it (``keep_start``)."""
+    from trl import KTOConfig, KTOTrainer
+
+    from rlhf.algos.kto import KTO
+    from rlhf.data.encoding import END_CUT
+
+    assert _cuts(MULTI, policy.tokenizer, None, 50) == [END_CUT, END_CUT]
+    assert _cuts(SINGLE, policy.tokenizer, None, 50) == [0, 0]
+    rows = ([{"prompt": p["prompt"], "completion": p["chosen"], "label": True} for p in PAIRS]
+            + [{"prompt": p["prompt"], "completion": p["rejected"], "label": False} for p in PAIRS])
+    noisy = _perturbed(policy.model, 0.02)
+    ours = _ours(KTO(beta=0.1, max_length=50, max_prompt_length=None), rows, policy.tokenizer, noisy,
+                 policy.model.eval())
+    theirs = _trl(KTOTrainer, KTOConfig, rows, policy.tokenizer, noisy, ref_model=copy.deepcopy(policy.model),
+                  fields={"beta": 0.1, "max_length": 50})
     assert abs(ours - theirs) < TOLERANCE, (ours, theirs)
 
 

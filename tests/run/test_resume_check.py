@@ -202,10 +202,11 @@ def test_the_thread_count_of_a_bf16_cpu_run_is_recorded_kept_by_a_resume_and_che
     check_resume(compose_config(*bf16), _Strategy(threads=1), tmp_path)
 
 
-def test_a_checkpoint_from_before_compile_auto_and_the_decoder_option_resumes_on_a_cpu(tmp_path):
-    """A record written when hardware.compile defaulted to false and algo.generation did not exist: the same run
-    resumes on a CPU (auto compiles nothing there; an option added since is not compared), a GPU's auto (compiled
-    layers) is a change, and a real change is still refused."""
+def test_a_checkpoint_from_before_compile_auto_and_the_decoder_option_resumes_on_a_gpu(tmp_path):
+    """A GPU run's record written when hardware.compile defaulted to false and algo.generation did not exist: the same
+    run resumes where auto now means compiled layers, and from a record without the compile key at all (compiling
+    computes the same functions: not compared, red with hardware.compile off NOT_OPTIMIZING); compiling may be turned
+    on or off on purpose; a real change and another decoder are still refused."""
     import json
 
     from rlhf.run.resume_check import check_config as check_resume
@@ -215,18 +216,19 @@ def test_a_checkpoint_from_before_compile_auto_and_the_decoder_option_resumes_on
             super().__init__(**kwargs)
             self.compile = compile
 
-    overrides = ["algo=grpo", "seed=3"]
-    recorded = recorded_config(compose_config(*overrides), Resolved(False))
-    assert recorded["hardware.compile"] is False and recorded["algo.generation"] == "auto"
-    old = {**{k: v for k, v in recorded.items() if k != "algo.generation"}, "hardware.compile": False}
-    (tmp_path / checkpoint.CONFIG).write_text(json.dumps({"config": old, "tokenized_data": "x"}))
-    check_resume(compose_config(*overrides), Resolved(False), tmp_path)
-    with pytest.raises(UserError, match=r"hardware.compile \(checkpoint: false, now: layers"):
-        check_resume(compose_config(*overrides), Resolved("layers"), tmp_path)
-    with pytest.raises(UserError, match=r"seed \(checkpoint: 3, now: 4\)"):
-        check_resume(compose_config("algo=grpo", "seed=4"), Resolved(False), tmp_path)
-    with pytest.raises(UserError, match=r"algo.generation \(checkpoint: auto, now: static"):
-        check_resume(compose_config(*overrides, "algo.generation=static"), Resolved(False), tmp_path)
+    overrides = ["algo=grpo", "seed=3", "hardware=auto"]
+    gpu_then, gpu_now = Resolved(False, cuda=True), Resolved("layers", cuda=True)
+    recorded = recorded_config(compose_config(*overrides), gpu_then)
+    assert "hardware.compile" not in recorded and recorded["algo.generation"] == "auto"
+    old = {k: v for k, v in recorded.items() if k != "algo.generation"}
+    for record in ({**old, "hardware.compile": False}, old):  # as written then, and without the key
+        (tmp_path / checkpoint.CONFIG).write_text(json.dumps({"config": record, "tokenized_data": "x"}))
+        check_resume(compose_config(*overrides), gpu_now, tmp_path)
+        check_resume(compose_config(*overrides, "hardware.compile=true"), Resolved(True, cuda=True), tmp_path)
+        with pytest.raises(UserError, match=r"seed \(checkpoint: 3, now: 4\)"):
+            check_resume(compose_config("algo=grpo", "seed=4", "hardware=auto"), gpu_now, tmp_path)
+        with pytest.raises(UserError, match=r"algo.generation \(checkpoint: auto, now: static"):
+            check_resume(compose_config(*overrides, "algo.generation=static"), gpu_now, tmp_path)
 
 
 @pytest.mark.parametrize("added", [["algo/loss=dpo_forward_kl"], ["+optimizer.maximize=true"]])
