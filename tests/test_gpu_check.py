@@ -379,7 +379,7 @@ def test_a_gpu_path_that_fails_its_preflight_is_not_measured_and_auto_falls_back
 
 
 def test_a_window_of_ours_counts_only_its_own_samples_where_the_verdicts_stay_on_the_device(tmp_path):
-    """train.nonfinite_on_device=true (a GPU's default): the warm-up steps' verdicts are still on the device when the
+    """train.nonfinite_on_device=true (a GPU path not yet auto's choice): the warm-up steps' verdicts are still on the device when the
     window starts; read inside the window, their samples would count in its samples/s (3 warm-up + 2 timed steps of
     8 samples gave 40 where 16 ran)."""
 

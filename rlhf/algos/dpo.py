@@ -116,7 +116,7 @@ class DPO(ReferenceRegularized):
     ) -> None:
         self.fused_output_layer = check_when(fused_output_layer)
         self.shared_prompt = check_when(shared_prompt, "algo.shared_prompt",
-                                        "auto (pairs share their prompt where the model can take it)")
+                                        "auto (pairs share their prompt where the model can take it)", ("auto",))
         self.padding_free = padding_free
         self.shares_prompt = shared_prompt is True and not nll_on_prompt  # auto: decided in setup() by the model
         self.packs = padding_free  # also where every model runs flex attention and pairs share prompts: setup()

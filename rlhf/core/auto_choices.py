@@ -1,12 +1,13 @@
 """What each ``auto`` speed option picks on a GPU and on a CPU, the measurement behind each choice, and the paths
 built but not yet chosen.
 
-An option left at ``auto`` (the output layer, the shared prompt, compilation, the decoding loop) takes its value
+An option left at ``auto`` (the output layer, the shared prompt, compilation, the decoding loop; for the non-finite
+verdict and the loader's workers, left unset) takes its value
 from :data:`CHOICES` for the device the run is on: the component that reads the option calls :func:`pick`. A GPU
 choice is only ever a path that a GPU run measured: each names its ``evidence``, a dated page of the GPU check
 (``benchmarks/gpu_check``, whose levers time each option against the defaults and whose page says which choice each
 lever supports). A path built since but not yet measured on a GPU (the Triton output layer, compiled layers, the
-compiled static-cache decoder) is ``untried``: available by its override, named on the start-up line, and chosen by
+compiled static-cache decoder, the verdict kept on the device, collating workers) is ``untried``: available by its override, named on the start-up line, and chosen by
 ``auto`` only once a page of the GPU check shows it correct and faster in every round; that is a one-line change
 here, with the page. :func:`describe` writes the start-up line, so a run says on what grounds it is configured the
 way it is and what it could turn on.
@@ -37,7 +38,8 @@ class AutoChoice:
     """``key`` (the config key, e.g. ``algo.fused_output_layer``) set to ``auto`` means ``gpu`` on a CUDA device
     and ``cpu`` elsewhere; ``evidence``: the GPU measurement behind ``gpu`` (a page under ``docs/gpu/``);
     ``cpu_evidence``: the one behind ``cpu``; ``untried``: a faster path built for the GPU but not measured there
-    (``None``: none)."""
+    (``None``: none); ``auto_value``: the configured value that asks for the table's choice (``auto``, or ``None``
+    for an option whose unset value does)."""
 
     key: str
     gpu: Any
@@ -45,6 +47,7 @@ class AutoChoice:
     evidence: str
     cpu_evidence: str = "the CPU's choice"
     untried: Untried | None = None
+    auto_value: Any = "auto"
 
 
 CHOICES: dict[str, AutoChoice] = {c.key: c for c in (
@@ -64,6 +67,14 @@ CHOICES: dict[str, AutoChoice] = {c.key: c for c in (
     AutoChoice("algo.generation", gpu="transformers", cpu="transformers",
                evidence=f"every case of {H200_PAGE} decoded with transformers' generate",
                untried=Untried("static", "the static-cache decoder, its step compiled into CUDA graphs")),
+    AutoChoice("train.nonfinite_on_device", gpu=False, cpu=False, auto_value=None,
+               evidence=f"every case of {H200_PAGE} read the non-finite verdict every step",
+               cpu_evidence="read every step",
+               untried=Untried(True, "the non-finite verdict kept on the device, read at the log window")),
+    AutoChoice("data.num_workers", gpu=0, cpu=0, auto_value=None,
+               evidence=f"every case of {H200_PAGE} collated its batches in the main process",
+               cpu_evidence="a worker would take a core from the step's threads",
+               untried=Untried(2, "2 worker processes collating ahead of the step")),
 )}
 
 

@@ -24,6 +24,7 @@ import torch
 from datasets import DatasetDict, load_from_disk
 from torch.utils.data import DataLoader
 
+from rlhf.core import auto_choices
 from rlhf.data import token_cache
 
 if TYPE_CHECKING:
@@ -70,15 +71,13 @@ def tokenize_once(splits: DatasetDict, algo, tokenizer, accelerator, cache: Path
     return tokenized
 
 
-GPU_WORKERS = 2  # data.num_workers=null on a GPU: collating beside the step, never behind it (a batch is small work)
-
-
 def loader_workers(num_workers: int | None, cuda: bool) -> int:
-    """Worker processes that collate training batches (``data.num_workers``): as set, else :data:`GPU_WORKERS` on a
-    GPU and none on a CPU, where a worker would take a core from the step's threads."""
+    """Worker processes that collate training batches (``data.num_workers``): as set, else the choice of
+    :data:`rlhf.core.auto_choices.CHOICES` for the device (none on a CPU, where a worker would take a core from the
+    step's threads; none on a GPU until a GPU check measures workers faster)."""
     if num_workers is not None:
         return num_workers
-    return GPU_WORKERS if cuda else 0
+    return auto_choices.pick("data.num_workers", "cuda" if cuda else "cpu")
 
 
 def train_loader(dataset, batch_size: int, collate: Callable, seed: int, num_workers: int = 0,

@@ -72,8 +72,8 @@ class DataParallel:
             free port on 127.0.0.1 (one machine).
         node_rank: this machine's rank among ``num_nodes`` (``multinode``; 0 is the main one).
         timeout_s: how long a process waits for the others in a collective before failing.
-        compile: ``auto`` (``layers`` on a GPU, off on a CPU, where compiling was measured slower to start than it
-            saves), ``layers`` (each decoder layer of the policy and its frozen models compiled in place: regional
+        compile: ``auto`` (what :data:`rlhf.core.auto_choices.CHOICES` says: off on a CPU, where compiling was
+            measured slower to start than it saves, and on a GPU until a GPU check measures ``layers`` faster), ``layers`` (each decoder layer of the policy and its frozen models compiled in place: regional
             compilation, :mod:`rlhf.hardware.compiling`; the output layer stays eager), ``true`` (each model
             compiled whole with torch's default backend, inductor), a backend's name (whole, with that backend:
             ``aot_eager``, the graphs captured and differentiated ahead of time, run without generated code), or

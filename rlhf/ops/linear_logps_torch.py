@@ -1,5 +1,6 @@
 """The output layer and the log-softmax at given tokens in one, written with torch operations: the plain-PyTorch
-twin of :mod:`rlhf.ops.linear_logps_triton`, and what runs on a CPU (and on a GPU without Triton).
+twin of :mod:`rlhf.ops.linear_logps_triton`, and what runs on a CPU and, unless ``algo.fused_output_layer=triton``,
+on a GPU.
 
 :class:`LinearLogSoftmaxTorch` takes ``N`` rows of hidden states ``[N, H]`` and one token per row, and gives each
 row's float32 log-probability of its token under ``softmax((h @ W.T + b) / T)``, its greedy token and its entropy,
@@ -31,6 +32,10 @@ from torch import Tensor
 # the products' dtype, half as many bytes in bfloat16).
 LINEAR_TILE_BYTES_CPU = 4 * 2**20
 LINEAR_TILE_BYTES_GPU = 256 * 2**20
+# The torch operations' tiles on a GPU: rows x a chunk of the vocabulary of at most this many float32 bytes, the
+# geometry the GPU check measured against the plain output layer (docs/gpu/2026-11-27-nvidia-h200-second-run.md), what
+# algo.fused_output_layer=auto runs there until the Triton kernel's row blocks are measured.
+TORCH_TILE_BYTES_GPU = 64 * 2**20
 MIN_VOCAB_CHUNK = 1024
 
 
@@ -44,12 +49,10 @@ def row_block(rows: int, vocab: int, device: torch.device) -> int:
 
 
 def tile_shape(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
-    """``(rows, vocabulary entries)`` of one tile for ``rows`` rows on ``device``. On a CPU: at most
-    :data:`LINEAR_TILE_BYTES_CPU` in float32, chunks of at least :data:`MIN_VOCAB_CHUNK` entries, and as many rows
-    as then fit. Elsewhere (a GPU): :func:`row_block` rows over the whole vocabulary."""
-    if device.type != "cpu":
-        return row_block(rows, vocab, device), max(1, vocab)
-    values = LINEAR_TILE_BYTES_CPU // 4
+    """``(rows, vocabulary entries)`` of one tile of the torch operations for ``rows`` rows on ``device``: at most
+    :data:`LINEAR_TILE_BYTES_CPU` (a CPU) or :data:`TORCH_TILE_BYTES_GPU` (a GPU) in float32, chunks of at least
+    :data:`MIN_VOCAB_CHUNK` entries, and as many rows as then fit. (The Triton kernel's blocks: :func:`row_block`.)"""
+    values = (LINEAR_TILE_BYTES_CPU if device.type == "cpu" else TORCH_TILE_BYTES_GPU) // 4
     chunk = max(1, min(vocab, max(MIN_VOCAB_CHUNK, values // max(rows, 1))))
     return max(1, min(rows, values // chunk)), chunk
 

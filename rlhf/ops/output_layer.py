@@ -32,6 +32,7 @@ from torch import Tensor
 
 from rlhf.core import auto_choices
 from rlhf.core.errors import UserError
+from rlhf.ops.linear_logps_torch import row_block
 from rlhf.ops.token_logps import linear_log_softmax, tile_shape, triton_kernel
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ class FusedOutputLayer(torch.nn.Linear):
         if not self.answered:
             self.answered = True
             count = request.index.numel() if request.rows is None else request.rows.numel()
-            rows, chunk = tile_shape(count, self.out_features, hidden.device)
+            rows, chunk = (row_block(count, self.out_features, hidden.device), self.out_features) if triton \
+                else tile_shape(count, self.out_features, hidden.device)
             log.info("the output layer computes the token log-probabilities itself, %d rows x %d vocabulary entries "
                      "of logits at a time, with %s (algo.fused_output_layer=%s)", rows, chunk,
                      "a Triton kernel" if triton else "torch operations", str(self.fused).lower())
@@ -146,11 +148,12 @@ def answers(model: torch.nn.Module, device: torch.device) -> bool:
 
 def check_when(fused: Any, key: str = "algo.fused_output_layer",
                fix: str = "auto (on a GPU: the logits never whole), true (everywhere, torch operations), triton (the "
-                          "Triton kernel on a GPU) or false (the output layer computes logits)") -> bool | str:
-    """``fused`` if it is one of auto, true, false, triton; else a :class:`UserError` that names ``key`` and
-    ``fix``."""
-    if not (fused is True or fused is False or fused in ("auto", TRITON)):
-        raise UserError(f"{key}={fused!r} is not one of auto, true, false, {TRITON}. Fix: {key}={fix}")
+                          "Triton kernel on a GPU) or false (the output layer computes logits)",
+               names: tuple[str, ...] = ("auto", TRITON)) -> bool | str:
+    """``fused`` if it is true, false or one of ``names`` (``auto``, and for the output layer ``triton``); else a
+    :class:`UserError` that names ``key`` and ``fix``."""
+    if not (fused is True or fused is False or fused in names):
+        raise UserError(f"{key}={fused!r} is not one of true, false, {', '.join(names)}. Fix: {key}={fix}")
     return fused
 
 

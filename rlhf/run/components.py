@@ -53,14 +53,17 @@ from rlhf.telemetry.metrics import evaluate
 log = logging.getLogger(__name__)
 
 
-def auto_keys(algo: Any, strategy: Any) -> list[str]:
-    """The speed options of :data:`rlhf.core.auto_choices.CHOICES` this run left at ``auto`` (the algorithm's and
-    the hardware strategy's as configured), for the start-up line."""
+def auto_keys(algo: Any, strategy: Any, configured: dict[str, Any] | None = None) -> list[str]:
+    """The speed options of :data:`rlhf.core.auto_choices.CHOICES` this run left to the table (the algorithm's and
+    the hardware strategy's as configured, and the values of ``configured``: ``train.*``/``data.*`` keys), for the
+    start-up line."""
     owners = {"algo": algo, "hardware": strategy}
     # a strategy that cannot compile (the sharding ones) is not compiled whatever auto means (its line says so)
-    configured = {"hardware.compile": getattr(strategy, "_compile_asked", None) if strategy.compiles else None}
-    return [key for key in auto_choices.CHOICES
-            if configured.get(key, getattr(owners[key.split(".")[0]], key.split(".")[1], None)) == "auto"]
+    values = {"hardware.compile": getattr(strategy, "_compile_asked", None) if strategy.compiles else None,
+              **(configured or {})}
+    missing = object()
+    return [key for key, choice in auto_choices.CHOICES.items()
+            if values.get(key, getattr(owners.get(key.split(".")[0]), key.split(".")[1], missing)) == choice.auto_value]
 
 
 @dataclass
@@ -94,6 +97,7 @@ class BuiltRun:
     left_out: frozenset[str] = frozenset()  # the algorithm's answer metrics, on data without one answer per prompt
     verdicts: Verdicts | None = None  # the non-finite verdicts kept on the device; None: read every step (rlhf.run.nonfinite)
     load: LoadMeter = field(default_factory=LoadMeter)  # the machine's load, read at each log window (perf/busy_cpus_other)
+    configured_workers: int | None = None  # data.num_workers as configured (None: the table's choice for the device)
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics: the algorithm's own (``eval/<name>``) and the generation evaluation's
@@ -113,7 +117,8 @@ class BuiltRun:
         trainable = sum(global_numel(p) for p in parameters if p.requires_grad)
         log.info("run dir: %s", self.run_dir)
         log.info("hardware: %s", self.strategy.describe())
-        autos = auto_keys(self.algo, self.strategy)
+        autos = auto_keys(self.algo, self.strategy, {"train.nonfinite_on_device": settings.nonfinite_on_device,
+                                                     "data.num_workers": self.configured_workers})
         if autos:
             log.info("%s", auto_choices.describe(autos, self.accelerator.device.type))
         epochs = self.epochs()
@@ -231,7 +236,8 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
                     adapter=adapter, peak=peak, flops_per_token=perf.flops_per_token(policy, list(algo.frozen.values())),
                     peak_flops=peak_flops, generation_eval=generation_eval,
                     left_out=frozenset(() if getattr(data, "one_answer_per_prompt", True) else algo.answer_metrics),
-                    verdicts=verdicts_for(settings, strategy, optimizer))
+                    verdicts=verdicts_for(settings, strategy, optimizer),
+                    configured_workers=getattr(data, "num_workers", None))
 
 
 def activation_checkpointing(model) -> bool:

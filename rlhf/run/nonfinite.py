@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf.core import auto_choices
 from rlhf.core.errors import UserError
 from rlhf.core.train_state import TrainState
 from rlhf.optim import skips_on_device
@@ -106,11 +107,14 @@ class Verdicts:
 
 def verdicts_for(settings: TrainSettings, strategy, optimizer) -> Verdicts | None:
     """:class:`Verdicts` where this run keeps the verdict on the device, else None (read every step):
-    ``train.nonfinite_on_device`` true, or null on a GPU, where the strategy's step can pass a skip flag to the
+    ``train.nonfinite_on_device`` true, or null where :data:`rlhf.core.auto_choices.CHOICES` says so for the device
+    (not yet on a GPU: not measured there), where the strategy's step can pass a skip flag to the
     optimizer (:meth:`rlhf.hardware.DataParallel.skip_flag_reader`) and that optimizer reads it
     (:func:`rlhf.optim.skips_on_device`). Said in the log."""
     asked = settings.nonfinite_on_device
-    if asked is False or (asked is None and not strategy.uses_cuda()):
+    if asked is None:  # unset: the table's choice for the device (rlhf/core/auto_choices.py)
+        asked = auto_choices.pick("train.nonfinite_on_device", "cuda" if strategy.uses_cuda() else "cpu")
+    if asked is False:
         return None
     reader = strategy.skip_flag_reader(optimizer)
     if reader is None or not skips_on_device(reader):

@@ -53,8 +53,8 @@ NOT_OPTIMIZING = (
     "hardware.timeout_s", "hardware.rdzv_endpoint", "hardware.node_rank",
     "model.gradient_checkpointing",  # recomputes the same activations: the same gradients bit for bit (tested)
     # The same functions computed faster: the numbers agree to float rounding, not bit for bit (kernels fused and
-    # reordered, as on another GPU), so a resume may turn it on or off. Checkpoints written before it was resolved
-    # recorded `false` where a GPU run now resolves `auto` to `layers`.
+    # reordered, as on another GPU), so a resume may turn it on or off, and a checkpoint that recorded `false` (or
+    # nothing) resumes whatever `auto` means now.
     "hardware.compile",  # compiled and eager train alike (tests/hardware/test_compiling.py)
 )
 # Options added after checkpoints were first written, each with the value that does what a run did before the

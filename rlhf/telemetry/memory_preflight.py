@@ -319,6 +319,22 @@ NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as a huge number (a page-rounded
 # The files of a memory cgroup: (limit, usage), cgroup v2 (the unified hierarchy) and v1 (the memory controller's)
 V2_FILES = ("memory.max", "memory.current")
 V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+# In a cgroup's memory.stat, the page cache not used lately, which the kernel reclaims before it would kill a process
+# of the cgroup: left out of its usage (as `docker stats` and the kubelet's working set do). v2's key, then v1's.
+RECLAIMABLE_KEYS = ("inactive_file", "total_inactive_file")
+
+
+def _reclaimable(folder: Path, v1: bool) -> int:
+    """The inactive page cache of the cgroup at ``folder`` (its ``memory.stat``), 0 where it cannot be read."""
+    key = RECLAIMABLE_KEYS[1 if v1 else 0]
+    try:
+        for line in (folder / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 @dataclass(frozen=True)
@@ -342,8 +358,9 @@ class CgroupLimit:
 
 
 def _cgroup_left(proc: str | None = None, mount: str | None = None) -> CgroupLimit | None:
-    """The smallest headroom (limit less usage) of the memory cgroups that hold this process, cgroup v2
-    (``memory.max``, ``memory.current``) or v1 (``memory.limit_in_bytes``, ``memory.usage_in_bytes``): its own cgroup
+    """The smallest headroom (limit less usage, the inactive page cache of ``memory.stat`` not counted as used) of
+    the memory cgroups that hold this process, cgroup v2 (``memory.max``, ``memory.current``) or v1
+    (``memory.limit_in_bytes``, ``memory.usage_in_bytes``): its own cgroup
     and each ancestor up to the hierarchy's root, since a limit applies to everything below it. Slurm puts a job's
     limit on the job's and the step's cgroups and runs the process in a leaf without a limit of its own
     (``.../job_N/step_0/user/task_0`` with ``memory.max`` = ``max`` under cgroup v2, an unlimited ``task_0`` under
@@ -365,8 +382,10 @@ def _cgroup_left(proc: str | None = None, mount: str | None = None) -> CgroupLim
             continue
         parts = [part for part in path.split("/") if part]
         for depth in range(len(parts), -1, -1):  # the process's own cgroup first, the root last
-            limit, used = (_read_int(root.joinpath(*parts[:depth], name)) for name in files)
+            folder = root.joinpath(*parts[:depth])
+            limit, used = (_read_int(folder / name) for name in files)
             if limit is not None and used is not None and limit < NO_LIMIT:
+                used = max(0, used - _reclaimable(folder, files is V1_FILES))  # page cache it can drop: not a use
                 found.append(CgroupLimit(max(0, limit - used), limit, used, "/" + "/".join(parts[:depth]),
                                          files[0]))
     return min(found, key=lambda limit: limit.left) if found else None

@@ -12,28 +12,31 @@ import pytest
 import torch
 
 from rlhf.core import auto_choices
+from rlhf.data.loaders import loader_workers
 from rlhf.hardware import compiling
 from rlhf.models import generation
 from rlhf.ops.output_layer import TRITON, FusedOutputLayer
 from rlhf.run.components import auto_keys
+from rlhf.run.nonfinite import verdicts_for
 from tests.conftest import compose_config
 
 # Where each key's default is set: a config that composes it (the algorithm that has the option).
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSED_WITH = {"algo.fused_output_layer": ["algo=dpo"], "algo.shared_prompt": ["algo=dpo"],
-                 "hardware.compile": [], "algo.generation": ["algo=grpo"]}
+                 "hardware.compile": [], "algo.generation": ["algo=grpo"], "train.nonfinite_on_device": [],
+                 "data.num_workers": []}
 
 
 def test_every_table_entry_is_an_option_the_shipped_configs_leave_at_auto():
     assert set(COMPOSED_WITH) == set(auto_choices.CHOICES)
     for key, overrides in COMPOSED_WITH.items():
         section, name = key.split(".")
-        assert compose_config(*overrides)[section][name] == "auto", key
+        assert compose_config(*overrides)[section][name] == auto_choices.CHOICES[key].auto_value, key
 
 
 def test_every_gpu_choice_stands_on_a_page_of_a_gpu_run():
     """No entry whose GPU path nobody measured is chosen: each GPU choice's evidence names a page under docs/gpu/
-    that exists and names the option, and a path built but not measured (``untried``) is not the one picked."""
+    that exists, and a path built but not measured (``untried``) is not the one picked."""
     for key, choice in auto_choices.CHOICES.items():
         assert auto_choices.NOT_MEASURED not in choice.evidence, key
         pages = re.findall(r"docs/gpu/[\w.-]+\.md", choice.evidence)
@@ -56,6 +59,16 @@ def test_the_paths_not_measured_on_a_gpu_are_not_what_a_gpu_run_gets():
     layer.fused = TRITON
     assert layer.answers_on(cuda) and layer.kernel_on(cuda) and not layer.kernel_on(torch.device("cpu"))
     assert generation.uses_static_decoding(generation.Sampling(generation="static"), cuda, partitioned=False)
+    assert loader_workers(None, cuda=True) == 0
+
+    class Settings:
+        nonfinite_on_device = None
+
+    class Strategy:
+        def uses_cuda(self):
+            return True
+
+    assert verdicts_for(Settings(), Strategy(), optimizer=None) is None  # read every step on a GPU at defaults
     assert compiling.resolve_compile("layers", uses_cuda=True) == "layers"
 
 

@@ -82,8 +82,10 @@ def test_worker_processes_collate_the_same_batches_in_the_same_order():
     assert torch.equal(seen[2][2], seen[0][2])
 
 
-def test_workers_by_default_on_a_gpu_only():
-    from rlhf.data.loaders import GPU_WORKERS, loader_workers
+def test_workers_unset_are_the_tables_choice_and_none_until_a_gpu_measures_them():
+    from rlhf.core import auto_choices
+    from rlhf.data.loaders import loader_workers
 
-    assert (loader_workers(None, cuda=True), loader_workers(None, cuda=False)) == (GPU_WORKERS, 0)
+    assert (loader_workers(None, cuda=True), loader_workers(None, cuda=False)) == (0, 0)
+    assert loader_workers(None, cuda=True) == auto_choices.pick("data.num_workers", "cuda")
     assert loader_workers(3, cuda=False) == 3 and loader_workers(0, cuda=True) == 0

@@ -17,7 +17,7 @@ from rlhf.ops.completion_logps import keep_completion_logits
 from tests.conftest import FAST, compose_config, fast_initial_model
 
 
-def test_the_repeated_blocks_are_found_whatever_wraps_them_and_auto_is_layers_on_a_gpu_only():
+def test_the_repeated_blocks_are_found_whatever_wraps_them_and_auto_is_the_tables_choice():
     from peft import LoraConfig, get_peft_model
 
     model = fast_initial_model()

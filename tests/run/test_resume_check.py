@@ -204,7 +204,7 @@ def test_the_thread_count_of_a_bf16_cpu_run_is_recorded_kept_by_a_resume_and_che
 
 def test_a_checkpoint_from_before_compile_auto_and_the_decoder_option_resumes_on_a_gpu(tmp_path):
     """A GPU run's record written when hardware.compile defaulted to false and algo.generation did not exist: the same
-    run resumes where auto now means compiled layers, and from a record without the compile key at all (compiling
+    run resumes with compiled layers, and from a record without the compile key at all (compiling
     computes the same functions: not compared, red with hardware.compile off NOT_OPTIMIZING); compiling may be turned
     on or off on purpose; a real change and another decoder are still refused."""
     import json
