@@ -89,8 +89,9 @@ class GRPO(PolicyGradient):
             ``benchmarks/gpu_check``'s levers.
         generation: the decoder of the rollouts (:mod:`rlhf.models.decoding`): ``auto`` (what
             :data:`rlhf.core.auto_choices.CHOICES` says: transformers' ``generate`` until a GPU check measures the
-            static decoder faster), ``transformers``, or ``static`` (a static cache with the decoding step compiled
-            into CUDA graphs on a GPU and the ends checked every few tokens). Both give the same completions on a CPU, greedy and sampled (tested).
+            static decoder faster), ``transformers``, ``static`` (a static cache with the decoding step compiled
+            into CUDA graphs on a GPU and the ends checked every few tokens), or ``static_compiled`` (its step
+            compiled by inductor on a CPU too). Both give the same completions on a CPU, greedy and sampled (tested).
         gather_for_generation: under ``fsdp``/``zero3``, the policy's parameters gathered once for a rollout's
             generation (the whole model in the compute dtype on each process while it generates; TRL's
             ``ds3_gather_for_generation``); ``False``: each layer gathered at every token (``synced_gpus``), for a

@@ -105,7 +105,7 @@ class OnlineAlgorithm(Algorithm):
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.cache_implementation = cache_implementation  # generate()'s KV cache: None (transformers' dynamic one)
         self.gather_for_generation = gather_for_generation  # FSDP2/ZeRO-3: the whole model gathered for a rollout
-        self.generation = generation  # the decoder: auto, transformers (generate) or static (rlhf.models.decoding)
+        self.generation = generation  # the decoder: auto, transformers (generate), static or static_compiled (rlhf.models.decoding)
         Sampling(generation=generation)  # refuses an unknown decoder now, not at the first rollout
         self.max_completion_length, self.max_prompt_length = max_completion_length, max_prompt_length
         self.num_generations, self.num_iterations = num_generations, num_iterations

@@ -66,6 +66,8 @@ CHOICES: dict[str, AutoChoice] = {c.key: c for c in (
                untried=Untried("layers", "each decoder layer compiled")),
     AutoChoice("algo.generation", gpu="transformers", cpu="transformers",
                evidence=f"every case of {H200_PAGE} decoded with transformers' generate",
+               cpu_evidence="the static decoder compiled by inductor sampled 1.04-1.16x generate's speed after a "
+                            "31-35 s compile, 60-step GRPO runs 1.3x longer (benchmarks/cpu_decoding.py, 1 thread)",
                untried=Untried("static", "the static-cache decoder, its step compiled into CUDA graphs")),
     AutoChoice("train.nonfinite_on_device", gpu=False, cpu=False, auto_value=None,
                evidence=f"every case of {H200_PAGE} read the non-finite verdict every step",

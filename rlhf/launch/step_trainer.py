@@ -27,7 +27,7 @@ from rlhf.core.errors import UserError
 from rlhf.core.instantiate import build
 from rlhf.core.train_state import TrainState
 from rlhf.data.encoding import encode, tokens
-from rlhf.models.generation import gathered_for_generation, plain_defaults, stop_ids
+from rlhf.models.generation import eager_layers, gathered_for_generation, plain_defaults, stop_ids
 from rlhf.run import checkpoint
 from rlhf.run.components import BuiltRun, build_run
 from rlhf.run.loop import train_step, window_metrics
@@ -253,7 +253,9 @@ class StepTrainer:
                  num_return_sequences: int = 1) -> list[str]:
         """Completions of ``prompts`` with ``model.generate`` (left padding; ``top_k=0, top_p=1.0``: plain
         temperature sampling), ``num_return_sequences`` per prompt, in order, decoded without special tokens.
-        Seeded by the global torch generator (``torch.manual_seed``)."""
+        Seeded by the global torch generator (``torch.manual_seed``). Layers compiled for training
+        (``hardware.compile=layers``) run eagerly here, as in a run's sampling
+        (:func:`rlhf.models.generation.eager_layers`): no graph compiled per layer and cache length."""
         prompts = _as_strings(prompts, "prompts")
         tokenizer, model, device = self.run.tokenizer, self.model, self.run.accelerator.device
         encoded = [tokens(tokenizer, p) for p in prompts]  # with the tokenizer's special tokens, as in training
@@ -263,8 +265,9 @@ class StepTrainer:
         stops = list(stop_ids(tokenizer, model)) or None  # the tokenizer's EOS and the model's end-of-turn ids
         model.eval()
         try:  # a sharded model's parameters gathered once for the generation (FSDP2, ZeRO-3), not at every token
+            # only the settings given here, not the model's generation_config.json; compiled layers run eagerly
             with (self.run.accelerator.autocast(), gathered_for_generation(self.run.model) as still_sharded,
-                  plain_defaults(model)):  # only the settings given here, not the model's generation_config.json
+                  plain_defaults(model), eager_layers()):
                 sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p} if do_sample else {}
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                      do_sample=do_sample, **sampling,  # greedy: no sampling settings to warn about

@@ -15,8 +15,14 @@ until the last one's completions end (``synced_gpus``). :func:`gathered_for_gene
 block; the forward passes inside are no collectives.
 
 Two decoders: transformers' ``generate``, and :func:`rlhf.models.decoding.decode` (a static cache, the decode step
-compiled into CUDA graphs on a GPU, the end of the completions checked every few tokens), chosen by
-:attr:`Sampling.generation` (:func:`uses_static_decoding`); both give the same completions on a CPU (tested).
+compiled into CUDA graphs on a GPU, and by inductor on a CPU where asked, the end of the completions checked every few
+tokens), chosen by :attr:`Sampling.generation` (:func:`uses_static_decoding`, :func:`decode_compile_options`); they
+give the same completions on a CPU, compiled or not (tested).
+
+A model whose layers ``hardware.compile=layers`` compiled runs them eagerly in ``generate``
+(:func:`eager_layers`: every generation path, :meth:`rlhf.launch.step_trainer.StepTrainer.generate` too): with a
+key-value cache, each layer's graph would be specialised on its index and the cache's length, a new graph per layer
+and length, until torch's recompile limit left training's layers eager as well.
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ class Sampling:
     model's parameters gathered once for the whole generation (:func:`gathered_for_generation`); ``generation``: the
     decoder, ``transformers`` (its ``generate``), ``static`` (:func:`rlhf.models.decoding.decode`: one static cache,
     the decode step compiled into CUDA graphs on a GPU, eager on a CPU, the ends checked every
-    ``check_every_tokens`` tokens), or ``auto``: ``static`` on a GPU where the model is not sharded over processes
-    and no ``cache_implementation`` is asked for, else ``transformers`` (:func:`uses_static_decoding`)."""
+    ``check_every_tokens`` tokens), ``static_compiled`` (the same, its step compiled on a CPU too, by inductor), or
+    ``auto``: what :mod:`rlhf.core.auto_choices` picks for the device, a static decoder only where the model is not
+    sharded over processes and no ``cache_implementation`` is asked for (:func:`uses_static_decoding`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -64,23 +71,47 @@ class Sampling:
     def __post_init__(self) -> None:
         if self.generation not in GENERATIONS:
             raise UserError(f"algo.generation={self.generation!r} is not one of {list(GENERATIONS)}. Fix: "
-                            "algo.generation=auto (static decoding on a GPU, transformers' generate on a CPU)")
+                            "algo.generation=auto (the decoder rlhf/core/auto_choices.py picks for the device)")
         if self.check_every_tokens < 1:
             raise UserError(f"check_every_tokens={self.check_every_tokens} must be at least 1. Fix: "
                             f"check_every_tokens={decoding.CHECK_EVERY_TOKENS}")
 
 
-GENERATIONS = ("auto", "transformers", "static")
+GENERATIONS = ("auto", "transformers", "static", "static_compiled")
+STATIC = ("static", "static_compiled")  # the values that decode with rlhf.models.decoding
 
 
 def uses_static_decoding(settings: Sampling, device: torch.device, partitioned: bool) -> bool:
-    """Whether ``settings`` decode with :func:`rlhf.models.decoding.decode` on ``device``: ``static``, or ``auto``
-    on a GPU for a model whose parameters are not ``partitioned`` over processes (FSDP2's, ZeRO-3's: there the
-    gathered model runs transformers' ``generate``) when no ``cache_implementation`` is named."""
+    """Whether ``settings`` decode with :func:`rlhf.models.decoding.decode` on ``device``: ``static`` or
+    ``static_compiled``, or ``auto`` where :mod:`rlhf.core.auto_choices` picks one of them for the device, for a model
+    whose parameters are not ``partitioned`` over processes (FSDP2's, ZeRO-3's: there the gathered model runs
+    transformers' ``generate``) when no ``cache_implementation`` is named."""
     if settings.generation != "auto":
-        return settings.generation == "static"
+        return settings.generation in STATIC
     chosen = auto_choices.pick("algo.generation", device.type)
-    return chosen == "static" and not partitioned and settings.cache_implementation is None
+    return chosen in STATIC and not partitioned and settings.cache_implementation is None
+
+
+def decode_compile_options(settings: Sampling, device: torch.device, partitioned: bool) -> dict[str, Any] | None:
+    """torch.compile's options for the static decoder's step (``None``: eager): CUDA graphs on a GPU
+    (:data:`rlhf.models.decoding.GPU_COMPILE`), inductor on a CPU for ``static_compiled``
+    (:data:`rlhf.models.decoding.CPU_COMPILE`; ``static`` stays eager there), eager for a model ``partitioned`` over
+    processes."""
+    if partitioned:
+        return None
+    if device.type == "cuda":
+        return decoding.GPU_COMPILE
+    asked = settings.generation if settings.generation != "auto" else auto_choices.pick("algo.generation", device.type)
+    return decoding.CPU_COMPILE if asked == "static_compiled" else None
+
+
+def eager_layers(cache_implementation: str | None = None) -> contextlib.AbstractContextManager:
+    """A block in which compiled layers run eagerly (``torch.compiler.set_stance("force_eager")``), for transformers'
+    ``generate`` (see the module's docstring), unless its ``cache_implementation`` is ``static``: then transformers
+    compiles decoding itself, whole."""
+    if cache_implementation is not None:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
 
 
 @torch.no_grad()
@@ -115,11 +146,11 @@ def sample(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torc
                 out = decoding.decode(
                     policy, ids, mask, settings.max_new_tokens, settings.pad_id, settings.eos_ids, seed is not None,
                     settings.temperature, settings.top_k, settings.top_p, settings.check_every_tokens,
-                    compile_options=decoding.GPU_COMPILE if ids.device.type == "cuda" and not partitioned else None)
-            else:  # eager unless transformers compiles decoding itself (static cache): layers compiled for training
-                eager = torch.compiler.set_stance("force_eager") if settings.cache_implementation is None \
-                    else contextlib.nullcontext()  # would recompile for each layer's cache index
-                with plain_defaults(policy), eager:  # none of the model's own sampling defaults (the module docstring)
+                    compile_options=decode_compile_options(settings, ids.device, partitioned),
+                    bucket_tokens=decoding.BUCKET_TOKENS if ids.device.type == "cuda" else decoding.CPU_BUCKET_TOKENS)
+            else:  # layers compiled for training run eagerly (eager_layers)
+                # none of the model's own sampling defaults (the module docstring)
+                with plain_defaults(policy), eager_layers(settings.cache_implementation):
                     out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=config,
                                           synced_gpus=still_sharded)
     finally:

@@ -1,6 +1,7 @@
 """rlhf.StepTrainer: one optimizer step of the loop's own on rows a custom loop gives (texts or token ids).
 
-Cost: about 15 s in all on 2 cores (six trainers of the FAST tiny model, each built in ~1.5 s, and one 2-step run).
+Cost: about 20 s in all on 2 cores (seven trainers of the FAST tiny model, each built in ~1.5 s, one 2-step run, and
+one with its layers compiled by aot_eager, ~6 s).
 """
 
 from __future__ import annotations
@@ -175,3 +176,29 @@ def test_greedy_generation_warns_about_no_sampling_setting(shared, recwarn, capl
     assert shared.generate(["abc=", "de="], max_new_tokens=4, do_sample=False) == first
     notices = [str(w.message) for w in recwarn] + [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert not [n for n in notices if "top_k" in n or "temperature" in n or "top_p" in n], notices
+
+
+def test_compiled_layers_compile_once_through_train_evaluate_generate_train(monkeypatch):
+    """hardware.compile=layers: a train -> evaluate -> generate -> train cycle compiles the decoder layers' training
+    and evaluation graphs once, generate() compiles none (its layers run eagerly, as a run's sampling runs them), and a
+    second cycle compiles nothing (red without generate's eager stance: a graph for each of the 2 layers and each cache
+    length). The layers are compiled with aot_eager (the graphs dynamo makes are the same; inductor's code for a
+    layer's forward and backward would take over a minute to generate on 2 cores)."""
+    from torch._dynamo.utils import counters
+
+    from rlhf.hardware import compiling
+
+    monkeypatch.setattr(compiling, "LAYER_OPTIONS", {"backend": "aot_eager"})
+    rows = {"texts": ["abc=", "hello="], "texts_labels": ["cba", "olleh"]}
+    with StepTrainer([*FAST, "model.tiny.num_layers=2", "hardware.compile=layers"]) as trainer:
+        made, before = [], counters["stats"]["unique_graphs"]
+        for _ in range(2):
+            trainer.step(**rows)
+            trainer.evaluate()
+            ahead = counters["stats"]["unique_graphs"]
+            trainer.generate(["abc=", "de=", "hello="], max_new_tokens=6, do_sample=False)
+            made.append(counters["stats"]["unique_graphs"] - ahead)
+            trainer.step(**rows)
+            made.append(counters["stats"]["unique_graphs"] - before)
+    assert made[0] == made[2] == 0, made  # generate() compiled nothing
+    assert 1 <= made[1] == made[3], made  # the second cycle compiled nothing

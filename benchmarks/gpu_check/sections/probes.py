@@ -28,6 +28,9 @@ compiler hit its recompile limit during it.
 from __future__ import annotations
 
 FLOAT64_TOLERANCE = 1e-3  # float32 against float64: |Δ log-probability|, and |Δ gradient| / max |gradient|
+# bf16 autocast, the kernel against the torch operations on the same bf16 operands: |Δ log-probability| and |Δ gradient|
+# / max |gradient| (both round the products' operands alike; the logits' rounding differs); a missing 1/T is 0.3
+BF16_TOLERANCE = 5e-2
 EAGER_TOLERANCE = 1e-4  # float32, compiled or another attention kernel against eager: |Δ| / max(1, max |value|)
 GRADIENT_TOLERANCE = 1e-3  # the same for gradients: max |Δ| / max |gradient|
 TEMPERATURE = 0.7  # the Triton probe's and the sampled decoding's
@@ -135,7 +138,39 @@ def triton_output_layer(device: str) -> str:
     def kernel(h, w, b, index, start, temperature):
         return linear_log_softmax(h, w, b, index, start=start, temperature=temperature, triton=True)[0]
 
-    return compare_with_float64(kernel, device, TRITON_SHAPES[device])
+    return compare_with_float64(kernel, device, TRITON_SHAPES[device]) + "; " + _bf16_against_torch(device)
+
+
+def _bf16_against_torch(device: str, temperature: float = 0.7) -> str:
+    """Under bf16 autocast (the kernel's 16-bit products and its in-place float32 sum of the weight's gradient), the
+    Triton kernel against the torch operations: log-probabilities and the gradients of the hidden states and the
+    weight within :data:`BF16_TOLERANCE`."""
+    import torch
+
+    from rlhf.ops.token_logps import linear_log_softmax
+
+    batch, positions, width, vocab = TRITON_SHAPES[device]
+    generator = torch.Generator(device="cpu").manual_seed(3)
+    hidden0 = torch.randn(batch, positions, width, generator=generator).to(device)
+    weight0 = (torch.randn(vocab, width, generator=generator) * width ** -0.5 * 3).to(device)
+    index = torch.randint(vocab, (batch, positions - 1), generator=generator).to(device)
+    upstream = torch.randn(batch, positions - 1, generator=generator).to(device)
+    results = []
+    for triton in (True, False):
+        h, w = (x.clone().requires_grad_() for x in (hidden0, weight0))
+        with torch.autocast(device, dtype=torch.bfloat16):
+            logps = linear_log_softmax(h, w, None, index, temperature=temperature, triton=triton)[0]
+        (logps * upstream).sum().backward()
+        results.append((logps.detach().float(), h.grad.float(), w.grad.float()))
+    (logps, grad_h, grad_w), (want, want_h, want_w) = results
+    error = float((logps - want).abs().max())
+    gradient = max(float((grad_h - want_h).abs().max() / want_h.abs().max()),
+                   float((grad_w - want_w).abs().max() / want_w.abs().max()))
+    summary = (f"bf16 autocast against the torch operations: max |Δ logp| {error:.1e}, max |Δ grad| / max |grad| "
+               f"{gradient:.1e} (tolerance {BF16_TOLERANCE:g})")
+    if not (error <= BF16_TOLERANCE and gradient <= BF16_TOLERANCE):
+        raise ProbeFailed(f"the kernel differs from the torch operations in bf16: {summary}")
+    return summary
 
 
 # ---- compiled decoder layers -----------------------------------------------------------------------------------------
