@@ -291,7 +291,7 @@ def test_what_this_machine_has_left_is_read_from_the_system():
 
 
 def test_the_cgroups_limit_is_read_in_the_processs_own_cgroup_v1_or_v2(tmp_path):
-    from rlhf.telemetry.memory_preflight import _cgroup_left
+    from rlhf.telemetry.cgroups import cgroup_left as _cgroup_left
 
     proc = tmp_path / "cgroup"
     proc.write_text("4:memory:/job_7/step_0\n0::/job_7/step_0\n")
@@ -344,7 +344,7 @@ def test_a_slurm_jobs_limit_is_seen_from_the_task_cgroup_below_it(tmp_path, vers
     """Slurm limits the job's cgroup and runs the process in a leaf below without a limit of its own: the limit is
     found among the ancestors (what is left: 6 GiB less the 1 GiB used). Red when only the process's own cgroup and
     the root are read (None: no limit seen)."""
-    from rlhf.telemetry.memory_preflight import _cgroup_left
+    from rlhf.telemetry.cgroups import cgroup_left as _cgroup_left
 
     proc = _slurm_tree(tmp_path, version, job_limit=6 * GIB, job_used=GIB)
     found = _cgroup_left(proc, str(tmp_path))
@@ -366,14 +366,14 @@ def test_a_slurm_job_whose_limit_leaves_too_little_is_refused_before_its_first_s
     from rlhf import train
     from rlhf.core.errors import UserError
     from rlhf.run import components
-    from rlhf.telemetry import memory_preflight
+    from rlhf.telemetry import cgroups, memory_preflight
     from tests.conftest import FAST, compose_config
 
     proc = _slurm_tree(tmp_path / "cgroup", version, job_limit=6 * GIB, job_used=6 * GIB - 200 * 2**10)
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: {128 * 2**20} kB\nMemAvailable: {64 * 2**20} kB\n")
-    monkeypatch.setattr(memory_preflight, "PROC_CGROUP", proc)
-    monkeypatch.setattr(memory_preflight, "CGROUP_ROOT", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(cgroups, "PROC_CGROUP", proc)
+    monkeypatch.setattr(cgroups, "CGROUP_ROOT", str(tmp_path / "cgroup"))
     monkeypatch.setattr(memory_preflight, "MEMINFO", str(meminfo))
     monkeypatch.setattr(components, "resident_bytes", lambda: 0)  # nothing of the run held yet
     job = "/slurm/uid_0/job_7" if version == 1 else "/system.slice/slurmstepd.scope/job_7"
