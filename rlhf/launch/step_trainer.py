@@ -22,6 +22,7 @@ from accelerate.utils import send_to_device
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf.algos.sft import SFT
+from rlhf.config import tuned_defaults
 from rlhf.config.checks import check_config
 from rlhf.core.errors import UserError
 from rlhf.core.instantiate import build
@@ -86,7 +87,7 @@ class StepTrainer:
             overrides.insert(0, "algo=sft")
         with initialize_config_dir(config_dir=str(Path(config_dir or CONF).resolve()), version_base="1.3"):
             cfg = compose("config", overrides=[*overrides, "output_dir=unused"])
-        self._start(cfg, run_dir, max_length, truncation_mode, optimize_device_cache)
+        self._start(cfg, run_dir, max_length, truncation_mode, optimize_device_cache, overrides)
 
     @classmethod
     def from_config(cls, cfg: DictConfig, *, run_dir: str | Path | None = None, max_length: int | None = None,
@@ -98,7 +99,8 @@ class StepTrainer:
         return trainer
 
     # --- building ------------------------------------------------------------------------------------------
-    def _start(self, cfg: DictConfig, run_dir, max_length, truncation_mode: str, optimize_device_cache: bool) -> None:
+    def _start(self, cfg: DictConfig, run_dir, max_length, truncation_mode: str, optimize_device_cache: bool,
+               overrides: list[str] | None = None) -> None:
         if truncation_mode not in TRUNCATIONS:
             raise UserError(f"truncation_mode={truncation_mode!r} is not one of {list(TRUNCATIONS)}. Fix: "
                             "truncation_mode='keep_end' (keep a row's last tokens) or 'keep_start' (its first).")
@@ -109,6 +111,11 @@ class StepTrainer:
         self.run_dir = Path(run_dir if run_dir is not None else self._tmp.name).resolve()
         OmegaConf.update(cfg, "output_dir", str(self.run_dir), force_add=True)
         check_config(cfg)
+        # defaults tuned on the embedded model left on another one (None overrides: a composed config, read as is)
+        model = next((o.split("=", 1)[1] for o in overrides or () if o.startswith("model=")), None)
+        tuned = tuned_defaults.warning(cfg, overrides, model)
+        if tuned:
+            log.warning("%s", tuned)
         algo = build(cfg.algo)
         if not isinstance(algo, SFT):
             raise UserError(f"step() trains with the SFT loss, but the config's algo is {type(algo).__name__}. "

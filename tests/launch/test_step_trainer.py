@@ -202,3 +202,22 @@ def test_compiled_layers_compile_once_through_train_evaluate_generate_train(monk
             made.append(counters["stats"]["unique_graphs"] - before)
     assert made[0] == made[2] == 0, made  # generate() compiled nothing
     assert 1 <= made[1] == made[3], made  # the second cycle compiled nothing
+
+
+def test_another_model_left_with_the_tuned_defaults_is_warned_at_start(monkeypatch, caplog):
+    """StepTrainer(overrides) names the defaults tuned on the embedded model that another model keeps, as train.py's
+    start-up does (rlhf.config.tuned_defaults); an override of one of them takes it off the line."""
+    import rlhf.launch.step_trainer as step_trainer
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("built")  # the warning is decided before the model loads
+
+    monkeypatch.setattr(step_trainer, "build_run", stop)
+    with caplog.at_level("WARNING", logger=step_trainer.__name__), pytest.raises(RuntimeError, match="built"):
+        StepTrainer(["model=smollm2-135m"])
+    line = next(r.getMessage() for r in caplog.records if "defaults tuned on the embedded tiny model" in r.getMessage())
+    assert "model=smollm2-135m" in line and "optimizer.lr=" in line
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=step_trainer.__name__), pytest.raises(RuntimeError, match="built"):
+        StepTrainer(["model=smollm2-135m", "optimizer.lr=2e-5"])
+    assert not any("optimizer.lr=" in r.getMessage() and "defaults tuned" in r.getMessage() for r in caplog.records)
