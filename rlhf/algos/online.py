@@ -17,6 +17,7 @@ uninterrupted one did, and N processes sample what one process with N accumulati
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -259,6 +260,9 @@ class Rollouts:
 
     def __init__(self, algo: OnlineAlgorithm, prompts: Batches, state: TrainState, accelerator, model) -> None:
         self.algo, self.prompts, self.state, self.accelerator, self.model = algo, prompts, state, accelerator, model
+        # The weights a rollout samples with: a context the loop sets to the optimizer's evaluation weights (the
+        # averaged ones of schedule-free AdamW, rlhf.run.optimizer_modes); by default the parameters as they are.
+        self.sampling_weights: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def _next_prompts(self) -> tuple[dict[str, Any], int]:
         """The next prompt batch and its sampling seed (from its position in the loader's global order)."""
@@ -271,7 +275,8 @@ class Rollouts:
         algo, buffer = self.algo, self.algo.buffer
         total = algo.steps_per_generation * algo.num_iterations
         if not buffer or buffer["served"] >= total:
-            samples, metrics = algo.collect(self.model, self._next_prompts)
+            with self.sampling_weights():
+                samples, metrics = algo.collect(self.model, self._next_prompts)
             buffer = algo.buffer = {"micro_batches": split_groups(samples, algo.steps_per_generation,
                                                                   algo.num_generations),
                                     "metrics": metrics, "served": 0}

@@ -17,7 +17,9 @@ types it and the fix for:
 - a reference strategy that needs the policy's LoRA adapter (``algo/reference=adapter``, ``ref_adapter``) with
   ``peft=none``;
 - the algorithm's options against the rest of the run (its ``check_run``: e.g. an online algorithm's rollout that
-  does not split into ``steps_per_generation`` micro-batches).
+  does not split into ``steps_per_generation`` micro-batches);
+- an optimizer that needs whole matrices (``optimizer=muon``) under a sharding strategy (``hardware=fsdp``,
+  ``zero1``-``zero3``).
 """
 
 from __future__ import annotations
@@ -144,8 +146,8 @@ def check_fields(values: dict[str, Any], target: Callable, where: str, nullable:
         if key not in params:
             if not takes_any:
                 valid = ", ".join(k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL)
-                raise UserError(f"{name}: {target.__module__}.{target.__qualname__} has no argument {key!r}. "
-                                f"Valid fields: {valid}.")
+                fields = f"Valid fields: {valid}." if valid else f"It takes none. Fix: leave {name} out."
+                raise UserError(f"{name}: {target.__module__}.{target.__qualname__} has no argument {key!r}. {fields}")
             continue
         if _takes_a_function(hints.get(key)) and value is not None and not isinstance(value, dict):
             function = value if isinstance(value, str) else "<module.function>"
@@ -192,6 +194,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_data_columns(container)
     _check_peft(container)
     _check_algorithm_with_run(container)
+    _check_optimizer_with_hardware(container)
     _check_rewards_fit_the_data(container)
     sweep.check_objective(container)
 
@@ -254,6 +257,29 @@ def _check_algorithm_with_run(container: dict) -> None:
         check = getattr(get_object(algo["_target_"]), "check_run", None)
         if check is not None:
             check(algo, container)
+
+
+def _check_optimizer_with_hardware(container: dict) -> None:
+    """An optimizer whose update needs each matrix whole (``whole_matrices``: Muon's Newton-Schulz orthogonalizes the
+    full matrix) under a strategy that hands the optimizer pieces of it (FSDP2's row shards, ZeRO's flat
+    partitions), refused before anything loads: it would apply another rule without a word (DeepSpeed#8441,
+    verl fork #91)."""
+    optimizer, hardware = container.get("optimizer"), container.get("hardware")
+    if not (isinstance(optimizer, dict) and isinstance(hardware, dict) and "_target_" in optimizer
+            and "_target_" in hardware):
+        return
+    if not getattr(get_object(optimizer["_target_"]), "whole_matrices", False):
+        return
+    from rlhf.hardware.sharded import Sharded
+
+    strategy = get_object(hardware["_target_"])
+    if inspect.isclass(strategy) and issubclass(strategy, Sharded):
+        name = f"zero{hardware['stage']}" if "stage" in hardware else "fsdp"
+        raise UserError(f"optimizer={optimizer['_target_'].rsplit('.', 1)[-1]} orthogonalizes each hidden matrix "
+                        f"whole (Newton-Schulz on the full matrix), but hardware={name} ({strategy.__name__}) hands "
+                        "the optimizer only this process's shard of each matrix, so the update would be another "
+                        "rule's. Fix: hardware=cpu_ddp or ddp (each process holds whole matrices), or an optimizer "
+                        "that updates element by element under sharding (optimizer=adamw).")
 
 
 def _check_attention(container: dict) -> None:
@@ -340,7 +366,9 @@ def _walk(node: Any, where: str) -> None:
                 raise UserError(_not_importable(where, target, error)) from error
             shared = _with_option_defaults(GROUP_LIMITS.get(where), where, target)
             ranges = {**(shared or {}), **getattr(obj, "__limits__", {})}
-            check_fields(node, obj, where, nullable={k for k, r in ranges.items() if r.null})
+            # optimizer.partition is the run's (rlhf.optim.partition.from_config), not the optimizer's argument
+            own = {k: v for k, v in node.items() if not (where == "optimizer" and k == "partition")}
+            check_fields(own, obj, where, nullable={k for k, r in ranges.items() if r.null})
             validate.check_limits(node, obj, where, shared)
             if isinstance(inspect.getattr_static(obj, "check_options", None), staticmethod):
                 obj.check_options(node, where)  # a component's own check of its values, before it is built

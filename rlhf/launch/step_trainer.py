@@ -33,6 +33,7 @@ from rlhf.run import checkpoint
 from rlhf.run.components import BuiltRun, build_run
 from rlhf.run.loop import train_step, window_metrics
 from rlhf.run.nonfinite import CAUSES, NonFinite
+from rlhf.run.optimizer_modes import check_reaches, evaluation_weights, training_weights
 from rlhf.telemetry.loggers import Loggers
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class StepTrainer:
         self.cfg = cfg
         self.run: BuiltRun = build_run(cfg, strategy, self.run_dir)
         self.state = TrainState()
+        check_reaches(self.run.optimizer, self.run.model)
+        training_weights(self.run.optimizer)  # an optimizer with train/eval modes starts in train mode
         self.max_length = max_length if max_length is not None else self.run.algo.max_length
         self.truncation_mode, self.optimize_device_cache = truncation_mode, optimize_device_cache
         self._warned_schedule = False
@@ -273,8 +276,8 @@ class StepTrainer:
         model.eval()
         try:  # a sharded model's parameters gathered once for the generation (FSDP2, ZeRO-3), not at every token
             # only the settings given here, not the model's generation_config.json; compiled layers run eagerly
-            with (self.run.accelerator.autocast(), gathered_for_generation(self.run.model) as still_sharded,
-                  plain_defaults(model), eager_layers()):
+            with (evaluation_weights(self.run.optimizer), self.run.accelerator.autocast(),
+                  gathered_for_generation(self.run.model) as still_sharded, plain_defaults(model), eager_layers()):
                 sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p} if do_sample else {}
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                      do_sample=do_sample, **sampling,  # greedy: no sampling settings to warn about
@@ -287,7 +290,8 @@ class StepTrainer:
 
     def evaluate(self) -> dict[str, float]:
         """The loop's held-out evaluation (``eval/*``: for ``algo=sft`` ``eval/loss``, ``eval/exact_match`` ...)."""
-        metrics = self.run.evaluate()
+        with evaluation_weights(self.run.optimizer):  # a schedule-free optimizer's evaluation weights
+            metrics = self.run.evaluate()
         if self._logger is not None:
             self._logger.log(metrics, self.state.step)
         return metrics
@@ -298,7 +302,9 @@ class StepTrainer:
         if not self.run.strategy.all_finite(self.run.model):
             raise NonFinite(f"step {self.state.step}: the model's parameters are not finite; {folder} was not "
                             "written. " + CAUSES)
-        self.run.strategy.save_model(self.run.model, self.run.tokenizer, folder, checkpoint.save_pretrained_atomically)
+        with evaluation_weights(self.run.optimizer):  # what is evaluated is what is saved
+            self.run.strategy.save_model(self.run.model, self.run.tokenizer, folder,
+                                         checkpoint.save_pretrained_atomically)
         return folder
 
     def close(self) -> None:

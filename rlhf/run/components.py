@@ -30,8 +30,9 @@ from rlhf.hardware import compiling, global_numel
 from rlhf.models import attention
 from rlhf.models.adapters import NoAdapter
 from rlhf.ops.collectives import any_process
-from rlhf.optim import param_groups, schedule
-from rlhf.run.folder import ENVIRONMENT
+from rlhf.optim import partition as partitions
+from rlhf.optim import schedule
+from rlhf.run.folder import ENVIRONMENT, PARTITION
 from rlhf.run.nonfinite import Verdicts, verdicts_for
 from rlhf.run.resume_check import record
 from rlhf.run.train_settings import TrainSettings
@@ -98,6 +99,7 @@ class BuiltRun:
     verdicts: Verdicts | None = None  # the non-finite verdicts kept on the device; None: read every step (rlhf.run.nonfinite)
     load: LoadMeter = field(default_factory=LoadMeter)  # the machine's load, read at each log window (perf/busy_cpus_other)
     configured_workers: int | None = None  # data.num_workers as configured (None: the table's choice for the device)
+    partition: Any = None  # which tensors each update rule steps (rlhf.optim.partition.Split): logged and recorded
 
     def evaluate(self) -> dict[str, float]:
         """The held-out metrics: the algorithm's own (``eval/<name>``) and the generation evaluation's
@@ -156,7 +158,8 @@ class BuiltRun:
             else:
                 log.info("%s", line)
         log.info("%s", self.memory.describe())
-
+        if self.partition is not None:
+            log.info("%s", self.partition.describe(self.optimizer))
 
     def epochs(self) -> float:
         """Passes over the training rows that ``max_steps`` optimizer steps make."""
@@ -171,6 +174,8 @@ class BuiltRun:
                 "machine": perf.machine_name(self.accelerator.device), "num_processes": self.accelerator.num_processes,
                 "torch": torch.__version__, "cpus": self.load.cpus,  # the CPUs perf/busy_cpus_other counts among
                 "threads_change_numbers": getattr(self.strategy, "threads_change_numbers", False)}, indent=2) + "\n")
+            if self.partition is not None:  # which tensors got which rule and lr, for a report to publish
+                (self.run_dir / PARTITION).write_text(self.partition.record(self.optimizer))
 
 
 def _figure(value: float) -> str:
@@ -217,11 +222,17 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
                             pin_memory=strategy.uses_cuda())  # moved to the GPU without a wait (hardware.base)
     evaluation = eval_loader(tokenized["eval"], settings.eval_batch_size, algo.collate, accelerator)
     # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
-    make_optimizer = build(cfg.optimizer, _convert_="all")  # plain lists (betas): checkpoints load weights-only
+    partition, make_optimizer = partitions.from_config(cfg.optimizer)  # which tensors get which rule, the optimizer
     memory = preflight(model, algo, tokenized["train"], make_optimizer, strategy, settings,
                        frozen={**algo.frozen, **generation_eval.frozen})
     check_memory(memory, peak, strategy, settings, memory_fixes(algo, model, settings, accumulation))
-    model, optimizer, training = strategy.prepare(model, lambda m: make_optimizer(param_groups(m)), training)
+    split: list[partitions.Split] = []  # the partition of the parameters the strategy gives the optimizer
+
+    def optimizer_of(module):
+        split.append(partition(module))
+        return make_optimizer(split[-1].groups())
+
+    model, optimizer, training = strategy.prepare(model, optimizer_of, training)
     max_steps = settings.steps(len(training), accumulation)
     scheduler = schedule(build(cfg.scheduler), optimizer, max_steps, warn=accelerator.is_main_process)
     policy = strategy.unwrap(model)
@@ -237,7 +248,7 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
                     peak_flops=peak_flops, generation_eval=generation_eval,
                     left_out=frozenset(() if getattr(data, "one_answer_per_prompt", True) else algo.answer_metrics),
                     verdicts=verdicts_for(settings, strategy, optimizer),
-                    configured_workers=getattr(data, "num_workers", None))
+                    configured_workers=getattr(data, "num_workers", None), partition=split[-1])
 
 
 def activation_checkpointing(model) -> bool:

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 LOCK = ".lock"
 # What a run's numbers depend on beyond its config: threads_per_process, mixed_precision, machine, num_processes, torch
 ENVIRONMENT = "environment.json"
+# Which trainable tensors each update rule steps, with counts and learning rates (rlhf.optim.partition.Split.record)
+PARTITION = "partition.json"
 # Set for the ranks a run starts itself: their parent holds the lock and has prepared the folder.
 OWNED = "RLHF_RUN_FOLDER_OWNED"
 

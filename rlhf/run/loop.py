@@ -30,6 +30,12 @@ from rlhf.run import checkpoint, resume_check, signals
 from rlhf.run import folder as run_folder
 from rlhf.run.components import BuiltRun, build_run
 from rlhf.run.nonfinite import CAUSES, NonFinite, skip_or_stop
+from rlhf.run.optimizer_modes import (
+    check_reaches,
+    decaying_schedule_warning,
+    evaluation_weights,
+    training_weights,
+)
 from rlhf.run.signals import Stopped, catch_stop_signals
 from rlhf.run.window import settle, window_metrics
 from rlhf.telemetry import bf16_updates
@@ -95,7 +101,13 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
     settings, accelerator = run.settings, run.accelerator
     if any_process({"stop": stop.signum is not None}, accelerator)["stop"]:
         raise Stopped(_signum(stop), resume, run.run_dir, state.step)
+    check_reaches(run.optimizer, run.model)  # schedule-free: its evaluation weights must reach the model
+    training_weights(run.optimizer)  # schedule-free: a resumed checkpoint holds the evaluation weights
+    if accelerator.is_main_process and (line := decaying_schedule_warning(run.optimizer, run.scheduler, run.max_steps)):
+        log.warning("%s", line)
     batches = run.algo.batch_source(run.train_loader, state, accelerator, model=run.model)
+    if hasattr(batches, "sampling_weights"):  # an online algorithm's rollouts sample with the evaluation weights
+        batches.sampling_weights = lambda: evaluation_weights(run.optimizer)
     window_start = time.perf_counter()
     bar = tqdm(total=run.max_steps, initial=state.step, desc="training", dynamic_ncols=True,
                disable=not accelerator.is_main_process or run.max_steps == 0,
@@ -237,7 +249,8 @@ def train_step(run: BuiltRun, state: TrainState, batches, stop, accumulation: in
 
 
 def _evaluate(run: BuiltRun, record, step: int) -> None:
-    metrics = run.evaluate()
+    with evaluation_weights(run.optimizer):  # schedule-free: the averaged weights, not those the gradient is taken at
+        metrics = run.evaluate()
     record(metrics, step)
     log.info("step %d: %s", step, _brief(metrics))
 
@@ -248,11 +261,12 @@ def _save_checkpoint(run: BuiltRun, state: TrainState) -> Path:
         raise NonFinite(f"step {state.step}: the model's parameters are not finite; no checkpoint was written over "
                         "the good ones. " + CAUSES)
     accelerator = run.accelerator
-    folder = checkpoint.save(run.run_dir, state, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler,
-                             algo=run.algo, strategy=run.strategy, accelerator=accelerator,
-                             keep_last=run.settings.keep_last, config=run.resume_record,
-                             meta={"processes": accelerator.num_processes, "strategy": type(run.strategy).__name__,
-                                   "torch": torch.__version__})
+    with evaluation_weights(run.optimizer):  # a checkpoint's model is the one to evaluate; a resume rebuilds y from z
+        folder = checkpoint.save(run.run_dir, state, model=run.model, optimizer=run.optimizer,
+                                 scheduler=run.scheduler, algo=run.algo, strategy=run.strategy,
+                                 accelerator=accelerator, keep_last=run.settings.keep_last, config=run.resume_record,
+                                 meta={"processes": accelerator.num_processes,
+                                       "strategy": type(run.strategy).__name__, "torch": torch.__version__})
     log.info("step %d: checkpoint %s", state.step, folder)
     return folder
 
@@ -270,10 +284,12 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
         if not run.strategy.all_finite(run.model):
             raise NonFinite(f"step {state.step}: the model's parameters are not finite; final/ was not written. "
                             + CAUSES)
-        run.strategy.save_model(run.model, run.tokenizer, run.run_dir / "final", checkpoint.save_pretrained_atomically)
-        log.info("saved the final model to %s", run.run_dir / "final")
-        if run.accelerator.is_main_process:  # peft.merge=true: final/merged/, the adapter merged into the base
-            run.adapter.save_merged(run.run_dir / "final", run.tokenizer, checkpoint.save_pretrained_atomically)
+        with evaluation_weights(run.optimizer):  # schedule-free: the averaged weights, those evaluated
+            run.strategy.save_model(run.model, run.tokenizer, run.run_dir / "final",
+                                    checkpoint.save_pretrained_atomically)
+            log.info("saved the final model to %s", run.run_dir / "final")
+            if run.accelerator.is_main_process:  # peft.merge=true: final/merged/, the adapter merged into the base
+                run.adapter.save_merged(run.run_dir / "final", run.tokenizer, checkpoint.save_pretrained_atomically)
         run.accelerator.wait_for_everyone()
     elif run.accelerator.is_main_process:
         run_folder.drop_earlier_model(run.run_dir)  # an earlier run's final/ is not this run's model

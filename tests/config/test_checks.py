@@ -43,6 +43,7 @@ from rlhf.core.errors import UserError
 from rlhf.core.instantiate import build
 from rlhf.data.source import DataSource
 from rlhf.models.loading import DTYPES, load_policy
+from rlhf.optim import partition as partitions
 from rlhf.optim import schedule
 from rlhf.run.train_settings import TrainSettings
 from rlhf.telemetry.loggers import Loggers
@@ -105,9 +106,10 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
             policy.model = instantiate(cfg.peft).apply(policy.model)
         reference = instantiate(node)(policy.model, policy.tokenizer)
         assert reference is None or not any(p.requires_grad for p in reference.parameters())
-    elif group == "optimizer":
+    elif group == "optimizer":  # with its partition (optimizer.partition; absent: matrices decayed, vectors not)
         model = _small_model()
-        optimizer = instantiate(node)([{"params": list(model.parameters())}])
+        partition, make = partitions.from_config(node)
+        optimizer = make(partition(model).groups())
         model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
         before = next(model.parameters()).detach().clone()
         optimizer.step()

@@ -88,7 +88,7 @@ def test_every_optimizer_refuses_negative_weight_decay(option):
     assert "optimizer.weight_decay=-0.1 must be >= 0" in refused(f"optimizer={option}", "optimizer.weight_decay=-0.1")
 
 
-@pytest.mark.parametrize("option", [o for o in OPTIMIZERS if "betas" in (CONF / "optimizer" / f"{o}.yaml").read_text()])
+@pytest.mark.parametrize("option", [o for o in OPTIMIZERS if "betas" in OmegaConf.load(CONF / "optimizer" / f"{o}.yaml")])
 def test_betas_each_in_zero_one(option):
     message = refused(f"optimizer={option}", "optimizer.betas=[0.9,1.0]")
     default = show(list(OmegaConf.load(CONF / "optimizer" / f"{option}.yaml").betas))
@@ -272,8 +272,7 @@ def _train(*args: str, cwd) -> subprocess.CompletedProcess:
     (["optimiser=lion", "hydra.run.dir=run"], "error: optimiser is not a config group or key (optimiser=lion). Did "
                                               "you mean optimizer=lion?"),
     (["optimizer=lino", "hydra.run.dir=run"], "error: optimizer=lino: conf/optimizer/ has no option 'lino' (options: "
-                                              "adafactor, adam8bit, adamw, lion, paged_adamw8bit, sgd). Did you mean "
-                                              "optimizer=lion?"),
+                                              f"{', '.join(OPTIMIZERS)}). Did you mean optimizer=lion?"),
     (["data.path=pairs.jsonl", "hydra.run.dir=run"], "error: data.path=pairs.jsonl has columns ['prompt', 'chosen'], "
                                                      "but this algorithm needs prompt/chosen/rejected"),
 ])
@@ -394,8 +393,8 @@ def test_a_missing_local_model_is_refused_before_anything_loads(tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (["optimiser=lion"], "optimiser is not a config group or key (optimiser=lion). Did you mean optimizer=lion?"),
     (["trian.max_steps=3"], "trian is not a config group or key (trian.max_steps=3). Did you mean train.max_steps=3?"),
-    (["optimizer=lino"], "optimizer=lino: conf/optimizer/ has no option 'lino' (options: adafactor, adam8bit, adamw, "
-                         "lion, paged_adamw8bit, sgd). Did you mean optimizer=lion?"),
+    (["optimizer=lino"], f"optimizer=lino: conf/optimizer/ has no option 'lino' (options: {', '.join(OPTIMIZERS)}). "
+                         "Did you mean optimizer=lion?"),
     (["-m", "optimizer=sgd,lino"], "optimizer=lino: conf/optimizer/ has no option 'lino'"),
     (["hardware=zzz"], "hardware=zzz: conf/hardware/ has no option 'zzz' (options: auto, "),
     (["algo=dpo", "optimizer=lion", "hydra.run.dir=x", "+foo=1", "experiment=null", "--cfg", "job", "seed=1"], None),

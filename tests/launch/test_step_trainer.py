@@ -221,3 +221,27 @@ def test_another_model_left_with_the_tuned_defaults_is_warned_at_start(monkeypat
     with caplog.at_level("WARNING", logger=step_trainer.__name__), pytest.raises(RuntimeError, match="built"):
         StepTrainer(["model=smollm2-135m", "optimizer.lr=2e-5"])
     assert not any("optimizer.lr=" in r.getMessage() and "defaults tuned" in r.getMessage() for r in caplog.records)
+
+
+def test_a_schedule_free_optimizer_evaluates_generates_and_saves_with_its_evaluation_weights(tmp_path, monkeypatch):
+    """StepTrainer.evaluate, generate and save run with the optimizer in eval mode (its evaluation weights in the
+    model), the next step in train mode again (rlhf.run.optimizer_modes). Red without the swap in any of the three."""
+    from rlhf.run.optimizer_modes import innermost
+
+    modes = []
+    with StepTrainer([*FAST, "optimizer=schedule_free_adamw"]) as trainer:
+        inner = innermost(trainer.run.optimizer)
+        mode = lambda: "train" if inner.param_groups[0]["train_mode"] else "eval"  # noqa: E731
+        trainer.step(texts=["a b c d"], texts_labels=["e f"])
+        evaluate, save_model = trainer.run.evaluate, trainer.run.strategy.save_model
+        monkeypatch.setattr(trainer.run, "evaluate", lambda: modes.append(("evaluate", mode())) or evaluate())
+        monkeypatch.setattr(trainer.run.strategy, "save_model",
+                            lambda *a: modes.append(("save", mode())) or save_model(*a))
+        generate = trainer.model.generate
+        monkeypatch.setattr(trainer.model, "generate", lambda **k: modes.append(("generate", mode())) or generate(**k))
+        trainer.evaluate()
+        trainer.generate(["a b"], max_new_tokens=2, do_sample=False)
+        trainer.save(tmp_path / "final")
+        assert mode() == "train"
+        trainer.step(texts=["a b c d"], texts_labels=["e f"])
+    assert modes == [("evaluate", "eval"), ("generate", "eval"), ("save", "eval")]

@@ -1,6 +1,10 @@
-"""Parameter groups for optimizers built from ``conf/optimizer/*.yaml``, the schedule of a run of known length,
-the warmup schedules of ``conf/scheduler/*.yaml``, the values every optimizer and scheduler accepts, and which
-optimizers can skip a step on the device."""
+"""Optimizers' parts: parameter groups, the schedule of a run of known length, the warmup schedules of
+``conf/scheduler/*.yaml``, the values every optimizer and scheduler accepts, and which optimizers can skip a step on
+the device. May import ``rlhf.core`` only.
+
+- :mod:`~rlhf.optim.partition`: which tensors get which update rule and learning rate (``optimizer.partition``).
+- :mod:`~rlhf.optim.rules`: one optimizer of several rules (Muon on the hidden matrices, AdamW on the rest).
+"""
 
 from __future__ import annotations
 
@@ -11,25 +15,15 @@ import math
 import torch
 
 from rlhf.core.limits import Range
+from rlhf.optim.partition import DecayMatrices
 
 log = logging.getLogger(__name__)
 
 
 def param_groups(model: torch.nn.Module) -> list[dict]:
-    """Trainable parameters in two groups: with weight decay (matrices) and without (biases, norms, 1-D).
-
-    The no-decay group overrides ``weight_decay`` with 0; the other group takes the optimizer's own value.
-    Frozen parameters (``requires_grad=False``) are left out, so optimizer state is kept only for what trains.
-    """
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (no_decay if param.ndim < 2 or "norm" in name.lower() or name.endswith(".bias") else decay).append(param)
-    groups = [{"params": decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+    """The default partition's groups (:class:`rlhf.optim.partition.DecayMatrices`): matrices with the optimizer's
+    weight decay, biases, norms and 1-D tensors with ``weight_decay: 0``; frozen parameters left out."""
+    return DecayMatrices()(model).groups()
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
