@@ -92,13 +92,15 @@ def test_the_compiled_layers_probe_is_red_when_the_compiled_model_computes_somet
         probes.compiled_layers("cpu")
 
 
-def test_a_section_that_hits_the_recompile_limit_fails_in_this_process_and_in_its_own(monkeypatch):
+def test_a_section_that_hits_the_recompile_limit_fails_in_this_process_and_in_its_own():
     """Dynamo's warning, caught by its logger: a probe run here fails its row; a function run in a process of its own
     fails its call; a worker's answer that carries one fails its side; a run's output is read for it. Red when the
     watch listens on another logger, or the limit's name changes in the warning."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
-    [row] = preflight.preflight("cpu", [("compiled too often", lambda device: provoke_recompile_limit(),
-                                         "hardware.compile=layers")])
+    # torch's config.patch restores the limit (pytest's monkeypatch would delete the config entry on undo: later
+    # compiles in this process would then fail reading it)
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
+        [row] = preflight.preflight("cpu", [("compiled too often", lambda device: provoke_recompile_limit(),
+                                             "hardware.compile=layers")])
     assert row["ok"] is False and "hit torch's recompile limit" in row["value"], row
     assert "torch._dynamo hit config.recompile_limit (2)" in row["value"], row
     with pytest.raises(isolated.IsolatedFailed, match="recompile limit"):

@@ -153,7 +153,8 @@ def check_when(fused: Any, key: str = "algo.fused_output_layer",
     """``fused`` if it is true, false or one of ``names`` (``auto``, and for the output layer ``triton``); else a
     :class:`UserError` that names ``key`` and ``fix``."""
     if not (fused is True or fused is False or fused in names):
-        raise UserError(f"{key}={fused!r} is not one of true, false, {', '.join(names)}. Fix: {key}={fix}")
+        shown = ", ".join([names[0], "true", "false", *names[1:]])
+        raise UserError(f"{key}={fused!r} is not one of {shown}. Fix: {key}={fix}")
     return fused
 
 

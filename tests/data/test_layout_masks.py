@@ -26,6 +26,15 @@ def _packed_batch() -> dict:
     return shared_prompt.collate_packed(chosen, chosen_masks, rejected, rejected_masks)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_compiler():
+    """The compiler's caches emptied after this module: the shapes compiled here would otherwise make a later flex
+    attention of another length (transformers compiles it) recompile with dynamic shapes, whose C++ template
+    inductor 2.13 fails to build (``cur_kvSplitSize8`` undeclared)."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def masks():
     """The packed batch's branch and document ids, its block mask built eagerly and by the compiled construction

@@ -143,7 +143,7 @@ def test_a_transform_after_the_output_layer_is_a_clear_error():
 
 @pytest.mark.parametrize("value", ["yes", 1, 0.0, None])
 def test_bad_values_are_refused_with_the_choices(value):
-    with pytest.raises(UserError, match="true, false, auto, triton"):
+    with pytest.raises(UserError, match="auto, true, false, triton"):
         check_when(value)
     with pytest.raises(UserError, match="algo.fused_output_layer"):
         DPO(fused_output_layer=value)
@@ -204,7 +204,7 @@ def test_triton_is_asked_for_by_name_and_answers_with_torch_operations_off_a_gpu
     layer answers as ``true`` does, with torch operations, and on a GPU without the package the run ends in one
     message naming the fix."""
     assert check_when("triton") == "triton"
-    with pytest.raises(UserError, match="algo.shared_prompt='triton' is not one of true, false, auto."):
+    with pytest.raises(UserError, match="algo.shared_prompt='triton' is not one of auto, true, false. Fix"):
         DPO(shared_prompt="triton")  # the output layer's value only
     layer = FusedOutputLayer(4, 8)
     layer.fused = "triton"
