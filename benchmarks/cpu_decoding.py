@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.seeds import cpu_name  # noqa: E402
 
 WAYS = ("transformers", "static", "static_compiled")
 FIXED = "static_compiled (fixed shapes)"
@@ -62,7 +66,7 @@ def main() -> None:
     algo, model = run.algo, run.model
     prompts = next(iter(run.train_loader))
     groups = algo.num_generations
-    print(f"{platform.processor() or platform.machine()}, {_cpu_name()}, torch {torch.__version__}, "
+    print(f"{cpu_name()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s); {len(prompts['input_ids'])} prompts x {groups} completions, "
           f"at most {algo.max_completion_length} new tokens, prompts of {prompts['input_ids'].shape[1]} positions",
           flush=True)
@@ -102,16 +106,6 @@ def main() -> None:
         print(f"{way:31} {first[way]:>9.2f}s {wall:>7.3f}s {min(t[0] for t in later[way]):>6.3f}s {cpu:>9.3f}s "
               f"{min(t[1] for t in later[way]):>7.3f}s {base[0] / wall:>15.2f}x {base[1] / cpu:>5.2f}x")
     print("(generate / this: generate's median seconds over this way's; above 1, this way is faster)")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -30,12 +30,7 @@ from rlhf.run import checkpoint, resume_check, signals
 from rlhf.run import folder as run_folder
 from rlhf.run.components import BuiltRun, build_run
 from rlhf.run.nonfinite import CAUSES, NonFinite, skip_or_stop
-from rlhf.run.optimizer_modes import (
-    check_reaches,
-    decaying_schedule_warning,
-    evaluation_weights,
-    training_weights,
-)
+from rlhf.run.optimizer_modes import before_training, evaluation_weights
 from rlhf.run.signals import Stopped, catch_stop_signals
 from rlhf.run.window import settle, window_metrics
 from rlhf.telemetry import bf16_updates
@@ -101,13 +96,9 @@ def _train(run: BuiltRun, state: TrainState, record, record_tables, stop, resume
     settings, accelerator = run.settings, run.accelerator
     if any_process({"stop": stop.signum is not None}, accelerator)["stop"]:
         raise Stopped(_signum(stop), resume, run.run_dir, state.step)
-    check_reaches(run.optimizer, run.model)  # schedule-free: its evaluation weights must reach the model
-    training_weights(run.optimizer)  # schedule-free: a resumed checkpoint holds the evaluation weights
-    if accelerator.is_main_process and (line := decaying_schedule_warning(run.optimizer, run.scheduler, run.max_steps)):
-        log.warning("%s", line)
     batches = run.algo.batch_source(run.train_loader, state, accelerator, model=run.model)
-    if hasattr(batches, "sampling_weights"):  # an online algorithm's rollouts sample with the evaluation weights
-        batches.sampling_weights = lambda: evaluation_weights(run.optimizer)
+    # schedule-free: the training weights in, rollouts with the evaluation weights (nothing for other optimizers)
+    before_training(run.optimizer, run.model, run.scheduler, run.max_steps, batches, accelerator.is_main_process)
     window_start = time.perf_counter()
     bar = tqdm(total=run.max_steps, initial=state.step, desc="training", dynamic_ncols=True,
                disable=not accelerator.is_main_process or run.max_steps == 0,

@@ -23,6 +23,7 @@ optimizer everything here does nothing.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,8 @@ from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
 
 INSTALL = "pip install 'rlhf[optimizers]'  (or: pip install 'schedulefree>=1.4')"
+
+log = logging.getLogger(__name__)
 
 
 def innermost(optimizer: Any) -> Any:
@@ -137,3 +140,17 @@ def decaying_schedule_warning(optimizer: Any, scheduler: Any, total_steps: int) 
             f"({type(scheduler).__name__}) lowers its learning rate during the run: a decay on top of the average "
             "that replaces it, not the method of Defazio et al. 2024. Fix: scheduler=constant (its num_warmup_steps "
             "or optimizer.warmup_steps give the warmup)")
+
+
+def before_training(optimizer: Any, model: torch.nn.Module, scheduler: Any, total_steps: int, batches: Any,
+                    warn: bool) -> None:
+    """What the loop does once before its first step for an optimizer with modes (nothing for others): refuse one
+    whose evaluation weights cannot reach the model (:func:`check_reaches`), put the training weights in (a resumed
+    checkpoint holds the evaluation weights), warn of a decaying schedule (``warn``: on the main process), and let
+    an online algorithm's rollouts (``batches.sampling_weights``) sample with the evaluation weights."""
+    check_reaches(optimizer, model)
+    training_weights(optimizer)
+    if warn and (line := decaying_schedule_warning(optimizer, scheduler, total_steps)):
+        log.warning("%s", line)
+    if hasattr(batches, "sampling_weights"):
+        batches.sampling_weights = lambda: evaluation_weights(optimizer)

@@ -115,7 +115,6 @@ def modes_seen(monkeypatch):
     """Record the optimizer's mode at each evaluation, checkpoint, final save and rollout of a run: ``(where,
     train_mode)`` pairs, and the mode at every optimizer step."""
     from rlhf.algos.online import OnlineAlgorithm
-    from rlhf.run import loop
     from rlhf.run.components import BuiltRun
 
     seen: list[tuple[str, bool]] = []
@@ -134,8 +133,8 @@ def modes_seen(monkeypatch):
         holder["optimizer"] = optimizer
         return training_weights(optimizer)
 
-    training_weights = loop.training_weights
-    monkeypatch.setattr(loop, "training_weights", keep)
+    training_weights = optimizer_modes.training_weights
+    monkeypatch.setattr(optimizer_modes, "training_weights", keep)  # before_training calls it with the optimizer
     monkeypatch.setattr(BuiltRun, "evaluate", spy("evaluate", BuiltRun.evaluate))
     monkeypatch.setattr(checkpoint, "save", spy("checkpoint", checkpoint.save))
     monkeypatch.setattr(checkpoint, "save_pretrained_atomically", spy("final", checkpoint.save_pretrained_atomically))
