@@ -120,7 +120,8 @@ def predict_one(architecture: str, overrides: list[str], checkpointing: bool, ca
     from rlhf.hardware.holding import StoredPrecision
     from rlhf.models.loading import DTYPES
     from rlhf.optim import partition as partitions
-    from rlhf.telemetry.memory_preflight import activation_bytes, optimizer_bytes_per_parameter, plan
+    from rlhf.telemetry.memory_preflight import activation_bytes, plan
+    from rlhf.telemetry.optimizer_state import bytes_per_parameter
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, "output_dir=unused"])
@@ -136,7 +137,12 @@ def predict_one(architecture: str, overrides: list[str], checkpointing: bool, ca
     if adapter.quantizes:  # a 4-bit base stays 4-bit: only the master copy and the states' dtype apply
         precision = StoredPrecision(master_bytes=precision.master_bytes, optimizer_dtype=precision.optimizer_dtype)
     state_dtype = precision.optimizer_dtype or (torch.float32 if adapter.adapts else dtype)
-    optimizer_bytes = optimizer_bytes_per_parameter(partitions.from_config(cfg.optimizer)[1], state_dtype)
+    state_key = ("optimizer", architecture, cfg.model.dtype, str(cfg.optimizer), state_dtype, adapter.adapts)
+    if state_key not in cache:  # the probes of a 7B model's shapes take seconds: once per optimizer and model
+        partition, make_optimizer = partitions.from_config(cfg.optimizer)
+        # the partition's parts of the whole model (an adapter's tensors: one probe matrix, as their shapes vary less)
+        cache[state_key] = bytes_per_parameter(make_optimizer, state_dtype, None if adapter.adapts else partition(model))
+    optimizer_bytes = cache[state_key]
     value_bytes = 2 if cfg.hardware.mixed_precision == "bf16" or dtype != torch.float32 else 4
     frozen = reference.memory_bytes(model) * strategy.frozen_share(quantized=reference.quantized)
     target = (cfg.get("eval") or {}).get("_target_")
@@ -169,6 +175,20 @@ SETUPS = [
 ALL_OPTIMIZERS = ["adamw", "adam8bit", "lion", "sgd"]
 
 
+def refused(hardware: str, optimizer: str) -> bool:
+    """Whether the config check refuses ``optimizer`` under ``hardware`` before anything loads (an optimizer that
+    cannot run on the shards of a sharded strategy: rlhf.optim.sharding_refusal)."""
+    import yaml
+    from hydra.utils import get_object
+
+    from rlhf.optim import sharding_refusal
+
+    if hardware not in ("fsdp", "zero1", "zero2", "zero3"):
+        return False
+    target = yaml.safe_load((ROOT / "conf" / "optimizer" / f"{optimizer}.yaml").read_text())["_target_"]
+    return sharding_refusal(target, get_object(target), zero=hardware != "fsdp") is not None
+
+
 def _overrides(hardware: str, peft: str, reference: str, extra: list[str], optimizer: str, dtype: str) -> list[str]:
     return [f"hardware={hardware}", *GPU, f"peft={peft}", f"algo/reference={reference}", *extra,
             f"optimizer={optimizer}", f"model.dtype={dtype}"]
@@ -185,9 +205,10 @@ def predict() -> None:
         print("|---|---|---|" + "---:|" * len(ALL_OPTIMIZERS))
         for hardware in HARDWARE:
             for peft, reference, extra in SETUPS:
-                cells = [predict_one(architecture, _overrides(hardware, peft, reference, extra, optimizer, "bfloat16"),
-                                     True, cache).total / 2**30 for optimizer in ALL_OPTIMIZERS]
-                print(f"| `{hardware}` | `{peft}` | `{reference}` | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+                cells = ["refused" if refused(hardware, optimizer) else
+                         f"{predict_one(architecture, _overrides(hardware, peft, reference, extra, optimizer, 'bfloat16'), True, cache).total / 2**30:.1f}"
+                         for optimizer in ALL_OPTIMIZERS]
+                print(f"| `{hardware}` | `{peft}` | `{reference}` | " + " | ".join(cells) + " |")
 
 
 def fits() -> None:
@@ -197,7 +218,8 @@ def fits() -> None:
     print(f"\n**Phi-2 (2.7B) on two {GPU_GB} GB GPUs: what fits** (predicted; {budget} GB usable per GPU after "
           f"{GPU_RESERVED_GB} GB for the CUDA context and buffers; a setup fits when predicted under {HEADROOM:.0%} of "
           f"that, {HEADROOM * budget:.2f} GB; one pair of {GPU_TOKENS} tokens per micro-batch; the optimizers that "
-          "fit, with AdamW's predicted GB per GPU)\n")
+          "fit and run there (an optimizer refused under a sharded strategy is left out), with AdamW's predicted GB per "
+          "GPU)\n")
     print("| hardware | peft | reference | bf16 weights, checkpointing | bf16 weights, no checkpointing | "
           "fp32 weights, checkpointing |")
     print("|---|---|---|---|---|---|")
@@ -208,7 +230,8 @@ def fits() -> None:
                 sizes = {optimizer: predict_one("Phi-2 (2.7B)", _overrides(hardware, peft, reference, extra, optimizer,
                                                                           dtype), checkpointing, cache).total / 2**30
                          for optimizer in ALL_OPTIMIZERS}
-                fitting = [optimizer for optimizer, size in sizes.items() if size <= HEADROOM * budget]
+                fitting = [optimizer for optimizer, size in sizes.items()
+                           if size <= HEADROOM * budget and not refused(hardware, optimizer)]
                 cells.append(f"{', '.join(fitting) or 'none'} ({sizes['adamw']:.1f})")
             print(f"| `{hardware}` | `{peft}` | `{reference}` | " + " | ".join(cells) + " |")
 

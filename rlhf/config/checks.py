@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import dataclasses
+import difflib
 import functools
 import hashlib
 import inspect
@@ -145,8 +146,10 @@ def check_fields(values: dict[str, Any], target: Callable, where: str, nullable:
         name = f"{where}.{key}" if where else key
         if key not in params:
             if not takes_any:
-                valid = ", ".join(k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL)
-                fields = f"Valid fields: {valid}." if valid else f"It takes none. Fix: leave {name} out."
+                names = [k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+                near = difflib.get_close_matches(key, names, n=1)
+                fields = (f"Fix: {where + '.' if where else ''}{near[0]} (the field it resembles). " if near else "") + (
+                    f"Valid fields: {', '.join(names)}." if names else f"It takes none. Fix: leave {name} out.")
                 raise UserError(f"{name}: {target.__module__}.{target.__qualname__} has no argument {key!r}. {fields}")
             continue
         if _takes_a_function(hints.get(key)) and value is not None and not isinstance(value, dict):
@@ -260,26 +263,27 @@ def _check_algorithm_with_run(container: dict) -> None:
 
 
 def _check_optimizer_with_hardware(container: dict) -> None:
-    """An optimizer whose update needs each matrix whole (``whole_matrices``: Muon's Newton-Schulz orthogonalizes the
-    full matrix) under a strategy that hands the optimizer pieces of it (FSDP2's row shards, ZeRO's flat
-    partitions), refused before anything loads: it would apply another rule without a word (DeepSpeed#8441,
-    verl fork #91)."""
+    """An optimizer whose update needs each tensor whole on one process (``whole_matrices``: Muon's Newton-Schulz
+    orthogonalizes the full matrix; :func:`rlhf.optim.sharding_refusal` for other libraries' classes) under a strategy
+    that hands the optimizer pieces of it (FSDP2's row shards, ZeRO's flat float32 partitions), refused before
+    anything loads: it would apply another rule without a word (DeepSpeed#8441, verl fork #91)."""
     optimizer, hardware = container.get("optimizer"), container.get("hardware")
     if not (isinstance(optimizer, dict) and isinstance(hardware, dict) and "_target_" in optimizer
             and "_target_" in hardware):
         return
-    if not getattr(get_object(optimizer["_target_"]), "whole_matrices", False):
-        return
     from rlhf.hardware.sharded import Sharded
+    from rlhf.optim import sharding_refusal
 
     strategy = get_object(hardware["_target_"])
-    if inspect.isclass(strategy) and issubclass(strategy, Sharded):
-        name = f"zero{hardware['stage']}" if "stage" in hardware else "fsdp"
-        raise UserError(f"optimizer={optimizer['_target_'].rsplit('.', 1)[-1]} orthogonalizes each hidden matrix "
-                        f"whole (Newton-Schulz on the full matrix), but hardware={name} ({strategy.__name__}) hands "
-                        "the optimizer only this process's shard of each matrix, so the update would be another "
-                        "rule's. Fix: hardware=cpu_ddp or ddp (each process holds whole matrices), or an optimizer "
-                        "that updates element by element under sharding (optimizer=adamw).")
+    if not (inspect.isclass(strategy) and issubclass(strategy, Sharded)):
+        return
+    name = f"zero{hardware['stage']}" if "stage" in hardware else "fsdp"
+    why = sharding_refusal(optimizer["_target_"], get_object(optimizer["_target_"]), zero=name != "fsdp")
+    if why is not None:
+        raise UserError(f"optimizer={optimizer['_target_'].rsplit('.', 1)[-1]} {why}, but hardware={name} "
+                        f"({strategy.__name__}) hands the optimizer only this process's shard of each tensor (under ZeRO, "
+                        "float32 copies of them), so the update would be another rule's. Fix: hardware=cpu_ddp or ddp (each process holds whole "
+                        "matrices), or an optimizer that updates element by element under sharding (optimizer=adamw).")
 
 
 def _check_attention(container: dict) -> None:
@@ -346,6 +350,12 @@ def _not_importable(where: str, target: str, error: Exception) -> str:
     """Why ``target`` cannot be imported, and the fix: a module of the user's own is importable from the folder
     ``train.py`` runs in, or from ``PYTHONPATH``."""
     cause = error.__cause__ or error
+    if isinstance(cause, ModuleNotFoundError) and cause.name:
+        from rlhf.optim import missing_library
+
+        library = missing_library(cause.name.split(".")[0], f"{where}._target_={target}")
+        if library is not None:
+            return library
     if isinstance(cause, ModuleNotFoundError) and cause.name == target.split(".")[0]:  # no such top-level module
         return (f"{where}._target_={target}: no module named {cause.name!r}. A module of your own (e.g. {cause.name}"
                 f".py with the function) is importable from the folder you run train.py in (now {os.getcwd()}) or "

@@ -45,6 +45,12 @@ class Split:
 
     kind: str
     parts: list[Part]
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments the model tells the optimizer (Adam-mini: dim, heads)
+
+    def build(self, make_optimizer: Any) -> torch.optim.Optimizer:
+        """The optimizer ``make_optimizer`` (a ``conf/optimizer`` partial) builds from this split's groups and the
+        model's facts it needs (:attr:`options`)."""
+        return make_optimizer(self.groups(), **self.options)
 
     def groups(self) -> list[dict[str, Any]]:
         """The optimizer's parameter groups, one per part, in order (a part may be empty)."""

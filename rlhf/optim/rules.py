@@ -93,6 +93,10 @@ class MuonWithAdamW(PerRule):
         from rlhf.core import limits
         from rlhf.optim import OPTIMIZER_LIMITS
 
+        if not hasattr(torch.optim, "Muon"):
+            raise UserError(f"{where}=muon steps the hidden matrices with torch.optim.Muon, which torch "
+                            f"{torch.__version__} does not have (it came with torch 2.9). Fix: pip install -U torch "
+                            "(2.9 or later), or optimizer=adamw")
         adamw = node.get("adamw") or {}
         if not isinstance(adamw, dict):
             raise UserError(f"{where}.adamw={adamw!r}: the AdamW rule's settings, a mapping (lr, betas, eps, "

@@ -45,11 +45,11 @@ from rlhf.telemetry.memory_preflight import (
     available_bytes,
     check_fits,
     measured_plan,
-    optimizer_bytes_per_parameter,
     output_layer_bytes,
     resident_bytes,
 )
 from rlhf.telemetry.metrics import evaluate
+from rlhf.telemetry.optimizer_state import bytes_per_parameter
 
 log = logging.getLogger(__name__)
 
@@ -224,13 +224,13 @@ def build_run(cfg: DictConfig, strategy, run_dir: Path) -> BuiltRun:
     # The optimizer is built by the strategy, after sharding (FSDP2 replaces the parameters it shards).
     partition, make_optimizer = partitions.from_config(cfg.optimizer)  # which tensors get which rule, the optimizer
     memory = preflight(model, algo, tokenized["train"], make_optimizer, strategy, settings,
-                       frozen={**algo.frozen, **generation_eval.frozen})
+                       frozen={**algo.frozen, **generation_eval.frozen}, split=partition(model))
     check_memory(memory, peak, strategy, settings, memory_fixes(algo, model, settings, accumulation))
     split: list[partitions.Split] = []  # the partition of the parameters the strategy gives the optimizer
 
     def optimizer_of(module):
         split.append(partition(module))
-        return make_optimizer(split[-1].groups())
+        return split[-1].build(make_optimizer)
 
     model, optimizer, training = strategy.prepare(model, optimizer_of, training)
     max_steps = settings.steps(len(training), accumulation)
@@ -258,7 +258,7 @@ def activation_checkpointing(model) -> bool:
 
 
 def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: TrainSettings,
-              frozen: dict[str, Any] | None = None) -> MemoryPlan:
+              frozen: dict[str, Any] | None = None, split: partitions.Split | None = None) -> MemoryPlan:
     """The memory preflight (:mod:`rlhf.telemetry.memory_preflight`) of this run, for one process: the activations
     are estimated for a micro-batch of the longest rows (of the first 1000), as the algorithm collates them;
     ``frozen``: the frozen models held (default: the algorithm's)."""
@@ -277,7 +277,7 @@ def preflight(model, algo: Algorithm, rows, make_optimizer, strategy, settings: 
     precision = strategy.stored_precision()
     trainable = next((p for p in model.parameters() if p.requires_grad), None)
     state_dtype = precision.optimizer_dtype or (trainable.dtype if trainable is not None else torch.float32)
-    return measured_plan(model, algo.frozen if frozen is None else frozen, optimizer_bytes_per_parameter(make_optimizer, state_dtype),
+    return measured_plan(model, algo.frozen if frozen is None else frozen, bytes_per_parameter(make_optimizer, state_dtype, split),
                          strategy.sharded_state(), strategy.accelerator.num_processes, activations, precision)
 
 

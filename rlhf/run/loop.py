@@ -35,6 +35,7 @@ from rlhf.run.signals import Stopped, catch_stop_signals
 from rlhf.run.window import settle, window_metrics
 from rlhf.telemetry import bf16_updates
 from rlhf.telemetry.loggers import Loggers, log_file
+from rlhf.telemetry.optimizer_state import state_bytes
 from rlhf.telemetry.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -267,9 +268,11 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
     run.accelerator.wait_for_everyone()
     final = dict(state.last)
     final["perf/peak_mem_mb"] = max_over_processes(run.peak.mb(), run.accelerator)
-    log.info("memory: peak %.1f MB on the busiest process (%s) against %.1f MB predicted", final["perf/peak_mem_mb"],
-             "allocated by torch" if run.peak.cuda else "resident set above its size before the run was built",
-             run.memory.total / 2**20)
+    held_mb = {"optimizer": state_bytes(run.optimizer) / 2**20}  # this process's optimizer state after its steps
+    log.info("memory: peak %.1f MB on the busiest process (%s) against %.1f MB predicted; optimizer state %.1f MB "
+             "held against %.1f MB predicted", final["perf/peak_mem_mb"], "allocated by torch" if run.peak.cuda else
+             "resident set above its size before the run was built", run.memory.total / 2**20, held_mb["optimizer"],
+             run.memory.optimizer / 2**20)
     signals.reached("final_save")
     if run.settings.save_final and run.max_steps > 0:
         if not run.strategy.all_finite(run.model):
@@ -287,7 +290,8 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
     if run.accelerator.is_main_process:
         (run.run_dir / "summary.json").write_text(json.dumps(
             {"final": final, "train": {**asdict(run.settings), "max_steps": run.max_steps}, "seed": seed,
-             "memory_predicted_mb": run.memory.megabytes(), "load": run.load.summary()}, indent=2))
+             "memory_predicted_mb": run.memory.megabytes(),
+             "memory_held_mb": held_mb, "load": run.load.summary()}, indent=2))
         run_folder.drop_previous_results(run.run_dir)  # this run's results are complete: the previous run's go
     return final
 

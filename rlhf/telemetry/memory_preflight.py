@@ -2,8 +2,9 @@
 measured after it (``perf/peak_mem_mb``).
 
 Per process, in bytes: the policy's weights, its gradients (trainable parameters only), the optimizer's state (bytes
-per trainable parameter measured by stepping the configured optimizer once on a probe tensor, so Adam8bit's
-quantized states and a momentum-free SGD count what they are), the frozen models (the reference: what the
+per trainable parameter measured by stepping the configured optimizer once on probes shaped like the model's
+tensors, part by part of its partition: :mod:`rlhf.telemetry.optimizer_state`; so 8-bit states, SOAP's eigenbases
+and a momentum-free SGD count what they are), the frozen models (the reference: what the
 reference strategy left in ``algo.frozen``, counted after the hardware strategy placed it) and an activation
 estimate. A sharding strategy divides what it shards by the number of processes (``strategy.sharded_state()``).
 Everything here also works on a model built on the meta device, so that ``scripts/memory.py`` predicts for models
@@ -18,7 +19,7 @@ import dataclasses
 import gc
 import resource
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,6 @@ from rlhf.telemetry import cgroups
 
 MB = 2**20
 AS_LOADED = StoredPrecision()  # the state stored as the model was loaded (data parallel)
-PROBE_SHAPE = (256, 256)  # a matrix above bitsandbytes' min_8bit_size (4096), so 8-bit states are 8-bit
 
 
 @dataclass
@@ -74,22 +74,6 @@ def held_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) ->
     """Bytes this process stores of ``tensors`` (its shard of a sharded one); tensors whose id is in ``skip`` (e.g.
     layers a reference shares with the policy) are not counted."""
     return sum(local_numel(t) * t.element_size() for t in tensors if skip is None or id(t) not in skip)
-
-
-def optimizer_bytes_per_parameter(make_optimizer: Callable[[list], torch.optim.Optimizer],
-                                  dtype: torch.dtype = torch.float32) -> float | None:
-    """State bytes per parameter element of the optimizer ``make_optimizer`` builds (a ``conf/optimizer`` partial),
-    measured by one step on a probe matrix; ``None`` if the optimizer cannot step on a CPU tensor."""
-    probe = torch.nn.Parameter(torch.zeros(PROBE_SHAPE, dtype=dtype))
-    probe.grad = torch.full_like(probe, 1e-3)
-    try:
-        optimizer = make_optimizer([probe])
-        optimizer.step()
-    except Exception:  # e.g. an optimizer with CUDA-only kernels
-        return None
-    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)  # scalars (the step count) are negligible
-    return state / probe.numel()
 
 
 def _config_value(config, names: tuple[str, ...], default):

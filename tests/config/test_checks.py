@@ -109,10 +109,12 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
     elif group == "optimizer":  # with its partition (optimizer.partition; absent: matrices decayed, vectors not)
         model = _small_model()
         partition, make = partitions.from_config(node)
-        optimizer = make(partition(model).groups())
-        model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+        optimizer = partition(model).build(make)  # with what the partition tells the optimizer (Adam-mini's dims)
         before = next(model.parameters()).detach().clone()
-        optimizer.step()
+        for _ in range(3):  # SOAP's first step only starts its preconditioner's statistics
+            model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
         assert not torch.equal(before, next(model.parameters()))
     elif group == "scheduler":
         optimizer = torch.optim.SGD(_small_model().parameters(), lr=1.0)
@@ -421,7 +423,7 @@ def test_fields_passed_on_through_kwargs_are_those_of_the_next_init_in_the_mro()
     """A mixin's ``**kwargs`` reach the next ``__init__`` of the class's MRO (here ``_Base``), not the mixin's own
     base (``object``): those fields are accepted and typed, a misspelled one is still refused."""
     check_fields({"call": 2, "beta": 0.2, "max_length": None}, _Mixed, "algo")
-    with pytest.raises(UserError, match=r"algo.betaa: .*_Mixed has no argument 'betaa'. Valid fields: call, beta"):
+    with pytest.raises(UserError, match=r"algo.betaa: .*_Mixed has no argument 'betaa'. Fix: algo.beta \(the field it resembles\). Valid fields: call, beta"):
         check_fields({"betaa": 0.2}, _Mixed, "algo")
     with pytest.raises(UserError, match=r"algo.beta='x'"):
         check_fields({"beta": "x"}, _Mixed, "algo")
@@ -455,3 +457,13 @@ def test_the_embedded_tasks_reward_is_refused_on_data_of_ones_own(tmp_path):
     mine = "+algo.reward_funcs.mine._target_=builtins.len"  # a function of one's own (any dotted name) is no task's
     check_config(compose_config("algo=grpo", f"data.path={prompts}", "~algo.reward_funcs.exact_match", mine,
                                 "algo.reward_weights=null", output_dir=tmp_path))
+
+
+def test_a_misspelt_field_is_answered_with_the_field_it_resembles():
+    """Red when the message lists the valid fields without naming the one meant (heavyball's SOAP: a dozen)."""
+    from rlhf.config.checks import check_fields
+    from rlhf.optim.preconditioned import SOAP
+
+    with pytest.raises(UserError, match=r"optimizer.shampo_beta: .*no argument 'shampo_beta'\. Fix: optimizer."
+                                        r"shampoo_beta \(the field it resembles\)\. Valid fields: "):
+        check_fields({"shampo_beta": 0.9}, SOAP, "optimizer")

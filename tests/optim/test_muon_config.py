@@ -45,3 +45,14 @@ def test_its_fields_are_checked_before_anything_loads(override, message):
     with pytest.raises(UserError) as error:
         _check(override)
     assert message in str(error.value)
+
+
+def test_a_torch_without_muon_is_told_the_version_it_needs(monkeypatch):
+    """Red when the check lets a torch without torch.optim.Muon through (an AttributeError at the build)."""
+    import torch
+
+    from rlhf.optim.rules import MuonWithAdamW
+
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(UserError, match=r"torch.optim.Muon.*torch 2.9.*Fix: pip install -U torch"):
+        MuonWithAdamW.check_options({"adamw": {}}, "optimizer")

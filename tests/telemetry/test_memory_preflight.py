@@ -1,14 +1,12 @@
-"""The memory preflight (rlhf/telemetry/memory_preflight.py): optimizer state measured per optimizer, what sharding divides, the
+"""The memory preflight (rlhf/telemetry/memory_preflight.py): what sharding divides, the
 reference's own bytes, the activation estimate against what autograd really keeps, and the measured peak."""
 
 from __future__ import annotations
 
 import functools
 
-import bitsandbytes as bnb
 import pytest
 import torch
-from lion_pytorch import Lion
 
 from rlhf.embedded.tiny_model import TinySpec
 from rlhf.models.reference import FrozenCopy, SharedLayers
@@ -19,26 +17,8 @@ from rlhf.telemetry.memory_preflight import (
     activation_bytes,
     held_bytes,
     measured_plan,
-    optimizer_bytes_per_parameter,
     unique_tensors,
 )
-
-
-@pytest.mark.parametrize(("make", "expected"), [
-    (functools.partial(torch.optim.AdamW, lr=1e-3), 8.0),  # two float32 moments
-    (functools.partial(torch.optim.SGD, lr=1e-3), 0.0),
-    (functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9), 4.0),
-    (functools.partial(Lion, lr=1e-4), 4.0),  # one float32 moment
-    (functools.partial(bnb.optim.Adam8bit, lr=1e-3), 2.0),  # two 8-bit moments (+ block scales)
-])
-def test_optimizer_state_is_measured_per_parameter(make, expected):
-    assert optimizer_bytes_per_parameter(make) == pytest.approx(expected, abs=0.07)
-
-
-def test_an_optimizer_that_cannot_step_here_is_unknown_not_zero():
-    def broken(params):
-        raise RuntimeError("CUDA only")
-    assert optimizer_bytes_per_parameter(broken) is None
 
 
 def _tiny(layers: int = 3):

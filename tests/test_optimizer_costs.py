@@ -1,0 +1,37 @@
+"""benchmarks/optimizer_costs.py: the state it counts and the options it reports, without running the benchmark."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import torch
+
+from tests.conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("optimizer_costs", ROOT / "benchmarks" / "optimizer_costs.py")
+costs = importlib.util.module_from_spec(_spec)
+sys.modules["optimizer_costs"] = costs
+_spec.loader.exec_module(costs)
+
+
+def test_state_bytes_counts_nested_tensors_once_each_by_dtype():
+    """Red when nested containers are not walked (the list's uint8 codes missing) or when a tensor reached twice,
+    or a view of one, is counted again (float32 over 40 bytes)."""
+    moment = torch.zeros(10)  # 40 bytes
+    codes = torch.zeros(8, dtype=torch.uint8)
+    state = {0: {"exp_avg": moment, "again": moment, "view": moment[:5], "nested": [{"codes": (codes,)}]},
+             1: {"step": torch.tensor(1.0)}}
+    assert costs.state_bytes(state) == {"float32": 40 + 4, "uint8": 8}
+
+
+def test_an_optimizer_whose_library_is_missing_is_reported_as_such():
+    """Red when an ImportError behind the error (as rlhf.optim.require raises it) is reported as a crash."""
+    try:
+        try:
+            raise ModuleNotFoundError("No module named 'heavyball'", name="heavyball")
+        except ModuleNotFoundError as error:
+            raise RuntimeError("optimizer=soap needs the package heavyball") from error
+    except RuntimeError as error:
+        assert costs.why_not(error)["status"] == "library missing"
+    assert costs.why_not(ValueError("bad"))["status"] == "error"
