@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rlhf.core.bf16 import cpu_has_bf16_matmul  # noqa: E402
 from rlhf.hardware.cpus import cpus_available  # noqa: E402
-from rlhf.hardware.precision import cpu_has_bf16_matmul  # noqa: E402
 
 
 def one_run(steps: int, precision: str, threads: int, overrides: list[str], folder: Path) -> tuple[float, str]:

@@ -177,11 +177,11 @@ ALL_OPTIMIZERS = ["adamw", "adam8bit", "lion", "sgd"]
 
 def refused(hardware: str, optimizer: str) -> bool:
     """Whether the config check refuses ``optimizer`` under ``hardware`` before anything loads (an optimizer that
-    cannot run on the shards of a sharded strategy: rlhf.optim.sharding_refusal)."""
+    cannot run on the shards of a sharded strategy: rlhf.optim.support.sharding_refusal)."""
     import yaml
     from hydra.utils import get_object
 
-    from rlhf.optim import sharding_refusal
+    from rlhf.optim.support import sharding_refusal
 
     if hardware not in ("fsdp", "zero1", "zero2", "zero3"):
         return False

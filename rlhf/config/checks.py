@@ -43,6 +43,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf import optim
+from rlhf.config.optimizer_hardware import check_optimizer_with_hardware
 from rlhf.core import limits as validate
 from rlhf.core.errors import UserError
 from rlhf.data import paths
@@ -197,7 +198,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_data_columns(container)
     _check_peft(container)
     _check_algorithm_with_run(container)
-    _check_optimizer_with_hardware(container)
+    check_optimizer_with_hardware(container)
     _check_rewards_fit_the_data(container)
     sweep.check_objective(container)
 
@@ -260,30 +261,6 @@ def _check_algorithm_with_run(container: dict) -> None:
         check = getattr(get_object(algo["_target_"]), "check_run", None)
         if check is not None:
             check(algo, container)
-
-
-def _check_optimizer_with_hardware(container: dict) -> None:
-    """An optimizer whose update needs each tensor whole on one process (``whole_matrices``: Muon's Newton-Schulz
-    orthogonalizes the full matrix; :func:`rlhf.optim.sharding_refusal` for other libraries' classes) under a strategy
-    that hands the optimizer pieces of it (FSDP2's row shards, ZeRO's flat float32 partitions), refused before
-    anything loads: it would apply another rule without a word (DeepSpeed#8441, verl fork #91)."""
-    optimizer, hardware = container.get("optimizer"), container.get("hardware")
-    if not (isinstance(optimizer, dict) and isinstance(hardware, dict) and "_target_" in optimizer
-            and "_target_" in hardware):
-        return
-    from rlhf.hardware.sharded import Sharded
-    from rlhf.optim import sharding_refusal
-
-    strategy = get_object(hardware["_target_"])
-    if not (inspect.isclass(strategy) and issubclass(strategy, Sharded)):
-        return
-    name = f"zero{hardware['stage']}" if "stage" in hardware else "fsdp"
-    why = sharding_refusal(optimizer["_target_"], get_object(optimizer["_target_"]), zero=name != "fsdp")
-    if why is not None:
-        raise UserError(f"optimizer={optimizer['_target_'].rsplit('.', 1)[-1]} {why}, but hardware={name} "
-                        f"({strategy.__name__}) hands the optimizer only this process's shard of each tensor (under ZeRO, "
-                        "float32 copies of them), so the update would be another rule's. Fix: hardware=cpu_ddp or ddp (each process holds whole "
-                        "matrices), or an optimizer that updates element by element under sharding (optimizer=adamw).")
 
 
 def _check_attention(container: dict) -> None:
@@ -351,7 +328,7 @@ def _not_importable(where: str, target: str, error: Exception) -> str:
     ``train.py`` runs in, or from ``PYTHONPATH``."""
     cause = error.__cause__ or error
     if isinstance(cause, ModuleNotFoundError) and cause.name:
-        from rlhf.optim import missing_library
+        from rlhf.optim.support import missing_library
 
         library = missing_library(cause.name.split(".")[0], f"{where}._target_={target}")
         if library is not None:

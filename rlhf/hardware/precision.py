@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from rlhf.core.bf16 import cpu_has_bf16_matmul
 from rlhf.core.errors import UserError
 
 PRECISIONS = ("no", "bf16", "auto")
@@ -47,17 +48,6 @@ def model_dtype(model: Mapping[str, Any] | None) -> Any:
     from rlhf.models.loading import stored_dtype
 
     return stored_dtype(model.get("name_or_path"), model.get("revision")) or "auto"
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware: AVX-512 BF16 (Intel Cooper Lake and later Xeons, AMD
-    Zen 4 on) or AMX (Intel Sapphire Rapids on), as torch's own CPU checks read them. Without them (AVX2 laptops,
-    older servers) bf16 is emulated and slower than float32; ARM CPUs answer no until measured."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    try:
-        return any(check is not None and bool(check()) for check in checks)
-    except RuntimeError:  # a torch build without the CPU capability checks
-        return False
 
 
 def resolve_precision(mixed_precision: str, cuda: bool) -> str:

@@ -4,86 +4,22 @@ the device. May import ``rlhf.core`` only.
 
 - :mod:`~rlhf.optim.partition`: which tensors get which update rule and learning rate (``optimizer.partition``).
 - :mod:`~rlhf.optim.rules`: one optimizer of several rules (Muon on the hidden matrices, AdamW on the rest).
+- :mod:`~rlhf.optim.support`: the extra that installs each optimizer library, and the strategies each can run under.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import math
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from rlhf.core.errors import UserError
 from rlhf.core.limits import Range
 from rlhf.optim.partition import DecayMatrices
 
 log = logging.getLogger(__name__)
-
-
-# The optimizer libraries of the [optimizers] extra: a top-level module -> the requirement pyproject.toml pins.
-EXTRAS: dict[str, str] = {
-    "schedulefree": "schedulefree>=1.4",
-    "heavyball": "heavyball>=3.2,<3.3",
-    "prodigyopt": "prodigyopt>=1.1",
-    "adam_mini": "adam-mini>=1.1",
-    "apollo_torch": "apollo-torch>=1.0.3",
-}
-
-
-# Optimizers of other libraries that cannot run under a sharded strategy with the one-process result: their _target_
-# -> why, refused before anything loads (rlhf.config.checks), under hardware=fsdp and zero1-3 (UNSHARDED) or under
-# zero1-3 only (NOT_UNDER_ZERO). Measured by tests/optim/test_strategies.py (2 CPU processes): under FSDP2 the
-# bitsandbytes kernels and Adafactor raise on DTensor shards ("got mixed torch.Tensor and DTensor"); under ZeRO
-# their parameters differ from DDP's after 3 steps. This project's own classes say it themselves (a
-# ``whole_matrices`` attribute: True or the reason).
-_BNB = ("quantizes its states in blocks of 256 elements laid over each whole tensor, with bitsandbytes' kernels on "
-        "plain tensors (FSDP2's DTensor shards raise inside them; ZeRO's flat partitions move the blocks)")
-UNSHARDED: dict[str, str] = {
-    "bitsandbytes.optim.Adam8bit": _BNB,
-    "bitsandbytes.optim.PagedAdamW8bit": _BNB,
-    "bitsandbytes.optim.Lion8bit": _BNB,
-    "transformers.optimization.Adafactor": ("factors each matrix's second moment into the means of its whole rows and "
-                                            "columns (Shazeer & Stern 2018, arXiv:1804.04235)"),
-}
-NOT_UNDER_ZERO: dict[str, str] = {
-    "rlhf.run.optimizer_modes.schedule_free_adamw": (
-        "keeps training and evaluation weights that it swaps in the model's parameters (schedule-free), and ZeRO "
-        "steps float32 copies of them, which the swap never reaches"),
-}
-
-
-def sharding_refusal(target: str, obj: object, zero: bool = True) -> str | None:
-    """Why the optimizer ``target`` (the object ``obj``) cannot run under a sharded strategy (DeepSpeed ZeRO where
-    ``zero``, else FSDP2), or None."""
-    reason = getattr(obj, "whole_matrices", False) or UNSHARDED.get(target) or (zero and NOT_UNDER_ZERO.get(target))
-    if not reason:
-        return None
-    return reason if isinstance(reason, str) else "orthogonalizes each hidden matrix whole (Newton-Schulz on the full matrix)"
-
-
-def missing_library(module: str, what: str) -> str | None:
-    """The error for an optimizer library of the ``[optimizers]`` extra that is not installed (``module``: its top-level
-    name), naming the option that needs it and the command that installs it; None for other modules."""
-    requirement = EXTRAS.get(module)
-    if requirement is None:
-        return None
-    return (f"{what} needs the package {requirement.split('>')[0].split('=')[0]}, which is not installed. Fix: "
-            f"pip install 'rlhf[optimizers]'  (or: pip install '{requirement}')")
-
-
-def require(module: str, what: str) -> ModuleType:
-    """``import module``, or a clear error naming the option that needs it (``what``) and the extra to install."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        message = missing_library(str(error.name).split(".")[0], what)
-        if message is None:
-            raise
-        raise UserError(message) from error
 
 
 def param_groups(model: torch.nn.Module) -> list[dict]:

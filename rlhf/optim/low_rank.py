@@ -132,11 +132,17 @@ class ApolloMatrices(LowRankMatrices):
                                 f"Fix: {where}.{key}={fix}")
 
 
+def _only_in(partition: type, other: type) -> list[str]:
+    """The constructor arguments of ``partition`` that ``other`` does not take (APOLLO's ``proj``, ``scale_type``)."""
+    mine, theirs = (inspect.signature(c.__init__).parameters for c in (partition, other))
+    return [name for name in mine if name not in theirs]
+
+
 class _ProjectionsAsTensors:
     """A low-rank optimizer whose projections are tensors in its state between steps (see the module's docstring):
     each step rebuilds the library's projector objects from them and takes them apart again afterwards."""
 
-    partition: type = LowRankMatrices  # the partition whose groups this optimizer needs
+    partition: type = LowRankMatrices  # the partition whose groups this optimizer reads: this class, no other
 
     def _projector(self, group: dict[str, Any], state: dict[str, Any]) -> Any:
         raise NotImplementedError
@@ -171,11 +177,18 @@ class _ProjectionsAsTensors:
         spec = node.get("partition")
         target = spec.get("_target_") if isinstance(spec, dict) else None
         found = get_object(target) if isinstance(target, str) else None
-        if not (inspect.isclass(found) and issubclass(found, cls.partition)):
-            name = f"{cls.partition.__module__}.{cls.partition.__qualname__}"
-            raise UserError(f"{where}: {cls.__name__} projects only the parameter groups that carry a rank, which "
-                            f"{name} makes; with {where}.partition={target or 'absent'} no group has one and every "
-                            f"tensor would get plain AdamW. Fix: {where}.partition._target_={name}")
+        if found is cls.partition:
+            return
+        name = f"{cls.partition.__module__}.{cls.partition.__qualname__}"
+        if inspect.isclass(found) and issubclass(found, LowRankMatrices):
+            extra, missing = _only_in(found, cls.partition), _only_in(cls.partition, found)
+            reason = "; ".join([*([f"it adds {', '.join(extra)}, which {cls.__name__} ignores"] if extra else []),
+                                *([f"it lacks {', '.join(missing)}, which {cls.__name__} needs"] if missing else [])])
+            raise UserError(f"{where}.partition={target}: {cls.__name__} takes the parameter groups of {name} and no "
+                            f"other partition's ({reason or 'another class'}). Fix: {where}.partition._target_={name}")
+        raise UserError(f"{where}: {cls.__name__} projects only the parameter groups that carry a rank, which "
+                        f"{name} makes; with {where}.partition={target or 'absent'} no group has one and every "
+                        f"tensor would get plain AdamW. Fix: {where}.partition._target_={name}")
 
 
 class GaLoreAdamW(_ProjectionsAsTensors, apollo_torch.GaLoreAdamW):

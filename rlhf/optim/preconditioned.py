@@ -1,19 +1,29 @@
 """SOAP and PSGD-Kron, heavyball's implementations (https://github.com/HomebrewML/HeavyBall, 3.2), as the options
 ``optimizer=soap`` and ``optimizer=psgd_kron``: each a subclass that names its arguments (heavyball's constructors
 take ``**kwargs``, so a misspelt field would pass the checks made before loading and fail only once the run has
-built the model), and that changes three of the library's behaviours for this project's runs:
+built the model), and that changes four of the library's behaviours for this project's runs:
 
 - **Compiling.** heavyball compiles its kernels with ``torch.compile`` (``heavyball.utils.compile_mode``, a module
   global, "max-autotune-no-cudagraphs"): on a CPU the first PSGD-Kron step spent 75 s autotuning. ``compile``:
   ``auto`` compiles where the parameters are on a GPU, ``true`` / ``false`` always / never. heavyball reads the
-  global at every kernel call, so :meth:`step` sets it from this optimizer's setting before each step (None:
-  eager, the library's own off switch; another heavyball optimizer in the process sets its own before its step).
+  global at every kernel call, so :meth:`step` sets it from this optimizer's setting for the step (None: eager, the
+  library's own off switch) and puts the previous value back afterwards, so that nothing else in the process sees
+  this optimizer's choice.
 - **Resuming.** torch's ``Optimizer.load_state_dict`` casts every floating-point state tensor to its parameter's
   dtype (``torch/optim/optimizer.py``: ``_process_value_according_to_param_policy``): PSGD's float64 lower bounds
   would come back as float32, and a bfloat16 model's float32 moments and preconditioners as bfloat16, so a resumed
   run would drift from the uninterrupted one. The saved tensors are put back as saved (:meth:`_keep_saved_state`).
-- **Gradients.** heavyball sets every ``p.grad`` to None inside ``step()``. Nothing in the run reads a gradient
-  after the step (the loop measures and clips the norm before it, then calls ``zero_grad``), so that is kept.
+- **Gradients.** heavyball sets every ``p.grad`` to None inside ``step()`` unless its ``consume_grad`` flag
+  (``heavyball.utils.StatefulOptimizer``) is false. It is false here: the gradients stay as they were for the loop,
+  which zeroes them after the step as it does for every optimizer (``zero_grad``), and a gradient norm taken after
+  the step sees them.
+- **Loading code.** heavyball's ``state_dict()`` stores its preconditioner schedule (a function) as
+  ``pickle.dumps(...)`` bytes under ``state_dict["heavyball"]["precond_schedule"]``, and its load hook calls
+  ``pickle.loads`` on them: a checkpoint could run code when it is loaded, which this project's checkpoints never do
+  (:mod:`rlhf.run.checkpoint` loads with ``weights_only=True``, and that returns the bytes untouched). The saved
+  state holds no such entry (:meth:`_Heavyball._without_pickle`, a state-dict post-hook), and loading drops it
+  before heavyball's hook runs (:meth:`_Heavyball._drop_pickle`, a load pre-hook put first): the schedule is the one
+  the constructor built from the config, the same function the saved one was.
 
 Randomness: both decide when to update the preconditioner by a running sum of the update probability
 (``heavyball.utils.psgd_should_update``: deterministic, its count saved in the state dict's ``heavyball`` entry);
@@ -50,6 +60,15 @@ def check_compile(node: dict[str, Any], where: str) -> None:
                         "of auto (on a GPU only), true, false. Fix: optimizer.compile=auto")
 
 
+PICKLED = ("precond_schedule",)  # entries of state_dict["heavyball"] that heavyball 3.2 pickles
+
+
+def _unpickled(stats: dict[str, Any]) -> dict[str, Any]:
+    """heavyball's ``state_dict["heavyball"]`` entry without what its load hook would unpickle: ``precond_schedule``,
+    and any other ``bytes`` value (a pickle a later heavyball might add)."""
+    return {key: value for key, value in stats.items() if key not in PICKLED and not isinstance(value, bytes)}
+
+
 def _restore(loaded: Any, saved: Any) -> Any:
     """``loaded`` (torch's cast copy of a state entry) with each tensor replaced by the ``saved`` one as it was
     saved (its dtype), on the loaded one's device; dictionaries and lists changed in place."""
@@ -76,8 +95,24 @@ class _Heavyball:
 
     def _setup(self, compile: bool | str) -> None:
         self.compile = compile
+        self.register_state_dict_post_hook(_Heavyball._without_pickle)  # after heavyball's, which adds the entry
+        self.register_load_state_dict_pre_hook(_Heavyball._drop_pickle, prepend=True)  # before heavyball's loads it
         self.register_load_state_dict_pre_hook(_Heavyball._remember_saved_state)
         self.register_load_state_dict_post_hook(_Heavyball._keep_saved_state)
+
+    @staticmethod
+    def _without_pickle(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The state dict without heavyball's pickled entries (``precond_schedule``; any other ``bytes`` value)."""
+        state_dict["heavyball"] = _unpickled(state_dict.get("heavyball", {}))
+        return state_dict
+
+    @staticmethod
+    def _drop_pickle(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A state dict to load with heavyball's pickled entries left out (a copy: the caller's stays as it was), so
+        that heavyball's own load hook, which runs after this one, never calls ``pickle.loads``."""
+        state_dict = dict(state_dict)
+        state_dict["heavyball"] = _unpickled(state_dict.get("heavyball", {}))
+        return state_dict
 
     @staticmethod
     def _remember_saved_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
@@ -96,10 +131,14 @@ class _Heavyball:
 
     def step(self, closure=None):
         """heavyball's step, its kernels compiled or eager as :attr:`compile` says (``heavyball.utils.compile_mode``
-        set before the step: the library reads it at each kernel call)."""
+        set for the step, as the library reads it at each kernel call, and its previous value put back after)."""
         params = [p for group in self.param_groups for p in group["params"]]
+        previous = heavyball.utils.compile_mode
         heavyball.utils.compile_mode = LIBRARY_COMPILE_MODE if _compiles(self.compile, params) else None
-        return super().step(closure)
+        try:
+            return super().step(closure)
+        finally:
+            heavyball.utils.compile_mode = previous
 
 
 @limits(shampoo_beta=Range(ge=0, lt=1, meaning="decay of the gradient's row and column statistics (Shampoo's "
@@ -126,7 +165,8 @@ class SOAP(_Heavyball, heavyball.SOAP):
                  compile: bool | str = "auto"):
         super().__init__(params, lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps,
                          weight_decay=weight_decay, precondition_frequency=precondition_frequency,
-                         max_precond_dim=max_precond_dim, precondition_1d=precondition_1d, warmup_steps=warmup_steps)
+                         max_precond_dim=max_precond_dim, precondition_1d=precondition_1d, warmup_steps=warmup_steps,
+                         consume_grad=False)
         self._setup(compile)
 
     @staticmethod
@@ -160,7 +200,7 @@ class PSGDKron(_Heavyball, heavyball.PSGDKron):
         extra = {} if preconditioner_update_probability is None else {
             "preconditioner_update_probability": float(preconditioner_update_probability)}
         super().__init__(params, lr=lr, beta=beta, weight_decay=weight_decay, max_size_triangular=max_size_triangular,
-                         precond_lr=precond_lr, warmup_steps=warmup_steps, **extra)
+                         precond_lr=precond_lr, warmup_steps=warmup_steps, consume_grad=False, **extra)
         self._setup(compile)
 
     @staticmethod

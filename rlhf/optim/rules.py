@@ -9,11 +9,13 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from rlhf.core.bf16 import cpu_has_bf16_matmul
 from rlhf.core.errors import UserError
 
 
@@ -69,6 +71,86 @@ class PerRule(torch.optim.Optimizer):
             self._link()
 
 
+NS_DTYPES = ("auto", "bfloat16", "float32")
+
+
+def orthogonalize(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Muon's Newton-Schulz iteration (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) in ``dtype``:
+    the update scaled to a spectral norm of at most 1 (by its Frobenius norm), then ``steps`` times
+    ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, on the wide orientation; returned in the update's dtype. Its
+    singular values end near 1 (the quintic's fixed points spread them over about 0.7-1.2, not exactly 1)."""
+    x = update.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    a, b, c = coefficients
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return (x.T if tall else x).to(update.dtype)
+
+
+def _scaled_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """A matrix's learning rate as torch.optim.Muon scales it: ``original``/None: lr x sqrt(max(1, rows/cols))
+    (Jordan's); ``match_rms_adamw``: lr x 0.2 sqrt(max(rows, cols)) (Liu et al. 2025, arXiv:2502.16982)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr * math.sqrt(max(1.0, rows / cols))
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` whose Newton-Schulz iteration runs in ``ns_dtype``.
+
+    torch runs it in bfloat16, as the method's authors do on GPUs. On a CPU without bf16 matrix units (AVX2: every
+    bf16 product emulated) that is the slowest choice: a 576 x 1536 matrix times its transpose took 228 ms in bf16
+    against 34 ms in float32 (1 thread, the 2-vCPU AMD EPYC of docs/reference/optimizers.md), and Muon's step on the
+    embedded default about 1.8 s. ``auto`` keeps torch's own step (bfloat16) on a GPU and on a CPU with bf16 matrix
+    units (:func:`rlhf.core.bf16.cpu_has_bf16_matmul`), and elsewhere takes the same step with the iteration in
+    float32 (:func:`orthogonalize`: momentum, Nesterov, the scaled learning rate and decoupled weight decay as torch
+    does them, the state under torch's key, so checkpoints of either load in the other)."""
+
+    def __init__(self, params, ns_dtype: str = "auto", **kwargs):
+        super().__init__(params, **kwargs)
+        if ns_dtype not in NS_DTYPES:
+            raise UserError(f"optimizer.ns_dtype={ns_dtype!r}: the dtype of Muon's Newton-Schulz iteration, one of "
+                            f"{', '.join(NS_DTYPES)}. Fix: optimizer.ns_dtype=auto")
+        self.ns_dtype = ns_dtype
+
+    def iteration_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the iteration runs in for parameters on ``device``."""
+        if self.ns_dtype != "auto":
+            return getattr(torch, self.ns_dtype)
+        return torch.bfloat16 if device.type != "cpu" or cpu_has_bf16_matmul() else torch.float32
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        first = next((p for group in self.param_groups for p in group["params"]), None)
+        if first is None or self.iteration_dtype(first.device) == torch.bfloat16:
+            return super().step(closure)  # torch's own step
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+                buffer = state["momentum_buffer"]
+                buffer.lerp_(param.grad, 1 - group["momentum"])
+                update = param.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                       torch.float32)
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.add_(update, alpha=-_scaled_lr(group["lr"], group["adjust_lr_fn"], param.shape))
+        return loss
+
+
 class MuonWithAdamW(PerRule):
     """Muon on the hidden matrices, AdamW on everything else: one optimizer (Jordan et al. 2024,
     https://kellerjordan.github.io/posts/muon/; torch's ``torch.optim.Muon``, which takes only 2-D tensors).
@@ -81,9 +163,9 @@ class MuonWithAdamW(PerRule):
 
     def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, eps: float = 1e-7, adjust_lr_fn: str | None = None,
-                 adamw: dict[str, Any] | None = None):
-        muon = functools.partial(torch.optim.Muon, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                 nesterov=nesterov, ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn)
+                 ns_dtype: str = "auto", adamw: dict[str, Any] | None = None):
+        muon = functools.partial(Muon, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                 ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype)
         super().__init__(params, {"muon": muon, "adamw": functools.partial(torch.optim.AdamW, **(adamw or {}))})
 
     @staticmethod
@@ -112,6 +194,9 @@ class MuonWithAdamW(PerRule):
         if isinstance(steps, int) and not 1 <= steps < 100:
             raise UserError(f"{where}.ns_steps={steps}: Newton-Schulz iterations, a whole number in [1, 100) "
                             "(torch.optim.Muon). Fix: optimizer.ns_steps=5")
+        if node.get("ns_dtype", "auto") not in NS_DTYPES:
+            raise UserError(f"{where}.ns_dtype={node['ns_dtype']!r}: the dtype of Muon's Newton-Schulz iteration, one "
+                            f"of {', '.join(NS_DTYPES)}. Fix: optimizer.ns_dtype=auto")
         choices = ("original", "match_rms_adamw")
         if node.get("adjust_lr_fn") not in (None, *choices):
             raise UserError(f"{where}.adjust_lr_fn={node['adjust_lr_fn']!r} is not one of torch.optim.Muon's "

@@ -268,11 +268,11 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
     run.accelerator.wait_for_everyone()
     final = dict(state.last)
     final["perf/peak_mem_mb"] = max_over_processes(run.peak.mb(), run.accelerator)
-    held_mb = {"optimizer": state_bytes(run.optimizer) / 2**20}  # this process's optimizer state after its steps
+    held_mb = {"optimizer_state": state_bytes(run.optimizer) / 2**20,  # this process's, after its steps
+               "optimizer_state_predicted": run.memory.optimizer_state / 2**20}  # without a master copy
     log.info("memory: peak %.1f MB on the busiest process (%s) against %.1f MB predicted; optimizer state %.1f MB "
              "held against %.1f MB predicted", final["perf/peak_mem_mb"], "allocated by torch" if run.peak.cuda else
-             "resident set above its size before the run was built", run.memory.total / 2**20, held_mb["optimizer"],
-             run.memory.optimizer / 2**20)
+             "resident set above its size before the run was built", run.memory.total / 2**20, *held_mb.values())
     signals.reached("final_save")
     if run.settings.save_final and run.max_steps > 0:
         if not run.strategy.all_finite(run.model):

@@ -167,13 +167,15 @@ def metric_columns(metric: str) -> list[str]:
     return [f"{metric} @0", f"{metric} end", f"{metric} best", f"{metric} best step"]
 
 
-PERF_COLUMNS = ["train/loss end", "tokens/s", LOAD_COLUMN, "peak MB", "wall s"]  # LOAD_COLUMN: other work's CPUs
+PERF_COLUMNS = ["train/loss end", "tokens/s", LOAD_COLUMN, "peak MB", "optimizer state MB", "wall s"]  # LOAD_COLUMN:
+# other work's CPUs; optimizer state MB: what the optimizer held at the end (summary.json's memory_held_mb)
 
 
 def figures(run: Run, metrics: Sequence[str], lines) -> dict[str, float | None]:
     """The row's numbers: each metric at step 0, at its last logging, at its best and that step; the last train
     loss; tokens/s (mean over the log windows) and beside it the CPUs other work kept busy (median over the log
-    windows: :func:`rlhf.sweeps.caveats.median_load`), the peak memory, the wall time."""
+    windows: :func:`rlhf.sweeps.caveats.median_load`), the peak memory, the optimizer's state at the end (one
+    process's), the wall time."""
     row: dict[str, float | None] = {}
     for metric in metrics:
         history = run.history(metric)
@@ -187,8 +189,9 @@ def figures(run: Run, metrics: Sequence[str], lines) -> dict[str, float | None]:
     speeds = [value for _, value in run.history("perf/tokens_per_s") if math.isfinite(value)]
     peaks = [value for _, value in run.history("perf/peak_mem_mb")] + [(run.final or {}).get("perf/peak_mem_mb")]
     peaks = [float(value) for value in peaks if value is not None]
+    state = ((run.summary or {}).get("memory_held_mb") or {}).get("optimizer_state")
     row.update(zip(PERF_COLUMNS, (run.last("train/loss"), statistics.fmean(speeds) if speeds else None,
-                                  median_load(run), max(peaks) if peaks else None, wall_time_s(run, lines))))
+                                  median_load(run), max(peaks) if peaks else None, state, wall_time_s(run, lines))))
     return row
 
 

@@ -44,6 +44,12 @@ class MemoryPlan:
     frozen: int
     activations: int
     held: tuple[str, ...] = ()  # what the frozen part holds, by name ("reference", "eval_reference", ...)
+    master: int = 0  # of ``optimizer``: a float32 master copy of the weights (DeepSpeed's bf16), not the state
+
+    @property
+    def optimizer_state(self) -> int:
+        """The optimizer's own state (moments, preconditioners), without a master copy of the weights."""
+        return self.optimizer - self.master
 
     @property
     def total(self) -> int:
@@ -176,7 +182,7 @@ def plan(weights: int, trainable: int, gradient_width: int, frozen: int, optimiz
     optimizer = trainable * ((optimizer_bytes or 0.0) + precision.master_bytes)
     return MemoryPlan(weights=share("weights", weights), gradients=share("gradients", trainable * gradient_width),
                       optimizer=share("optimizer", optimizer), frozen=int(frozen),
-                      activations=int(activations))
+                      activations=int(activations), master=share("optimizer", trainable * precision.master_bytes))
 
 
 def measured_plan(model: torch.nn.Module, frozen: dict[str, torch.nn.Module], optimizer_bytes: float | None,

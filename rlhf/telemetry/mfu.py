@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from rlhf.core.bf16 import cpu_has_bf16_matmul
 from rlhf.hardware.holding import global_numel
-from rlhf.hardware.precision import cpu_has_bf16_matmul
 
 PROBE_SECONDS = 0.15  # per precision: matrix products are timed for about this long (the best one counts)
 

@@ -13,6 +13,7 @@ count as the run's optimizer holds after its first step, without a second copy o
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from rlhf.optim import set_run_length
+
+log = logging.getLogger(__name__)
 
 PROBE_SHAPE = (256, 256)  # a matrix above bitsandbytes' min_8bit_size (4096), so 8-bit states are 8-bit
 MAX_PROBE_NUMEL = 2**25  # a probe above this (128 MiB in float32) is scaled down, keeping its aspect
@@ -81,21 +84,14 @@ def _step(optimizer: torch.optim.Optimizer, probes: list[torch.Tensor]) -> None:
     optimizer.step()
 
 
-def bytes_per_parameter(make_optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype = torch.float32,
-                        split: Any = None) -> float | None:
-    """State bytes per trainable parameter element of the optimizer ``make_optimizer`` builds (a
-    ``conf/optimizer`` partial), measured by one step on probes: with ``split`` (the run's partition of the model),
-    one zero tensor per distinct shape in each part, built with the part's group settings and the split's
-    ``options`` and weighted by how many tensors have that shape; without, one :data:`PROBE_SHAPE` matrix. ``None``
-    if the optimizer cannot step on CPU tensors of ``dtype``."""
-    if split is None or not any(part.params for part in split.parts):
-        probe = torch.nn.Parameter(torch.full(PROBE_SHAPE, 1e-2, dtype=dtype))
-        try:
-            optimizer = make_optimizer([probe])
-            _step(optimizer, [probe])
-        except Exception:  # e.g. an optimizer with CUDA-only kernels
-            return None
-        return state_bytes(optimizer) / probe.numel()
+def _one_matrix(make_optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype) -> float:
+    probe = torch.nn.Parameter(torch.full(PROBE_SHAPE, 1e-2, dtype=dtype))
+    optimizer = make_optimizer([probe])
+    _step(optimizer, [probe])
+    return state_bytes(optimizer) / probe.numel()
+
+
+def _by_shape(make_optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype, split: Any) -> float:
     groups, weights, total = [], [], 0
     for part in split.parts:
         shapes: dict[tuple[int, ...], list[int]] = {}  # shape -> indices of the part's tensors of that shape
@@ -104,23 +100,42 @@ def bytes_per_parameter(make_optimizer: Callable[..., torch.optim.Optimizer], dt
             total += param.numel()
         group = part.group()
         probes = []
-        for shape, indices in shapes.items():
-            probe = torch.nn.Parameter(torch.full(_probe_shape(shape), 1e-2, dtype=dtype))  # not zero: Prodigy keeps
-            # its copy of the initial weights as a scalar for an all-zero tensor
+        for shape, indices in shapes.items():  # not zero: Prodigy keeps its copy of all-zero initial weights as a scalar
+            probe = torch.nn.Parameter(torch.full(_probe_shape(shape), 1e-2, dtype=dtype))
             probes.append(probe)
             weights.append((probe, sum(part.params[i].numel() for i in indices) / probe.numel()))
         group["params"] = probes
-        if "param_names" in group:  # a named optimizer (Adam-mini) classifies each tensor by its name
-            group["param_names"] = [part.names[indices[0]] for indices in shapes.values()]
         groups.append(group)
-    try:
-        optimizer = make_optimizer(groups, **split.options)
-        _step(optimizer, [probe for probe, _ in weights])
-    except Exception:
-        return None
+    optimizer = make_optimizer(groups, **split.options)
+    _step(optimizer, [probe for probe, _ in weights])
     inner = optimizer
     while getattr(inner, "optimizer", None) is not None:
         inner = inner.optimizer
     held = sum(tensor_bytes(inner.state.get(probe, {})) * weight for probe, weight in weights)
     shared = tensor_bytes({k: v for k, v in inner.state.items() if not isinstance(k, torch.Tensor)})
     return (held + shared) / max(1, total)
+
+
+def bytes_per_parameter(make_optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype = torch.float32,
+                        split: Any = None) -> float | None:
+    """State bytes per trainable parameter element of the optimizer ``make_optimizer`` builds (a
+    ``conf/optimizer`` partial), measured by one step on probes: with ``split`` (the run's partition of the model),
+    one tensor per distinct shape in each part, built with the part's group settings and the split's ``options``
+    and weighted by how many tensors have that shape; without, one :data:`PROBE_SHAPE` matrix. A probe that fails
+    is said at start-up: shaped probes fall back to the one matrix, and an optimizer that cannot step on CPU
+    tensors of ``dtype`` at all (CUDA-only kernels) gives ``None``: its state is not counted."""
+    name = getattr(make_optimizer, "func", make_optimizer)
+    name = f"{getattr(name, '__module__', '')}.{getattr(name, '__qualname__', name)}"
+    if split is not None and any(part.params for part in split.parts):
+        try:
+            return _by_shape(make_optimizer, dtype, split)
+        except Exception as error:
+            log.warning("memory preflight: %s could not step on probes shaped like the model's tensors (%s: %s); "
+                        "its state is estimated from one %dx%d matrix instead", name, type(error).__name__, error,
+                        *PROBE_SHAPE)
+    try:
+        return _one_matrix(make_optimizer, dtype)
+    except Exception as error:  # e.g. an optimizer with CUDA-only kernels
+        log.warning("memory preflight: %s cannot step on a CPU tensor of %s (%s: %s); its state is not counted in "
+                    "the prediction", name, dtype, type(error).__name__, error)
+        return None

@@ -63,7 +63,7 @@ def test_resume_is_bit_identical_and_the_gradient_norm_and_memory_are_the_loops(
     first = next(line for line in _lines(whole) if "train/grad_norm" in line)
     assert first["step"] == 1 and first["train/grad_norm"] == first_grad_norm, "the first gradient norm differs"
     summary = json.loads((whole / "summary.json").read_text())
-    predicted, held = summary["memory_predicted_mb"]["optimizer"], summary["memory_held_mb"]["optimizer"]
+    held, predicted = summary["memory_held_mb"]["optimizer_state"], summary["memory_held_mb"]["optimizer_state_predicted"]
     assert held == pytest.approx(predicted, rel=0.05), f"optimizer state {held:.4f} MB against {predicted:.4f} predicted"
 
 

@@ -179,7 +179,13 @@ def test_replicas_are_accepted(option):
     ("galore", "~optimizer.partition", "no group has one and every tensor would get plain AdamW. Fix: "
      "optimizer.partition._target_=rlhf.optim.low_rank.LowRankMatrices"),
     ("apollo", "optimizer.partition._target_=rlhf.optim.low_rank.LowRankMatrices",
-     "Fix: optimizer.partition._target_=rlhf.optim.low_rank.ApolloMatrices"),
+     "it lacks proj, scale_type, which APOLLOAdamW needs). Fix: optimizer.partition._target_="
+     "rlhf.optim.low_rank.ApolloMatrices"),
+    # GaLore always projects by SVD: APOLLO's partition (proj=random, scale_type) would be accepted and ignored.
+    # Red when the check accepts a subclass of GaLore's partition (issubclass instead of the class itself).
+    ("galore", "optimizer.partition._target_=rlhf.optim.low_rank.ApolloMatrices",
+     "it adds proj, scale_type, which GaLoreAdamW ignores). Fix: optimizer.partition._target_="
+     "rlhf.optim.low_rank.LowRankMatrices"),
     ("galore", "+optimizer.partition.rnak=4", "optimizer.partition.rnak: rlhf.optim.low_rank.LowRankMatrices has no "
      "argument 'rnak'"),
     ("galore", "optimizer.partition.rank=0", "optimizer.partition.rank=0 must be a whole number >= 1"),

@@ -4,6 +4,7 @@ on a CPU unless asked, and a run resumed from a checkpoint ends as the uninterru
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -78,21 +79,116 @@ def test_psgd_kron_whitens_the_gradient():
         assert _condition(p @ covariance.double() @ p) < 10
 
 
-def test_heavyball_kernels_run_eagerly_on_a_cpu_unless_asked():
-    """compile=auto: heavyball's module-global compile mode is None (eager) for a step on CPU tensors; true: the
-    library's mode. Red when the wrapper leaves the library's default in place (75 s of autotuning per run)."""
+def test_heavyball_kernels_run_eagerly_on_a_cpu_unless_asked(monkeypatch):
+    """compile=auto: heavyball's module-global compile mode is None (eager) during a step on CPU tensors; true: the
+    library's mode; after the step the global holds what it held before (another value here, to tell them apart).
+    Red when the wrapper leaves the library's default in place (75 s of autotuning per run), or when it does not
+    put the previous value back (the process-wide setting changed behind the user's back)."""
     import heavyball
 
     from rlhf.optim import preconditioned
 
+    seen = []
+    library_step = heavyball.utils.StatefulOptimizer.step
+
+    def recording_step(self, closure=None):
+        seen.append(heavyball.utils.compile_mode)
+        return library_step(self, closure)
+
+    monkeypatch.setattr(heavyball.utils.StatefulOptimizer, "step", recording_step)
+    monkeypatch.setattr(heavyball.utils, "compile_mode", "the user's mode")
     weight = torch.nn.Parameter(torch.ones(3, 2))
     assert preconditioned._compiles(True, [weight]) and not preconditioned._compiles(False, [weight])
-    heavyball.utils.compile_mode = preconditioned.LIBRARY_COMPILE_MODE
     optimizer = preconditioned.SOAP([weight], lr=1e-3)  # compile=auto
     weight.grad = torch.ones(3, 2)
     optimizer.step()
-    assert heavyball.utils.compile_mode is None
-    assert weight.grad is None  # heavyball's own behaviour, kept: the loop reads no gradient after the step
+    assert seen == [None]
+    assert heavyball.utils.compile_mode == "the user's mode"
+
+
+@pytest.mark.parametrize("option", ["SOAP", "PSGDKron"])
+def test_the_gradients_are_left_for_the_loop(option):
+    """After step() every gradient is the one the backward pass left (heavyball's consume_grad off): the loop zeroes
+    it after the step, as for every optimizer. Red when heavyball clears them (consume_grad left at its default)."""
+    from rlhf.optim import preconditioned
+
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.ones(5, 4)), torch.nn.Parameter(torch.ones(4))
+    optimizer = getattr(preconditioned, option)([weight, bias], lr=1e-2, compile=False)
+    for _ in range(3):
+        grads = [torch.randn(5, 4, generator=generator), torch.randn(4, generator=generator)]
+        weight.grad, bias.grad = (g.clone() for g in grads)
+        optimizer.step()
+        assert weight.grad is not None and bias.grad is not None
+        assert torch.equal(weight.grad, grads[0]) and torch.equal(bias.grad, grads[1])
+
+
+SIDE_EFFECTS: list[str] = []
+
+
+def _side_effect(what: str) -> None:
+    """What a malicious checkpoint's pickle would call when loaded."""
+    SIDE_EFFECTS.append(what)
+
+
+class _Malicious:
+    """An object whose unpickling calls :func:`_side_effect` (pickle's ``__reduce__``: any callable, any arguments)."""
+
+    def __reduce__(self):
+        return _side_effect, ("code ran while loading a checkpoint",)
+
+
+def _objects(tree):
+    """Every leaf of a state dict (dictionaries, lists and tuples walked)."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield key
+            yield from _objects(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _objects(value)
+    else:
+        yield tree
+
+
+@pytest.mark.parametrize("option", ["SOAP", "PSGDKron"])
+def test_a_checkpoint_holds_no_pickle_and_loading_one_runs_no_code(option):
+    """heavyball pickles its preconditioner schedule into the state dict and unpickles it when loading. The saved
+    state dict holds no bytes anywhere; a state dict whose ``precond_schedule`` is a pickle with a side effect loads
+    (through ``torch.load(weights_only=True)``, as a checkpoint does) without the side effect, and the optimizer
+    keeps the schedule its constructor built. Red without the wrapper's hooks (the bytes saved; the side effect
+    runs in heavyball's load hook)."""
+    import pickle
+
+    from rlhf.optim import preconditioned
+
+    cls = getattr(preconditioned, option)
+    weight = torch.nn.Parameter(torch.ones(5, 4))
+    optimizer = cls([weight], lr=1e-2, compile=False)
+    for _ in range(2):
+        weight.grad = torch.ones(5, 4)
+        optimizer.step()
+    saved = optimizer.state_dict()
+    assert "heavyball" in saved and saved["heavyball"]["inner_group"]
+    assert not [x for x in _objects(saved) if isinstance(x, (bytes, bytearray))]
+
+    blob = pickle.dumps(_Malicious())
+    SIDE_EFFECTS.clear()
+    pickle.loads(blob)
+    assert SIDE_EFFECTS, "the blob must have a side effect for this test to mean anything"
+    SIDE_EFFECTS.clear()
+    buffer = io.BytesIO()
+    torch.save({**saved, "heavyball": {**saved["heavyball"], "precond_schedule": blob}}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded["heavyball"]["precond_schedule"] == blob  # torch returns the bytes untouched
+    fresh = cls([torch.nn.Parameter(torch.ones(5, 4))], lr=1e-2, compile=False)
+    schedule = fresh.precond_schedule
+    fresh.load_state_dict(loaded)
+    assert SIDE_EFFECTS == []
+    assert fresh.precond_schedule is schedule
+    assert fresh.inner_group == saved["heavyball"]["inner_group"]  # the rest of heavyball's entry still loads
+    assert loaded["heavyball"]["precond_schedule"] == blob  # the caller's dict left as it was
 
 
 @pytest.mark.parametrize(("option", "override", "expected"), [
@@ -118,8 +214,8 @@ def test_bad_settings_are_refused_before_loading(option, override, expected):
 def test_a_run_resumes_bit_for_bit(tmp_path, option, extra):
     """Four steps in one run, and two steps + a resume to four, end with the same weights and optimizer state
     (SOAP's bases refreshed at steps 2 and 4, across the resume; PSGD's preconditioner updated at every step from
-    torch's generator), and the logged gradient norms are the pre-clip norms, though heavyball clears every
-    gradient inside step(). Red when the loaded state is cast to the parameters' dtype (torch's load_state_dict
+    torch's generator), the saved optimizer state holds no bytes (no pickle), and the logged gradient norms are the
+    pre-clip norms. Red when the loaded state is cast to the parameters' dtype (torch's load_state_dict
     without the wrapper's hooks: PSGD's float64 lower bounds come back float32)."""
     from rlhf import train
     from rlhf.run import checkpoint
@@ -137,6 +233,7 @@ def test_a_run_resumes_bit_for_bit(tmp_path, option, extra):
     assert len(x["state"]) > 0
     assert_equal_trees(x["state"], y["state"], "optimizer.pt/state")
     assert x["heavyball"]["inner_group"] == y["heavyball"]["inner_group"]
+    assert not [v for v in _objects(x) if isinstance(v, (bytes, bytearray))]
     lines = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     norms = [line["train/grad_norm"] for line in lines if "train/grad_norm" in line]
     assert len(norms) == 4 and all(0.5 < norm < 1e3 for norm in norms), norms  # measured before the clip to 0.5

@@ -112,3 +112,55 @@ def test_a_model_with_no_hidden_matrix_is_refused_by_name():
     with pytest.raises(UserError, match="optimizer=muon updates the hidden layers' matrices, and this model has "
                                         "none that train .* Fix: "):
         HiddenMatrices()(model)
+
+
+def _two_runs(ns_dtype: str, steps: int = 3):
+    """The same matrix stepped by torch.optim.Muon and by rlhf's Muon with ``ns_dtype``; both parameters after."""
+    from rlhf.optim.rules import Muon
+
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(48, 24, generator=generator)
+    grads = [torch.randn(48, 24, generator=generator) for _ in range(steps)]
+    ours, torchs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    settings = {"lr": 1e-2, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    a, b = Muon([ours], ns_dtype=ns_dtype, **settings), torch.optim.Muon([torchs], **settings)
+    for grad in grads:
+        ours.grad, torchs.grad = grad.clone(), grad.clone()
+        a.step()
+        b.step()
+    return start, ours.detach(), torchs.detach(), a
+
+
+def test_muon_in_bfloat16_is_torchs_own_step_bit_for_bit():
+    """Red when the bfloat16 choice runs anything but torch.optim.Muon's step."""
+    _, ours, torchs, _ = _two_runs("bfloat16")
+    assert torch.equal(ours, torchs)
+
+
+def test_muon_in_float32_takes_torchs_step_with_a_more_precise_iteration():
+    """The float32 iteration: the same momentum, learning-rate scaling and weight decay as torch's (the updates
+    agree to bf16's precision; red when the scaling, Nesterov or the decay differ: each moves the update by more
+    than 5%), with singular values of the orthogonalized update near 1."""
+    from rlhf.optim.rules import orthogonalize
+
+    start, ours, torchs, optimizer = _two_runs("float32")
+    moved = (torchs - start).norm()
+    assert not torch.equal(ours, torchs) and (ours - torchs).norm() < 0.05 * moved
+    update = orthogonalize(torch.randn(48, 24), (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
+    singular = torch.linalg.svdvals(update)
+    assert singular.min() > 0.5 and singular.max() < 1.3
+    assert set(optimizer.state[next(iter(optimizer.state))]) == {"momentum_buffer"}  # torch's key: checkpoints swap
+
+
+def test_auto_iterates_in_float32_only_on_a_cpu_without_bf16_matrix_units(monkeypatch):
+    """Red when auto ignores the CPU's bf16 units (float32 everywhere, or bfloat16 on an AVX2 CPU)."""
+    from rlhf.optim import rules
+
+    optimizer = rules.Muon([torch.nn.Parameter(torch.zeros(4, 4))])
+    monkeypatch.setattr(rules, "cpu_has_bf16_matmul", lambda: False)
+    assert optimizer.iteration_dtype(torch.device("cpu")) == torch.float32
+    assert optimizer.iteration_dtype(torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(rules, "cpu_has_bf16_matmul", lambda: True)
+    assert optimizer.iteration_dtype(torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(UserError, match="ns_dtype='float16'.*Fix: optimizer.ns_dtype=auto"):
+        rules.Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_dtype="float16")

@@ -87,6 +87,7 @@ def test_each_row_holds_the_runs_own_metrics_and_the_values_that_differ(sweep):
         summary = json.loads((run.path / "summary.json").read_text())
         assert row.figures["peak MB"] == max(summary["final"]["perf/peak_mem_mb"],
                                              *(line.get("perf/peak_mem_mb", 0) for line in logged))
+        assert row.figures["optimizer state MB"] == summary["memory_held_mb"]["optimizer_state"] > 0
         assert 0 < row.figures["wall s"] < 60
     crashed, running = rows["crashed"], rows["running"]
     assert crashed.status == "crashed" and crashed.note == "error: out of memory | try a smaller batch"

@@ -85,3 +85,17 @@ def test_a_huge_probe_keeps_whole_rows_and_heads_or_is_scaled_down():
     wide = _probe_shape((7, 10**8))  # one row above the cap: every dimension scaled
     assert wide[0] * wide[1] <= MAX_PROBE_NUMEL and wide[1] < 10**8
     assert _probe_shape((256, 256)) == (256, 256)
+
+
+def test_a_probe_that_fails_is_said_and_falls_back_to_one_matrix(caplog):
+    """Red when a failed shaped probe counts the state as 0 without a word (the preflight would pass any run)."""
+    split = HiddenMatrices()(_tiny())
+
+    def needs_names(groups, **options):  # fails on the shaped groups (they carry a "rule" key), steps one matrix
+        if isinstance(groups[0], dict):
+            raise ValueError("cannot place a probe")
+        return torch.optim.AdamW(groups, lr=1e-3)
+
+    with caplog.at_level("WARNING", logger="rlhf.telemetry.optimizer_state"):
+        assert bytes_per_parameter(needs_names, torch.float32, split) == pytest.approx(8.0)
+    assert "could not step on probes shaped like the model's tensors (ValueError: cannot place a probe)" in caplog.text
