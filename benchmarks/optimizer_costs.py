@@ -21,10 +21,10 @@ and outside the timer (heavyball clears ``p.grad`` inside ``step()``). Measured:
   alike). The figure is the median over rounds, its spread the lowest and highest round; the ratio is to AdamW's
   figure. Threads: ``--threads`` (``torch.set_num_threads``), fixed for the whole measurement.
 
-``--compile muon`` (the default) also times that option's step with its Newton-Schulz orthogonalization compiled
-(``torch.compile`` of ``torch.optim._muon._zeropower_via_newtonschulz``, which torch's Muon calls once per matrix)
-and with the whole ``optimizer.step`` compiled, against eager, with the first (compiling) step's seconds
-(https://pytorch.org/docs/stable/generated/torch.compile.html; inductor's C++ backend on a CPU).
+``--variant OPTION OVERRIDE...`` adds a row for an option with overrides (as on train.py's command line), e.g.
+``--variant muon optimizer.ns_dtype=bfloat16``: torch's own bfloat16 Newton-Schulz beside the float32 one that
+``ns_dtype: auto`` takes on a CPU without bf16 matrix units. Muon's step eager against compiled is
+``benchmarks/muon_compile.py``.
 """
 
 from __future__ import annotations
@@ -77,11 +77,12 @@ def build_model(model_option: str | None) -> torch.nn.Module:
     return build(cfg.model).model
 
 
-def build_optimizer(option: str, model: torch.nn.Module, model_option: str | None):
-    """(split, optimizer) of ``optimizer=<option>`` for ``model``, as rlhf/run/components.py builds them."""
+def build_optimizer(option: str, model: torch.nn.Module, model_option: str | None, overrides: tuple[str, ...] = ()):
+    """(split, optimizer) of ``optimizer=<option> <overrides>`` for ``model``, as rlhf/run/components.py builds
+    them."""
     from rlhf.optim import partition as partitions
 
-    cfg = compose(f"optimizer={option}", *([f"model={model_option}"] if model_option else []))
+    cfg = compose(f"optimizer={option}", *overrides, *([f"model={model_option}"] if model_option else []))
     partition, make_optimizer = partitions.from_config(cfg.optimizer)
     split = partition(model)
     return split, split.build(make_optimizer)
@@ -182,18 +183,23 @@ def timed_steps(model, gradients, step, warmup: int, steps: int, budget_s: float
     return times, first
 
 
-def measure(names: list[str], model, model_option, gradients, initial, args) -> list[dict[str, Any]]:
-    """One row per option: the state after one step and the step time over ``args.rounds`` rounds."""
+def label(option: str, overrides: tuple[str, ...]) -> str:
+    """A row's name: the option, and its overrides in brackets."""
+    return f"{option} ({' '.join(overrides)})" if overrides else option
+
+
+def measure(runs: list[tuple[str, tuple[str, ...]]], model, model_option, gradients, initial, args) -> list[dict[str, Any]]:
+    """One row per (option, overrides): the state after one step and the step time over ``args.rounds`` rounds."""
     trainable = sum(g.numel() for g in gradients.values())
-    rows = {name: {"option": name} for name in names}
+    rows = {label(*run): {"option": label(*run)} for run in runs}
     for round_ in range(args.rounds):
-        for name in names:
-            row = rows[name]
+        for name, overrides in runs:
+            row = rows[label(name, overrides)]
             if "status" in row and row["status"] != "ok":
                 continue
             model.load_state_dict(initial)  # every option starts from the same weights
             try:
-                split, optimizer = build_optimizer(name, model, model_option)
+                split, optimizer = build_optimizer(name, model, model_option, overrides)
                 if round_ == 0:
                     set_gradients(model, gradients)
                     optimizer.step()
@@ -223,47 +229,6 @@ def measure(names: list[str], model, model_option, gradients, initial, args) -> 
     return list(rows.values())
 
 
-@contextlib.contextmanager
-def compiled_newton_schulz():
-    """torch's Muon with its Newton-Schulz iteration compiled (torch.optim._muon calls the module's function by name
-    for each matrix, so replacing it there reaches every step); the eager function back on exit."""
-    from torch.optim import _muon
-
-    eager = _muon._zeropower_via_newtonschulz
-    _muon._zeropower_via_newtonschulz = torch.compile(eager)
-    try:
-        yield
-    finally:
-        _muon._zeropower_via_newtonschulz = eager
-
-
-def compile_figures(name: str, model, model_option, gradients, initial, args) -> dict[str, Any]:
-    """``name``'s step eager, with its Newton-Schulz compiled, and with its whole step compiled: median ms of
-    ``args.steps`` steps after warm-up, and the first step's seconds (the compile)."""
-    variants: dict[str, Any] = {}
-    for variant in ("eager", "newton_schulz_compiled", "step_compiled"):
-        torch._dynamo.reset()
-        model.load_state_dict(initial)
-        try:
-            _, optimizer = build_optimizer(name, model, model_option)
-            step = torch.compile(optimizer.step) if variant == "step_compiled" else optimizer.step
-            context = compiled_newton_schulz() if variant == "newton_schulz_compiled" else contextlib.nullcontext()
-            with context:
-                times, first = timed_steps(model, gradients, step, max(args.warmup, 2), args.steps, args.budget_s)
-            variants[variant] = {"step_ms": 1000 * statistics.median(times), "first_step_s": first,
-                                 "timed_steps": len(times)}
-        except Exception as error:  # e.g. no C++ compiler for inductor: said, not fatal
-            variants[variant] = {"error": f"{type(error).__name__}: {error}"}
-        finally:
-            for p in model.parameters():
-                p.grad = None
-    eager_ms = variants["eager"].get("step_ms")
-    for figures in variants.values():
-        if eager_ms and "step_ms" in figures:
-            figures["vs_eager"] = figures["step_ms"] / eager_ms
-    return {"option": name, **variants}
-
-
 def machine() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else what platform says."""
     with contextlib.suppress(OSError):
@@ -274,10 +239,12 @@ def machine() -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """The report as a markdown table (and the compile figures below it)."""
-    lines = [f"Measured {report['date']} on {report['machine']} ({os.cpu_count()} CPUs), torch {report['torch']}, "
-             f"{report['threads']} thread(s); model: {report['model']} ({report['trainable_parameters']:,} trainable "
-             f"parameters); `{report['command']}`", "",
+    """The report as a markdown table."""
+    start, end = (", ".join(f"{value:.2f}" for value in report[key]) for key in ("load_average", "load_average_end"))
+    lines = [f"Measured {report['date']} on {report['machine']} ({os.cpu_count()} CPUs; load average over 1, 5, 15 "
+             f"minutes: {start} at the start, {end} at the end), torch {report['torch']}, {report['threads']} "
+             f"thread(s); model: {report['model']} ({report['trainable_parameters']:,} trainable parameters); "
+             f"`{report['command']}`", "",
              "| option | partition | state bytes / parameter | state by dtype | step ms (range over rounds) | "
              "step time vs adamw | classes (library version) |", "|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
@@ -289,18 +256,8 @@ def markdown(report: dict[str, Any]) -> str:
         low, high = row["step_ms_range"]
         ratio = f"{row['vs_adamw']:.2f}" if "vs_adamw" in row else "-"
         lines.append(f"| {row['option']} | {row['partition']} | {row['state_bytes_per_parameter']:.2f} | {dtypes} | "
-                     f"{row['step_ms']:.2f} ({low:.2f}-{high:.2f}; {sum(row['timed_steps'])} steps) | {ratio} | {'; '.join(row['classes'])} |")
-    compiled = report.get("compile")
-    if compiled:
-        lines += ["", f"`optimizer={compiled['option']}`, one step: eager against compiled (torch.compile)", "",
-                  "| variant | step ms | vs eager | first step (compile), s |", "|---|---|---|---|"]
-        for variant in ("eager", "newton_schulz_compiled", "step_compiled"):
-            figures = compiled[variant]
-            if "error" in figures:
-                lines.append(f"| {variant} | {figures['error'][:160]} | - | - |")
-            else:
-                lines.append(f"| {variant} | {figures['step_ms']:.2f} | {figures.get('vs_eager', float('nan')):.2f} | "
-                             f"{figures['first_step_s']:.1f} |")
+                     f"{row['step_ms']:.2f} ({low:.2f}-{high:.2f}; {sum(row['timed_steps'])} steps) | {ratio} | "
+                     f"{'; '.join(row['classes'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -316,7 +273,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget-s", type=float, default=60.0, help="seconds of steps per option and round past "
                         "which its warm-up and timed steps stop (one timed step at least)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fixed random gradients")
-    parser.add_argument("--compile", default="muon", help="the option timed eager against compiled ('' for none)")
+    parser.add_argument("--variant", nargs="+", action="append", default=[], metavar="OPTION OVERRIDE",
+                        help="also this option with these overrides, e.g. --variant muon optimizer.ns_dtype=bfloat16 "
+                        "(repeatable)")
     parser.add_argument("--out", action="append", default=[], help="write the report to this file: .json or .md "
                         "(repeatable)")
     args = parser.parse_args(argv)
@@ -325,17 +284,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"--out {out}: a .json or .md file")
     torch.set_num_threads(args.threads)
     names = options(None if args.only is None else sorted({*args.only, REFERENCE}))
+    runs = [(name, ()) for name in names] + [(variant[0], tuple(variant[1:])) for variant in args.variant]
+    options([variant[0] for variant in args.variant])  # an unknown option's name: said before anything loads
     model = build_model(args.model)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     gradients = fixed_gradients(model, args.seed)
     report: dict[str, Any] = {
         "date": datetime.date.today().isoformat(), "machine": machine(), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "model": args.model or "embedded default (tiny)",
+        "threads": torch.get_num_threads(), "load_average": list(os.getloadavg()),
+        "model": args.model or "embedded default (tiny)",
         "trainable_parameters": sum(g.numel() for g in gradients.values()),
         "command": " ".join(["python benchmarks/optimizer_costs.py", *(argv if argv is not None else sys.argv[1:])]),
-        "rows": measure(names, model, args.model, gradients, initial, args)}
-    if args.compile:
-        report["compile"] = compile_figures(args.compile, model, args.model, gradients, initial, args)
+        "rows": measure(runs, model, args.model, gradients, initial, args)}
+    report["load_average_end"] = list(os.getloadavg())
     text = markdown(report)
     print(text)
     for out in args.out:

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, fast_initial_model
 
 _spec = importlib.util.spec_from_file_location("optimizer_costs", ROOT / "benchmarks" / "optimizer_costs.py")
 costs = importlib.util.module_from_spec(_spec)
@@ -35,3 +35,30 @@ def test_an_optimizer_whose_library_is_missing_is_reported_as_such():
     except RuntimeError as error:
         assert costs.why_not(error)["status"] == "library missing"
     assert costs.why_not(ValueError("bad"))["status"] == "error"
+
+
+def test_a_variant_builds_its_option_with_its_overrides():
+    """Red when ``--variant``'s overrides do not reach the composed config (Muon's row with ns_dtype=bfloat16 would
+    time the float32 step again)."""
+    model = fast_initial_model()
+    for overrides, expected in (((), "auto"), (("optimizer.ns_dtype=bfloat16",), "bfloat16")):
+        _, optimizer = costs.build_optimizer("muon", model, None, overrides)
+        assert optimizer.rules["muon"].ns_dtype == expected
+    assert costs.label("muon", ("optimizer.ns_dtype=bfloat16",)) == "muon (optimizer.ns_dtype=bfloat16)"
+
+
+def test_muon_compile_swaps_each_dtypes_iteration_and_puts_it_back():
+    """Red when the compiled Newton-Schulz iteration is put where the step does not look it up, or left in place
+    after its variant (every later variant would be compiled too)."""
+    from torch.optim import _muon
+
+    from rlhf.optim import rules
+
+    spec = importlib.util.spec_from_file_location("muon_compile", ROOT / "benchmarks" / "muon_compile.py")
+    muon_compile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(muon_compile)
+    for module, name in ((rules, "orthogonalize"), (_muon, "_zeropower_via_newtonschulz")):
+        eager = getattr(module, name)
+        with muon_compile.compiled_iteration("float32" if module is rules else "bfloat16"):
+            assert getattr(module, name) is not eager
+        assert getattr(module, name) is eager
