@@ -6,9 +6,10 @@ predicted? One `train.py` process per option, as a user runs it.
     python benchmarks/optimizer_runs.py --algo grpo --steps 3         # online RL on the embedded default
     python benchmarks/optimizer_runs.py --only soap,prodigy --out runs.md
 
-Prints one markdown row per option: whether it finished, its last training loss and gradient norm, the optimizer
-state it held against the preflight's prediction (summary.json: memory_held_mb), and the run's
-wall time (start-up included; a few steps, so not a speed comparison: benchmarks/optimizer_costs.py is).
+Prints one markdown row per option: whether it finished, its last training loss (and reward, online) and gradient
+norm (the last log window's), the optimizer state it held against the preflight's prediction (summary.json:
+memory_held_mb), and the run's wall time (start-up included; a few steps, so not a speed comparison:
+benchmarks/optimizer_costs.py is).
 """
 
 from __future__ import annotations
@@ -46,23 +47,23 @@ def run_one(option: str, algo: str, model: str | None, steps: int, folder: Path)
         return row
     summary = json.loads((folder / "summary.json").read_text())
     final = summary["final"]
-    row.update(loss=final.get("train/loss"), grad_norm=final.get("train/grad_norm"),
+    row.update(loss=final.get("train/loss"), reward=final.get("train/reward"), grad_norm=final.get("train/grad_norm"),
                held_mb=summary["memory_held_mb"]["optimizer_state"],
                predicted_mb=summary["memory_held_mb"]["optimizer_state_predicted"])
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| option | finished | train/loss | train/grad_norm | optimizer state held, MB | predicted, MB | run, s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| option | finished | train/loss | train/reward | train/grad_norm | optimizer state held, MB | predicted, MB "
+             "| run, s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if not r["ok"]:
-            lines.append(f"| `{r['option']}` | no: {r['error']} | | | | | {r['seconds']:.0f} |")
+            lines.append(f"| `{r['option']}` | no: {r['error']} | | | | | | {r['seconds']:.0f} |")
             continue
-        loss = f"{r['loss']:.4f}" if r.get("loss") is not None else "-"
-        norm = f"{r['grad_norm']:.3g}" if r.get("grad_norm") is not None else "-"
-        lines.append(f"| `{r['option']}` | yes | {loss} | {norm} | {r['held_mb']:.1f} | {r['predicted_mb']:.1f} | "
-                     f"{r['seconds']:.0f} |")
+        loss, reward, norm = (f"{r[key]:.4g}" if r.get(key) is not None else "-" for key in ("loss", "reward",
+                                                                                             "grad_norm"))
+        lines.append(f"| `{r['option']}` | yes | {loss} | {reward} | {norm} | {r['held_mb']:.1f} | "
+                     f"{r['predicted_mb']:.1f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
 
