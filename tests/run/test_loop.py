@@ -40,10 +40,20 @@ ONLINE = {"grpo": POLICY_GRADIENT, "rloo": POLICY_GRADIENT, "reinforce_pp": POLI
                             "algo.max_completion_length=8"]}  # best-of-4: something is kept from the start
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
-@pytest.mark.parametrize("algo", ALGOS)
+# Every algorithm with two optimizers (the default and one without moments), and every optimizer with an offline and
+# an online algorithm: the two components meet only through the parameter groups, so the full cross (~170 runs)
+# would add CI minutes and no new meeting.
+PAIRS = sorted({*((algo, optimizer) for algo in ALGOS for optimizer in ("adamw", "sgd")),
+                *((algo, optimizer) for algo in ("dpo", "grpo") for optimizer in OPTIMIZERS)})
+# PSGD-Kron's preconditioner starts at a small scale: at its default lr (3e-5) three steps move the post-attention
+# norm's weights (1.0) by less than float32's spacing there (6e-8; measured: unchanged); at AdamW's 1e-4 every
+# tensor moves. The test asks whether every tensor trains, not how fast a default starts.
+SLOW_START = {"psgd_kron": ["optimizer.lr=1e-4"]}
+
+
+@pytest.mark.parametrize(("algo", "optimizer"), PAIRS)
 def test_every_algo_and_optimizer_trains(algo, optimizer, fast_config, tmp_path):
-    cfg = fast_config(f"algo={algo}", f"optimizer={optimizer}", *ONLINE.get(algo, []))
+    cfg = fast_config(f"algo={algo}", f"optimizer={optimizer}", *ONLINE.get(algo, []), *SLOW_START.get(optimizer, []))
     initial = fast_initial_model()
     metrics = train(cfg)
     held_out = f"eval/{get_class(cfg.algo._target_).eval_metrics[0]}"  # eval/loss; an online algorithm's eval/reward
