@@ -90,7 +90,7 @@ def build_optimizer(option: str, model: torch.nn.Module, model_option: str | Non
 
 def why_not(error: BaseException) -> dict[str, str]:
     """An option that could not be built or stepped: a missing library (an ImportError anywhere in the chain of
-    causes, as rlhf.optim.require raises it) or the error itself."""
+    causes: a UserError raised from the ImportError) or the error itself."""
     chain, seen = error, set()
     while chain is not None and id(chain) not in seen:
         seen.add(id(chain))

@@ -26,7 +26,7 @@ def test_state_bytes_counts_nested_tensors_once_each_by_dtype():
 
 
 def test_an_optimizer_whose_library_is_missing_is_reported_as_such():
-    """Red when an ImportError behind the error (as rlhf.optim.require raises it) is reported as a crash."""
+    """Red when an ImportError behind the error (a UserError naming the missing library, raised from the ImportError) is reported as a crash."""
     try:
         try:
             raise ModuleNotFoundError("No module named 'heavyball'", name="heavyball")

@@ -4,6 +4,7 @@ sharded strategy hands it (:func:`rlhf.optim.support.sharding_refusal`) is refus
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from hydra.utils import get_object
 
@@ -26,14 +27,27 @@ def check_optimizer_with_hardware(container: dict) -> None:
     if not (inspect.isclass(strategy) and issubclass(strategy, Sharded)):
         return
     name = f"zero{hardware['stage']}" if "stage" in hardware else "fsdp"
-    target = get_object(optimizer["_target_"])
-    why = sharding_refusal(optimizer["_target_"], target, zero=name != "fsdp")
-    if why is None:
+    for target in _update_rules(optimizer):  # the optimizer, and the rules inside it (PerRule's), by class
+        why = sharding_refusal(target, get_object(target), zero=name != "fsdp")
+        if why is not None:
+            break
+    else:
         return
     runs = "cpu_ddp or ddp (each process holds whole tensors)"
-    if name != "fsdp" and sharding_refusal(optimizer["_target_"], target, zero=False) is None:
+    if name != "fsdp" and all(sharding_refusal(t, get_object(t), zero=False) is None for t in _update_rules(optimizer)):
         runs = "fsdp (it steps the model's own parameters), cpu_ddp or ddp"
-    raise UserError(f"optimizer={optimizer['_target_'].rsplit('.', 1)[-1]} {why}, but hardware={name} "
+    raise UserError(f"optimizer={target.rsplit('.', 1)[-1]} {why}, but hardware={name} "
                     f"({strategy.__name__}) hands the optimizer only this process's shard of each tensor (under ZeRO, "
                     f"float32 copies of them), so the update would be another rule's. Fix: hardware={runs}, or an "
                     "optimizer that updates element by element under sharding (optimizer=adamw).")
+
+
+def _update_rules(node: Any) -> list[str]:
+    """The ``_target_`` of ``node`` and of every node below it but the partition (which only groups tensors): an
+    optimizer of several rules (``rlhf.optim.rules.PerRule``) names each rule's optimizer in a node of its own."""
+    found = [node["_target_"]] if isinstance(node, dict) and isinstance(node.get("_target_"), str) else []
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        if key != "partition":
+            found += _update_rules(child)
+    return found

@@ -177,15 +177,15 @@ class _ProjectionsAsTensors:
         spec = node.get("partition")
         target = spec.get("_target_") if isinstance(spec, dict) else None
         found = get_object(target) if isinstance(target, str) else None
-        if found is cls.partition:
-            return
         name = f"{cls.partition.__module__}.{cls.partition.__qualname__}"
         if inspect.isclass(found) and issubclass(found, LowRankMatrices):
             extra, missing = _only_in(found, cls.partition), _only_in(cls.partition, found)
+            if not extra and not missing:  # its own partition, or one that groups other tensors with its keys
+                return
             reason = "; ".join([*([f"it adds {', '.join(extra)}, which {cls.__name__} ignores"] if extra else []),
                                 *([f"it lacks {', '.join(missing)}, which {cls.__name__} needs"] if missing else [])])
             raise UserError(f"{where}.partition={target}: {cls.__name__} takes the parameter groups of {name} and no "
-                            f"other partition's ({reason or 'another class'}). Fix: {where}.partition._target_={name}")
+                            f"other partition's ({reason}). Fix: {where}.partition._target_={name}")
         raise UserError(f"{where}: {cls.__name__} projects only the parameter groups that carry a rank, which "
                         f"{name} makes; with {where}.partition={target or 'absent'} no group has one and every "
                         f"tensor would get plain AdamW. Fix: {where}.partition._target_={name}")

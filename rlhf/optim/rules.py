@@ -107,7 +107,7 @@ class Muon(torch.optim.Muon):
     torch runs it in bfloat16, as the method's authors do on GPUs. On a CPU without bf16 matrix units (AVX2: every
     bf16 product emulated) that is the slowest choice: a 576 x 1536 matrix times its transpose took 228 ms in bf16
     against 34 ms in float32 (1 thread, the 2-vCPU AMD EPYC of docs/reference/optimizers.md), and Muon's step on the
-    embedded default about 1.8 s. ``auto`` keeps torch's own step (bfloat16) on a GPU and on a CPU with bf16 matrix
+    embedded default 876 ms against 44 ms with the float32 iteration (benchmarks/optimizer_costs.py). ``auto`` keeps torch's own step (bfloat16) on a GPU and on a CPU with bf16 matrix
     units (:func:`rlhf.core.bf16.cpu_has_bf16_matmul`), and elsewhere takes the same step with the iteration in
     float32 (:func:`orthogonalize`: momentum, Nesterov, the scaled learning rate and decoupled weight decay as torch
     does them, the state under torch's key, so checkpoints of either load in the other)."""

@@ -25,8 +25,9 @@ EXTRAS: dict[str, str] = {
     "apollo_torch": "apollo-torch>=1.0.3",
 }
 
-_BNB = ("quantizes its states in blocks laid over each whole tensor, with bitsandbytes' kernels on plain tensors "
-        "(FSDP2's DTensor shards raise inside them; ZeRO's flat partitions move the blocks)")
+_BNB = ("runs bitsandbytes' kernels on plain tensors (FSDP2's DTensor shards raise inside them) and, in 8 bits, "
+        "quantizes its states in blocks laid over each whole tensor (ZeRO's flat partitions move the blocks; its "
+        "32-bit classes are refused too, untested there)")
 # A class's "module.Qualname", or a module prefix ending in "." (every class defined below it) -> why it is refused
 # under hardware=fsdp and zero1-3. This project's own classes say it themselves: a ``whole_matrices`` attribute.
 UNSHARDED: dict[str, str] = {

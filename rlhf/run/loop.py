@@ -35,7 +35,7 @@ from rlhf.run.signals import Stopped, catch_stop_signals
 from rlhf.run.window import settle, window_metrics
 from rlhf.telemetry import bf16_updates
 from rlhf.telemetry.loggers import Loggers, log_file
-from rlhf.telemetry.optimizer_state import state_bytes
+from rlhf.telemetry.optimizer_state import held_against_predicted
 from rlhf.telemetry.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -268,11 +268,10 @@ def _finish(run: BuiltRun, state: TrainState, seed: int) -> dict[str, float]:
     run.accelerator.wait_for_everyone()
     final = dict(state.last)
     final["perf/peak_mem_mb"] = max_over_processes(run.peak.mb(), run.accelerator)
-    held_mb = {"optimizer_state": state_bytes(run.optimizer) / 2**20,  # this process's, after its steps
-               "optimizer_state_predicted": run.memory.optimizer_state / 2**20}  # without a master copy
-    log.info("memory: peak %.1f MB on the busiest process (%s) against %.1f MB predicted; optimizer state %.1f MB "
-             "held against %.1f MB predicted", final["perf/peak_mem_mb"], "allocated by torch" if run.peak.cuda else
-             "resident set above its size before the run was built", run.memory.total / 2**20, *held_mb.values())
+    held_mb, held = held_against_predicted(run.optimizer, run.memory.optimizer_state)  # this process's state
+    log.info("memory: peak %.1f MB on the busiest process (%s) against %.1f MB predicted; %s", final["perf/peak_mem_mb"],
+             "allocated by torch" if run.peak.cuda else "resident set above its size before the run was built",
+             run.memory.total / 2**20, held)
     signals.reached("final_save")
     if run.settings.save_final and run.max_steps > 0:
         if not run.strategy.all_finite(run.model):

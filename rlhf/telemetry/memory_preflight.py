@@ -45,11 +45,13 @@ class MemoryPlan:
     activations: int
     held: tuple[str, ...] = ()  # what the frozen part holds, by name ("reference", "eval_reference", ...)
     master: int = 0  # of ``optimizer``: a float32 master copy of the weights (DeepSpeed's bf16), not the state
+    state_known: bool = True  # False: the optimizer could not step on a probe, its state is not in ``optimizer``
 
     @property
-    def optimizer_state(self) -> int:
-        """The optimizer's own state (moments, preconditioners), without a master copy of the weights."""
-        return self.optimizer - self.master
+    def optimizer_state(self) -> int | None:
+        """The optimizer's own state (moments, preconditioners), without a master copy of the weights; None where
+        it could not be predicted."""
+        return self.optimizer - self.master if self.state_known else None
 
     @property
     def total(self) -> int:
@@ -182,7 +184,8 @@ def plan(weights: int, trainable: int, gradient_width: int, frozen: int, optimiz
     optimizer = trainable * ((optimizer_bytes or 0.0) + precision.master_bytes)
     return MemoryPlan(weights=share("weights", weights), gradients=share("gradients", trainable * gradient_width),
                       optimizer=share("optimizer", optimizer), frozen=int(frozen),
-                      activations=int(activations), master=share("optimizer", trainable * precision.master_bytes))
+                      activations=int(activations), master=share("optimizer", trainable * precision.master_bytes),
+                      state_known=optimizer_bytes is not None)
 
 
 def measured_plan(model: torch.nn.Module, frozen: dict[str, torch.nn.Module], optimizer_bytes: float | None,

@@ -60,6 +60,16 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return tensor_bytes(dict(optimizer.state))
 
 
+def held_against_predicted(optimizer: torch.optim.Optimizer, predicted: int | None) -> tuple[dict, str]:
+    """The state ``optimizer`` holds now beside the preflight's ``predicted`` bytes (None: not predicted), in MB, as
+    ``summary.json``'s ``memory_held_mb`` and as the run's last memory line says it."""
+    held = state_bytes(optimizer) / 2**20
+    expected = None if predicted is None else predicted / 2**20
+    said = "none" if expected is None else f"{expected:.1f} MB"
+    return ({"optimizer_state": held, "optimizer_state_predicted": expected},
+            f"optimizer state {held:.1f} MB held against {said} predicted")
+
+
 def _probe_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """``shape``, or, above :data:`MAX_PROBE_NUMEL` elements, a smaller one (so that a model built on the meta device
     is predicted without allocating its largest tensor): fewer rows, a divisor of the rows (so that rows made of

@@ -170,10 +170,14 @@ def test_an_option_that_runs_sharded_trains_as_ddp(option, strategy, pair):
 @pytest.mark.serial
 @pytest.mark.parametrize(("option", "strategy"), UNCHECKED)
 def test_a_refused_option_run_anyway_fails_or_differs_from_ddp(option, strategy, pair):
-    """What the refusal prevents, measured: the run raises on the shards, or ends away from DDP's parameters."""
+    """What the refusal prevents, measured: under FSDP2 the run raises on the DTensor shards; under ZeRO it runs and
+    ends away from DDP's parameters (red when a library learns to run there as DDP does: then the refusal goes)."""
     root, errors = pair
-    if errors[f"{option}-{strategy}"]:
+    error = errors[f"{option}-{strategy}"]
+    if strategy == "fsdp":  # bitsandbytes' kernel and Adafactor's in-place ops meet FSDP2's DTensor shards
+        assert "DTensor" in error, error or "it ran"
         return
+    assert error == "", error  # ZeRO runs them, on flat partitions: another rule
     ddp, sharded = _params(root / f"{option}-ddp"), _params(root / f"{option}-{strategy}")
     assert not all(torch.allclose(b, a, atol=1e-6, rtol=1e-5) for a, b in zip(ddp, sharded, strict=True)), (
         f"optimizer={option} under hardware={strategy} trained as DDP: its refusal (rlhf/optim/support.py) can go")
@@ -203,3 +207,17 @@ def test_an_option_refused_under_zero_only_is_pointed_to_fsdp():
     cfg = compose_config(*COMMON, "optimizer=schedule_free_adamw", "hardware=zero2", output_dir="unused")
     with pytest.raises(UserError, match=r"Fix: hardware=fsdp \(it steps the model's own parameters\), cpu_ddp or ddp"):
         check_config(cfg)
+
+
+def test_a_rule_inside_an_optimizer_of_several_rules_is_refused_as_it_would_be_alone():
+    """Red when only the outer _target_ is read: a PerRule whose rule is torch's Muon would run on FSDP2's shards."""
+    from rlhf.config.optimizer_hardware import check_optimizer_with_hardware
+
+    container = {"optimizer": {"_target_": "rlhf.optim.rules.PerRule", "rules": {
+                     "muon": {"_target_": "torch.optim.Muon", "_partial_": True},
+                     "adamw": {"_target_": "torch.optim.AdamW", "_partial_": True}}},
+                 "hardware": {"_target_": "rlhf.hardware.fsdp.FSDP2"}}
+    with pytest.raises(UserError, match=r"optimizer=Muon orthogonalizes each matrix whole.*hardware=fsdp"):
+        check_optimizer_with_hardware(container)
+    container["optimizer"]["rules"].pop("muon")
+    check_optimizer_with_hardware(container)  # AdamW alone runs sharded

@@ -99,3 +99,18 @@ def test_a_probe_that_fails_is_said_and_falls_back_to_one_matrix(caplog):
     with caplog.at_level("WARNING", logger="rlhf.telemetry.optimizer_state"):
         assert bytes_per_parameter(needs_names, torch.float32, split) == pytest.approx(8.0)
     assert "could not step on probes shaped like the model's tensors (ValueError: cannot place a probe)" in caplog.text
+
+
+def test_a_state_that_could_not_be_predicted_is_said_as_none_not_zero():
+    """Red when an optimizer the preflight could not step is recorded as 0 MB predicted."""
+    from rlhf.telemetry.memory_preflight import plan
+    from rlhf.telemetry.optimizer_state import held_against_predicted
+
+    unknown = plan(weights=0, trainable=100, gradient_width=4, frozen=0, optimizer_bytes=None, sharded=frozenset(),
+                   processes=1, activations=0)
+    assert unknown.optimizer_state is None
+    held, line = held_against_predicted(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1), None)
+    assert held["optimizer_state_predicted"] is None and line.endswith("held against none predicted")
+    known = plan(weights=0, trainable=100, gradient_width=4, frozen=0, optimizer_bytes=8.0, sharded=frozenset(),
+                 processes=1, activations=0)
+    assert known.optimizer_state == 800
