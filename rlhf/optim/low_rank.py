@@ -34,7 +34,7 @@ import torch
 
 from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
-from rlhf.optim.partition import Part, Split, _by_role, _is_vector, _kind
+from rlhf.optim.partition import Part, Split, by_role, partition_name
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right")  # the projections both libraries implement ("full": GaLore's only)
 SCALE_TYPES = ("channel", "tensor")  # APOLLO: one scaling factor per channel, or one per matrix (APOLLO-Mini)
@@ -76,18 +76,14 @@ class LowRankMatrices:
                             f"(std: the smaller side projected). Fix: {where}.proj_type=std")
 
     def __call__(self, model: torch.nn.Module) -> Split:
-        roles = _by_role(model)
         low_rank: dict[int, Part] = {}
         outer = Part("embeddings, output layer and >2-D tensors", None)
         vectors = Part("biases, norms and vectors", None, {"weight_decay": 0.0})
-        seen = set()
-        for name, param in model.named_parameters():
-            if not param.requires_grad or id(param) in seen:  # a tied tensor is one tensor
-                continue
-            seen.add(id(param))
-            if _is_vector(name, param):
+        tensors = by_role(model)
+        for name, param, role in tensors:
+            if role == "vector":
                 vectors.add(name, param)
-            elif id(param) in roles or param.ndim != 2:
+            elif role == "outer":
                 outer.add(name, param)
             else:
                 rank = matrix_rank(param.shape, self.rank, self.max_rank_fraction)
@@ -96,11 +92,11 @@ class LowRankMatrices:
                 low_rank[rank].add(name, param)
         if not low_rank:
             raise UserError(f"{type(self).__name__} projects the hidden layers' matrices to low rank, and this model "
-                            f"has none that train ({len(seen)} trainable tensor(s): embeddings, the output layer, "
+                            f"has none that train ({len(tensors)} trainable tensor(s): embeddings, the output layer, "
                             "norms, biases or vectors only). Fix: train the hidden layers (peft=none, or a LoRA on the "
                             "attention/MLP projections), or optimizer=adamw.")
         parts = [low_rank[rank] for rank in sorted(low_rank, reverse=True)]
-        return Split(_kind(self), [*parts, outer, vectors])
+        return Split(partition_name(self), [*parts, outer, vectors])
 
 
 @limits(

@@ -23,7 +23,7 @@ import adam_mini
 import torch
 
 from rlhf.core.errors import UserError
-from rlhf.optim.partition import Part, Split, _by_role, _kind
+from rlhf.optim.partition import Part, Split, embedding_ids, partition_name
 
 # A rule's name (a part's ``rule``) -> a keyword of adam-mini 1.1.1 that sends a group to that rule in its step().
 PACKAGE_KEYWORD = {"per_row": "embed", "per_head": "q_proj", "per_entry": "bias", "per_tensor": "norm"}
@@ -76,7 +76,7 @@ class AdamMiniBlocks:
     def __call__(self, model: torch.nn.Module) -> Split:
         dims = _dims(model)
         head_rows = dims["dim"] // dims["n_heads"]
-        roles = _by_role(model)
+        roles = embedding_ids(model)
         parts = {"per_row": Part("embeddings, output layer (per token); values, attention outputs, MLPs, LoRA "
                                  "(per row)", "per_row"),
                  "per_head": Part("queries and keys (per head)", "per_head"),
@@ -114,7 +114,7 @@ class AdamMiniBlocks:
                             f"other matrices by {', '.join(PER_ROW_NAMES)}; the package would give an unknown matrix "
                             "one second moment for all of it. Fix: optimizer=adamw for this model, or freeze those "
                             "tensors (peft=lora)")
-        return Split(_kind(self), [part for part in parts.values() if part.params], options=dims)
+        return Split(partition_name(self), [part for part in parts.values() if part.params], options=dims)
 
 
 class AdamMini(adam_mini.Adam_mini):

@@ -97,7 +97,7 @@ def _is_vector(name: str, param: torch.nn.Parameter) -> bool:
             or (param.ndim == 2 and min(param.shape) == 1))
 
 
-def _kind(partition: object) -> str:
+def partition_name(partition: object) -> str:
     return f"{type(partition).__module__}.{type(partition).__qualname__}"
 
 
@@ -116,10 +116,10 @@ class DecayMatrices:
             if not param.requires_grad:  # frozen tensors get no optimizer state
                 continue
             (no_decay if param.ndim < 2 or "norm" in name.lower() or name.endswith(".bias") else decay).add(name, param)
-        return Split(_kind(self), [decay, no_decay] if no_decay.params else [decay])
+        return Split(partition_name(self), [decay, no_decay] if no_decay.params else [decay])
 
 
-def _by_role(model: torch.nn.Module) -> set[int]:
+def embedding_ids(model: torch.nn.Module) -> set[int]:
     """The ids of the input embedding's and output layer's weights (one id when they are tied), found by role
     (``get_input_embeddings`` / ``get_output_embeddings``), not by shape: both are matrices."""
     found = set()
@@ -131,6 +131,21 @@ def _by_role(model: torch.nn.Module) -> set[int]:
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor):
             found.add(id(weight))
+    return found
+
+
+def by_role(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, str]]:
+    """The model's trainable tensors, each once (a tied tensor is one tensor), with their role: ``vector`` (biases,
+    norms, 1-D, a matrix with one row or column), ``outer`` (the input embedding and the output layer, found by role,
+    and tensors of more than two dimensions) or ``hidden`` (the hidden layers' 2-D weights, LoRA's A and B too): the
+    split every rule for whole matrices starts from (Muon's, GaLore's, APOLLO's)."""
+    roles, seen, found = embedding_ids(model), set(), []
+    for name, param in model.named_parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        role = "vector" if _is_vector(name, param) else "outer" if id(param) in roles or param.ndim != 2 else "hidden"
+        found.append((name, param, role))
     return found
 
 
@@ -148,28 +163,19 @@ class HiddenMatrices:
         """No settings: a field given in the config is refused by name (rlhf.config.checks)."""
 
     def __call__(self, model: torch.nn.Module) -> Split:
-        roles = _by_role(model)
         hidden = Part("hidden matrices", "muon")
         outer = Part("embeddings, output layer and >2-D tensors", "adamw")
         vectors = Part("biases, norms and vectors", "adamw", {"weight_decay": 0.0})
-        seen = set()
-        for name, param in model.named_parameters():
-            if not param.requires_grad or id(param) in seen:  # a tied tensor is one tensor
-                continue
-            seen.add(id(param))
-            if _is_vector(name, param):
-                vectors.add(name, param)
-            elif id(param) in roles or param.ndim != 2:
-                outer.add(name, param)
-            else:
-                hidden.add(name, param)
+        tensors = by_role(model)
+        for name, param, role in tensors:
+            {"vector": vectors, "outer": outer, "hidden": hidden}[role].add(name, param)
         if not hidden.params:
-            trainable = len(seen)
+            trainable = len(tensors)
             raise UserError(f"optimizer=muon updates the hidden layers' matrices, and this model has none that train "
                             f"({trainable} trainable tensor(s): embeddings, the output layer, norms, biases or vectors "
                             "only). Fix: train the hidden layers (peft=none, or a LoRA on the attention/MLP "
                             "projections), or optimizer=adamw.")
-        return Split(_kind(self), [hidden, outer, vectors])
+        return Split(partition_name(self), [hidden, outer, vectors])
 
 
 def from_config(node: Any) -> tuple[Any, Any]:

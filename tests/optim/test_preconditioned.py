@@ -28,20 +28,26 @@ def _condition(matrix: torch.Tensor) -> float:
     return (values.max() / values.min()).item()
 
 
+def _stepped(optimizer_class, steps: int, **settings):
+    """An 8 x 6 matrix stepped ``steps`` times (lr 0) on gradients G = L Z R whose row and column covariances each
+    have condition number 100: its state and the two factors."""
+    generator = torch.Generator().manual_seed(0)
+    left, right = _spd(8, 10.0, generator), _spd(6, 10.0, generator)
+    weight = torch.nn.Parameter(torch.zeros(8, 6))
+    optimizer = optimizer_class([weight], lr=0.0, compile=False, **settings)
+    for _ in range(steps):
+        weight.grad = left @ torch.randn(8, 6, generator=generator) @ right
+        optimizer.step()
+    return optimizer.state[weight][0], left, right
+
+
 def test_soap_keeps_orthogonal_eigenbases_of_the_gradient_statistics():
     """Vyas et al. 2024 (arXiv:2409.11321): after a preconditioner refresh, SOAP's state holds orthogonal bases Q_L,
     Q_R that diagonalize the running statistics E[G G^T], E[G^T G]. Red when the refresh does not run (heavyball's
     get_orthogonal_matrix_QR made a no-op: the bases stay those of the first gradient)."""
     from rlhf.optim.preconditioned import SOAP
 
-    generator = torch.Generator().manual_seed(0)
-    left, right = _spd(8, 10.0, generator), _spd(6, 10.0, generator)
-    weight = torch.nn.Parameter(torch.zeros(8, 6))
-    optimizer = SOAP([weight], lr=0.0, precondition_frequency=1, compile=False)
-    for _ in range(30):
-        weight.grad = left @ torch.randn(8, 6, generator=generator) @ right
-        optimizer.step()
-    state = optimizer.state[weight][0]
+    state, _, _ = _stepped(SOAP, 30, precondition_frequency=1)
     bases = next(v for k, v in state.items() if "_Q_" in k)
     statistics = next(v for k, v in state.items() if "_GG_" in k)
     assert [tuple(q.shape[-2:]) for q in bases] == [(8, 8), (6, 6)]
@@ -63,14 +69,7 @@ def test_psgd_kron_whitens_the_gradient():
 
     from rlhf.optim.preconditioned import PSGDKron
 
-    generator = torch.Generator().manual_seed(0)
-    left, right = _spd(8, 10.0, generator), _spd(6, 10.0, generator)
-    weight = torch.nn.Parameter(torch.zeros(8, 6))
-    optimizer = PSGDKron([weight], lr=0.0, beta=0.0, compile=False)
-    for _ in range(150):
-        weight.grad = left @ torch.randn(8, 6, generator=generator) @ right
-        optimizer.step()
-    state = optimizer.state[weight][0]
+    state, left, right = _stepped(PSGDKron, 150, beta=0.0)
     factors = next(v for k, v in state.items() if "_Q_" in k)
     q_left, q_right = (heavyball.utils.line_to_triu([f])[0][0] for f in factors)  # stored as upper-triangle lines
     for q, covariance in ((q_left, left @ left.T), (q_right, right.T @ right)):
