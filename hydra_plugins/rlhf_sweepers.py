@@ -1,5 +1,6 @@
-"""Hydra's plugin for ``hydra/sweeper=select_then_confirm``: search on validation rows, then confirm each choice with
-fresh runs on the held-out rows (the logic and its documentation: ``rlhf/sweeps/search.py``).
+"""Hydra's plugins for ``hydra/sweeper=select_then_confirm`` (search on validation rows, then confirm each choice with
+fresh runs on the held-out rows: ``rlhf/sweeps/search.py``) and ``hydra/sweeper=optimizer_bench`` (optimizers
+compared the AlgoPerf way: ``rlhf/sweeps/bench/``).
 
 Hydra instantiates sweepers from the ``hydra_plugins`` package only, and imports every module here when it starts:
 this one imports nothing heavy at the top.
@@ -119,3 +120,66 @@ class SelectThenConfirm(Sweeper):
         log.info("selection: %s", ", ".join(str(p) for p in written[:2]))
         print((sweep_dir / "selection.md").read_text(), end="")
         return results
+
+
+class OptimizerBench(Sweeper):
+    """Args (``hydra.sweeper.*``, documented in ``conf/hydra/sweeper/optimizer_bench.yaml``): workloads, optimizers,
+    trials, studies, confirm_seeds, self_tuning_budget, reference, r_max, select_on, confirm_on, max_batch_size,
+    plan_only. The plan: :class:`rlhf.sweeps.bench.plan.Bench`; running it: :func:`rlhf.sweeps.bench.runner.run`;
+    the report: :mod:`rlhf.sweeps.bench.report`."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        self.options = options
+        self.hydra_context: HydraContext | None = None
+        self.config: DictConfig | None = None
+        self.launcher = None
+        self.jobs = 0
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context,
+                                                                task_function=task_function, config=config)
+
+    def sweep(self, arguments: list[str]) -> Any:
+        from rlhf.core.errors import UserError
+        from rlhf.sweeps.bench import report, runner
+        from rlhf.sweeps.bench.plan import Bench
+        from rlhf.sweeps.points import count_failures_as_misses
+        from rlhf.sweeps.search import check_arguments
+
+        assert self.config is not None and self.launcher is not None
+        options = OmegaConf.to_container(OmegaConf.create(self.options), resolve=True)
+        try:
+            check_arguments(arguments)
+            bench = Bench.from_config(options)
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(1) from None
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        if options.get("plan_only"):
+            clock = runner.Clock(bench)
+            print(bench.describe())
+            print(f"estimated time on one machine, one job at a time: "
+                  f"{clock.line([*bench.search_jobs(), *bench.confirm_jobs([])])}")
+            return []
+
+        def launch(jobs, resume) -> None:
+            lists = [[*arguments, *job.overrides, *(["resume=auto"] if again else []),
+                      f"hydra.sweep.subdir={job.folder}"] for job, again in zip(jobs, resume)]
+            self.validate_batch_is_legal(lists)
+            self.launcher.launch(lists, initial_job_idx=self.jobs)
+            self.jobs += len(lists)
+
+        try:
+            jobs = runner.run(bench, sweep_dir, launch, options.get("max_batch_size"))
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(1) from None
+        count_failures_as_misses()  # a failed trial is a miss in the report, not a failure of the benchmark
+        written = report.write(bench, jobs, sweep_dir, r_max=float(options.get("r_max", 4.0)))
+        log.info("benchmark report: %s", ", ".join(str(p) for p in written))
+        print((sweep_dir / report.MARKDOWN).read_text(), end="")
+        return []

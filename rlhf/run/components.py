@@ -167,13 +167,15 @@ class BuiltRun:
 
     def record_environment(self) -> None:
         """``environment.json`` in the run folder: what a run's numbers depend on beyond its config (the thread
-        count and precision it computed in, the machine and torch), for a report that compares runs."""
+        count and precision it computed in, the machine and torch, the hash of its tokenized training rows), for a
+        report that compares runs."""
         if self.accelerator.is_main_process:
             (self.run_dir / ENVIRONMENT).write_text(json.dumps({
                 "threads_per_process": torch.get_num_threads(), "mixed_precision": self.strategy.mixed_precision,
                 "machine": perf.machine_name(self.accelerator.device), "num_processes": self.accelerator.num_processes,
                 "torch": torch.__version__, "cpus": self.load.cpus,  # the CPUs perf/busy_cpus_other counts among
-                "threads_change_numbers": getattr(self.strategy, "threads_change_numbers", False)}, indent=2) + "\n")
+                "threads_change_numbers": getattr(self.strategy, "threads_change_numbers", False),
+                "tokenized_data": self.resume_record.get("tokenized_data")}, indent=2) + "\n")  # the rows' hash
             if self.partition is not None:  # which tensors got which rule and lr, for a report to publish
                 (self.run_dir / PARTITION).write_text(self.partition.record(self.optimizer))
 

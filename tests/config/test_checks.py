@@ -46,6 +46,7 @@ from rlhf.models.loading import DTYPES, load_policy
 from rlhf.optim import partition as partitions
 from rlhf.optim import schedule
 from rlhf.run.train_settings import TrainSettings
+from rlhf.sweeps.bench.plan import Bench
 from rlhf.telemetry.loggers import Loggers
 from tests.conftest import CONF, FAST, compose_config
 
@@ -361,9 +362,16 @@ def _sweep_points(params: dict) -> list[dict[str, str]]:
 def test_experiment_checks_and_builds_every_sweep_point_and_trains_the_first(option, tmp_path):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         full = compose("config", overrides=[f"experiment={option}", "output_dir=unused"], return_hydra_config=True)
+    built = None  # the groups of a point that are built (None: every key's)
     if full.hydra.mode == RunMode.MULTIRUN and "compare" in full.hydra.sweeper:  # select_then_confirm
         points = _selection_points(OmegaConf.to_container(full.hydra.sweeper), full.objective)
         assert len(points) > 1, f"experiment={option} is a multirun of one job"
+    elif full.hydra.mode == RunMode.MULTIRUN and "workloads" in full.hydra.sweeper:  # optimizer_bench
+        bench = Bench.from_config(OmegaConf.to_container(full.hydra.sweeper, resolve=True))
+        firsts = {(j.workload, j.optimizer): j for j in [*bench.search_jobs(), *bench.confirm_jobs([])][::-1]}
+        points = [{o.partition("=")[0]: o for o in job.overrides} for job in reversed(firsts.values())]
+        built = {"algo", "optimizer"}
+        assert len(points) == len(bench.workloads) * len(bench.spaces)
     elif full.hydra.mode == RunMode.MULTIRUN:
         points = _sweep_points(OmegaConf.to_container(full.hydra.sweeper.params))
         assert len(points) > 1, f"experiment={option} is a multirun of one job"
@@ -372,8 +380,9 @@ def test_experiment_checks_and_builds_every_sweep_point_and_trains_the_first(opt
     for i, point in enumerate(points):
         cfg = compose_config(*FAST, f"experiment={option}", *point.values(), output_dir=tmp_path / f"point{i}")
         check_config(cfg)
-        for key in point:  # the swept component: optimizer=... builds the optimizer, algo.beta=... the algorithm
-            _build(key.split(".")[0].split("/")[0], cfg, tmp_path / f"point{i}")
+        for group in dict.fromkeys(key.split(".")[0].split("/")[0] for key in point):  # the swept components:
+            if built is None or group in built:  # optimizer=... builds the optimizer, algo.beta=... the algorithm
+                _build(group, cfg, tmp_path / f"point{i}")
     run = compose_config(*FAST, f"experiment={option}", *points[0].values(), "train.max_steps=2",
                          output_dir=tmp_path / "run")
     metrics = train(run)
