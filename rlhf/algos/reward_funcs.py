@@ -23,6 +23,7 @@ from torch import Tensor
 from rlhf.algos.reward_shaping import weighted_rewards
 from rlhf.core.errors import UserError
 from rlhf.core.limits import Range, limits
+from rlhf.data.chat_tasks import SumsTask
 from rlhf.data.collate import collate_sequences
 from rlhf.data.encoding import encode
 from rlhf.data.tasks import ReverseTask
@@ -49,6 +50,18 @@ def char_similarity(prompts: Sequence[str], completions: Sequence[str], **column
 # before anything loads (rlhf.config.checks). A reward function of one's own leaves the attribute unset.
 exact_match.fits_prompt = ReverseTask.is_prompt
 char_similarity.fits_prompt = ReverseTask.is_prompt
+
+
+def sum_answer(prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> list[float | None]:
+    """The sums chat task's reward (:meth:`rlhf.data.chat_tasks.SumsTask.reward`, ``data=sums``): 1.0 where the
+    completion's first whole number is the sum the prompt asks for ("The answer is 85." counts), else 0.0; None for
+    a prompt that asks no such question. Prompts as online algorithms and ``eval=generate`` hand them over: rendered
+    by the chat template (the question is found inside the rendered text)."""
+    return SumsTask.reward(prompts, completions)
+
+
+# Refused on data whose first prompt asks no sum (rlhf.config.checks), as the embedded task's rewards are elsewhere.
+sum_answer.fits_prompt = SumsTask.is_prompt
 
 
 def functions_and_weights(functions: Mapping[str, Callable] | None, weights: Sequence[float] | None, where: str

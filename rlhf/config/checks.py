@@ -44,9 +44,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlhf import optim
 from rlhf.config.optimizer_hardware import check_optimizer_with_hardware
+from rlhf.config.reward_fit import check_rewards_fit_the_data
+from rlhf.config.signatures import signature_of
 from rlhf.core import limits as validate
 from rlhf.core.errors import UserError
-from rlhf.data import paths
 from rlhf.run import folder as run_folder
 from rlhf.run.train_settings import TOP_LEVEL_LIMITS, TrainSettings
 from rlhf.sweeps import points as sweep
@@ -94,48 +95,10 @@ def _matches(value: Any, allowed: tuple[type, ...]) -> bool:
     return isinstance(value, allowed)
 
 
-def _signature(target: Callable) -> tuple[inspect.Signature, dict[str, Any]] | None:
-    """The arguments ``target`` takes and their annotations. A class whose ``__init__`` takes ``**kwargs`` passes
-    them on to the next ``__init__`` of its method resolution order (the house's convention: ``GRPO(PolicyGradient)``;
-    a mixin before an algorithm): its own arguments are joined with that one's, so that a misspelled field is still
-    refused."""
-    if not inspect.isclass(target):
-        try:
-            return inspect.signature(target), typing.get_type_hints(target)
-        except (TypeError, ValueError, NameError, AttributeError):
-            return None
-    mro = target.__mro__
-    owners = [i for i, c in enumerate(mro) if "__init__" in c.__dict__ and c is not object]
-    return _init_signature(mro, owners) if owners else None
-
-
-def _init_signature(mro: tuple[type, ...], owners: list[int]) -> tuple[inspect.Signature, dict[str, Any]] | None:
-    """The signature of ``mro[owners[0]].__init__`` without ``self``, joined with the next owner's when it forwards
-    ``**kwargs``."""
-    function = mro[owners[0]].__dict__["__init__"]
-    try:
-        signature = inspect.signature(function)
-        hints = typing.get_type_hints(function)
-    except (TypeError, ValueError, NameError, AttributeError):
-        return None
-    signature = signature.replace(parameters=list(signature.parameters.values())[1:])  # self
-    forwards = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-    if forwards and len(owners) > 1:
-        found = _init_signature(mro, owners[1:])
-        if found is not None:
-            own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-            inherited = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind is not inspect.Parameter.VAR_KEYWORD
-                         else p for name, p in found[0].parameters.items()
-                         if name not in signature.parameters and p.kind is not inspect.Parameter.VAR_POSITIONAL]
-            signature = signature.replace(parameters=sorted(own + inherited, key=lambda p: p.kind))
-            hints = {**found[1], **hints}
-    return signature, hints
-
-
 def check_fields(values: dict[str, Any], target: Callable, where: str, nullable: set[str] = frozenset()) -> None:
     """Raise UserError if `values` has a field `target` does not accept, or a scalar of the wrong type. A field in
     `nullable` may be null whatever its annotation (rlhf gives that null a meaning: :attr:`rlhf.core.limits.Range.null`)."""
-    found = _signature(target)
+    found = signature_of(target)
     if found is None:
         return
     signature, hints = found
@@ -199,7 +162,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_peft(container)
     _check_algorithm_with_run(container)
     check_optimizer_with_hardware(container)
-    _check_rewards_fit_the_data(container)
+    check_rewards_fit_the_data(container)
     sweep.check_objective(container)
 
 
@@ -213,45 +176,6 @@ def _check_data_columns(container: dict) -> None:
     check = getattr(get_object(data["_target_"]), "check_columns", None) if "_target_" in data else None
     if columns and check is not None:
         check(data, columns)
-
-
-def _check_rewards_fit_the_data(container: dict) -> None:
-    """On data of one's own (``data.path``), refuse reward functions that fit only other prompts (``fits_prompt``:
-    the embedded task's, which score a completion against the prompt reversed; none configured means its exact match)
-    wherever they would train or evaluate with a weight: an online algorithm's ``algo.reward_funcs`` and
-    ``eval=generate``'s ``eval.reward_funcs``. A local file's first prompt is asked (the embedded task's prompts
-    written to a file pass); data that cannot be read cheaply (a Hub dataset) is taken for one's own."""
-    data = container.get("data")
-    if not isinstance(data, dict) or data.get("path") is None:
-        return
-    first = paths.first_row(str(data["path"])) or {}
-    prompt = first.get("prompt") if isinstance(first.get("prompt"), str) else None
-    for where, node, fix in (
-            ("algo", container.get("algo"), "algo/reward_funcs=<your option>"),
-            ("eval", container.get("eval"), "algo/reward_funcs@eval=<your option>, or eval=none")):
-        if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
-            continue
-        found = _signature(get_object(node["_target_"]))
-        if "reward_funcs" not in node and (found is None or "reward_funcs" not in found[0].parameters):
-            continue
-        functions = node.get("reward_funcs") or {"exact_match": {"_target_": "rlhf.algos.reward_funcs.exact_match"}}
-        if not isinstance(functions, dict):
-            continue
-        weights = node.get("reward_weights") if node.get("reward_funcs") else None
-        weights = weights if isinstance(weights, list) and len(weights) == len(functions) else [1.0] * len(functions)
-        task = []
-        for (name, function), weight in zip(functions.items(), weights):
-            target = function.get("_target_") if isinstance(function, dict) else None
-            fits = getattr(get_object(target), "fits_prompt", None) if isinstance(target, str) else None
-            if fits is not None and weight != 0 and not (prompt is not None and fits(prompt)):
-                task.append(name)
-        if task:
-            doing = "the algorithm trains on" if where == "algo" else "eval=generate scores its samples with"
-            raise UserError(
-                f"{where}.reward_funcs: {doing} {', '.join(task)}, the embedded task's reward (the prompt reversed), "
-                f"but data.path={data['path']} is data of one's own, where it measures nothing. Fix: a reward for "
-                f"this data as an option of conf/algo/reward_funcs/ (or of your own config folder) and {fix} "
-                "(docs/how-to/your-reward.md)")
 
 
 def _check_algorithm_with_run(container: dict) -> None:

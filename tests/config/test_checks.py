@@ -131,9 +131,14 @@ def _build(group: str, cfg: DictConfig, tmp_path) -> None:
     elif group == "algo/reward_funcs" and "reward_model" in node:  # a saved model: one float each
         scores = instantiate(node.reward_model)(prompts=["abc=", "abc="], completions=["cba", "abc"])
         assert len(scores) == 2 and all(math.isfinite(s) for s in scores)
-    elif group == "algo/reward_funcs":  # each function scores a right and a wrong answer of the embedded task
-        functions = instantiate(node)
-        assert all(fn(prompts=["abc=", "abc="], completions=["cba", "abc"])[0] == 1.0 for fn in functions.values())
+    elif group == "algo/reward_funcs":  # each function scores a right and a wrong answer of the task it fits
+        for fn in instantiate(node).values():
+            fits = getattr(getattr(fn, "func", fn), "fits_prompt", None)
+            prompt, right, wrong = "abc=", "cba", "abc"
+            if fits is not None and not fits(prompt):  # another task's reward: the sums task's
+                prompt, right, wrong = "What is 37 + 48? Reply with the number only.", "85", "58"
+            scores = fn(prompts=[prompt, prompt], completions=[right, wrong])
+            assert scores[0] == 1.0 and scores[1] != 1.0
     elif group == "algo/kl_controller":  # PPO's coefficient, checkpointed
         controller = instantiate(node)
         assert controller.value > 0 and instantiate(cfg.algo).kl_controller.value == controller.value
@@ -214,6 +219,8 @@ def test_option_composes_checks_and_builds(group, option, tmp_path):
         policy.model.save_pretrained(tmp_path / "rm")
         policy.tokenizer.save_pretrained(tmp_path / "rm")
         extra = [f"algo.reward_funcs.reward_model.path={tmp_path / 'rm'}"]
+    if group == "algo/reward_funcs" and option == "sum_answer":  # the sums task's reward: on its data
+        extra = ["data=sums"]
     if group in ONLINE_GROUPS:  # options of the online algorithms' own groups: composed into the one that has them
         extra.insert(0, "algo=ppo" if group == "algo/kl_controller" else "algo=grpo")
     cfg = compose_config(f"{group}={option}", *extra, output_dir=tmp_path)
@@ -378,7 +385,8 @@ def test_experiment_checks_and_builds_every_sweep_point_and_trains_the_first(opt
     else:
         points = [{}]
     for i, point in enumerate(points):
-        cfg = compose_config(*FAST, f"experiment={option}", *point.values(), output_dir=tmp_path / f"point{i}")
+        fast = [o for o in FAST if "model" not in point or not o.startswith("model.tiny.")]  # a workload of its own model
+        cfg = compose_config(*fast, f"experiment={option}", *point.values(), output_dir=tmp_path / f"point{i}")
         check_config(cfg)
         for group in dict.fromkeys(key.split(".")[0].split("/")[0] for key in point):  # the swept components:
             if built is None or group in built:  # optimizer=... builds the optimizer, algo.beta=... the algorithm

@@ -157,6 +157,27 @@ def profiles(bench: Bench, table: Sequence[Mapping[str, Any]], r_max: float,
     return out
 
 
+def where_they_ran(jobs: Sequence[Job], sweep_dir: Path) -> str:
+    """One line on what the confirm runs' seconds depend on: their machines and thread counts (each value with its
+    count of runs) and the CPUs other work kept busy beside them (the range of the runs' medians)."""
+    machines: dict[str, int] = {}
+    busy = []
+    for job in jobs:
+        if job.stage != "confirm" or job.value is None:
+            continue
+        env = _load(sweep_dir / job.folder, "environment.json") or {}
+        key = f"{env.get('machine', '?')}, {env.get('threads_per_process', '?')} thread(s)"
+        machines[key] = machines.get(key, 0) + 1
+        load = ((_load(sweep_dir / job.folder, "summary.json") or {}).get("load") or {}).get("busy_cpus_other")
+        if load and load.get("median") is not None:
+            busy.append(load["median"])
+    text = "; ".join(f"{k} ({n} runs)" for k, n in machines.items()) or "no confirm run finished"
+    if busy:
+        text += f"; CPUs busy with other work beside them: {min(busy):.2f} to {max(busy):.2f} (medians)"
+    return ("Seconds depend on where the runs ran: " + text
+            + (" — **not alike: compare steps, not seconds**" if len(machines) > 1 else "") + ".")
+
+
 def _number(value: Any, digits: int = 4) -> str:
     if value is None:
         return "-"
@@ -176,7 +197,7 @@ def _point(bench: Bench, optimizer: str, point: Mapping[str, float], edges: Mapp
 
 
 def markdown(bench: Bench, table: Sequence[Mapping[str, Any]], profs: Mapping[str, scores.Profile],
-             speedups: Mapping[str, scores.Speedup], jobs: Sequence[Job], r_max: float) -> str:
+             speedups: Mapping[str, scores.Speedup], jobs: Sequence[Job], r_max: float, sweep_dir: Path) -> str:
     counts = bench.counts()
     failed = [j for j in jobs if j.launched and j.value is None]
     unrun = [j for j in jobs if not j.launched]
@@ -187,7 +208,8 @@ def markdown(bench: Bench, table: Sequence[Mapping[str, Any]], profs: Mapping[st
              + (f"; {len(unrun)} confirm runs not run, every trial of their study having failed (misses)"
                 if unrun else "") + ".", "",
              "Every figure is from the confirm runs (the held-out rows, fresh seeds): median, [bootstrap 95% interval "
-             "of the median], min-max over the runs. With 3 runs the interval is the min-max: it says little.", ""]
+             "of the median], min-max over the runs. With 3 runs the interval is the min-max: it says little.", "",
+             where_they_ran(jobs, sweep_dir), ""]
     for w in bench.workloads:
         own = [r for r in table if r["workload"] == w.name]
         goal = own[0]["target"] if own else None
@@ -278,7 +300,7 @@ def write(bench: Bench, jobs: Sequence[Job], sweep_dir: Path, r_max: float = 4.0
                       if r["workload"] == w.name} for w in bench.workloads}
     speedups = scores.geometric_mean_speedup(times, bench.reference) if bench.reference in everyone else {}
     written = [folder / "report.md", folder / "results.csv", folder / "runs.csv", folder / "manifest.json"]
-    written[0].write_text(markdown(bench, table, profs, speedups, jobs, r_max))
+    written[0].write_text(markdown(bench, table, profs, speedups, jobs, r_max, Path(sweep_dir)))
     fields = [k for k in table[0] if k not in ("chosen", "partition")] if table else []
     with open(written[1], "w", newline="") as file:
         out = csv.DictWriter(file, fields + ["profile_score", "speedup"], extrasaction="ignore")

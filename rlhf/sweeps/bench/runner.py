@@ -99,6 +99,8 @@ class Clock:
 
 
 def _minutes(seconds: float) -> str:
+    if seconds >= 7200:
+        return f"about {seconds / 3600:.1f} h"
     return f"about {seconds / 60:.0f} min" if seconds >= 90 else f"about {seconds:.0f} s"
 
 

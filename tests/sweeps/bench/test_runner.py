@@ -121,7 +121,9 @@ def test_a_missed_target_is_infinite_steps_and_seconds_and_scores_nothing_in_the
     assert table["adamw"]["optimizer_state_mb"] == 6.0 and table["adamw"]["rest_mb"] == pytest.approx(85.0)
     profiles = report.profiles(plan, report.rows(plan, jobs, tmp_path), 4.0)
     assert profiles["tuned"].scores == {"adamw": 1.0, "slow": 0.0}
-    assert "0 of 3" in report.markdown(plan, report.rows(plan, jobs, tmp_path), profiles, {}, jobs, 4.0)
+    text = report.markdown(plan, report.rows(plan, jobs, tmp_path), profiles, {}, jobs, 4.0, tmp_path)
+    assert "| slow | tuned | 20 |" in text and "| 0 of 3 | inf | inf [inf, inf] |" in text
+    assert "Seconds depend on where the runs ran: test, ? thread(s) (9 runs)." in text
 
 
 def test_a_stopped_benchmark_continues_what_it_had_not_finished_and_a_different_plan_is_refused(tmp_path):
