@@ -16,7 +16,7 @@ from typing import Any
 from hydra.core.utils import JobReturn
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 NAME_LIMIT = 96  # characters of a job folder's name after its number (longer ones end in a hash)
@@ -148,38 +148,63 @@ class OptimizerBench(Sweeper):
         from rlhf.sweeps.bench import report, runner
         from rlhf.sweeps.bench.plan import Bench
         from rlhf.sweeps.points import count_failures_as_misses
-        from rlhf.sweeps.search import check_arguments
 
         assert self.config is not None and self.launcher is not None
-        options = OmegaConf.to_container(OmegaConf.create(self.options), resolve=True)
-        try:
-            check_arguments(arguments)
-            bench = Bench.from_config(options)
-        except UserError as error:
-            print(f"error: {error}", file=sys.stderr)
-            raise SystemExit(1) from None
-        sweep_dir = Path(self.config.hydra.sweep.dir)
-        if options.get("plan_only"):
-            clock = runner.Clock(bench)
-            print(bench.describe())
-            print(f"estimated time on one machine, one job at a time: "
-                  f"{clock.line([*bench.search_jobs(), *bench.confirm_jobs([])])}")
-            return []
-
-        def launch(jobs, resume) -> None:
-            lists = [[*arguments, *job.overrides, *(["resume=auto"] if again else []),
-                      f"hydra.sweep.subdir={job.folder}"] for job, again in zip(jobs, resume)]
-            self.validate_batch_is_legal(lists)
-            self.launcher.launch(lists, initial_job_idx=self.jobs)
-            self.jobs += len(lists)
-
-        try:
-            jobs = runner.run(bench, sweep_dir, launch, options.get("max_batch_size"))
-        except UserError as error:
-            print(f"error: {error}", file=sys.stderr)
-            raise SystemExit(1) from None
         count_failures_as_misses()  # a failed trial is a miss in the report, not a failure of the benchmark
-        written = report.write(bench, jobs, sweep_dir, r_max=float(options.get("r_max", 4.0)))
+        options = OmegaConf.to_container(OmegaConf.create(self.options), resolve=True)
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        try:
+            bench = Bench.from_config(options)
+            self._check(bench, arguments)
+            if options.get("plan_only"):
+                clock = runner.Clock(bench)
+                print(bench.describe())
+                print(f"estimated time on one machine, one job at a time: "
+                      f"{clock.line([*bench.search_jobs(), *bench.confirm_jobs([])])}")
+                return []
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+
+            def launch(jobs, resume) -> None:
+                lists = [[*arguments, *job.overrides, *(["resume=auto"] if again else []),
+                          f"hydra.sweep.subdir={job.folder}"] for job, again in zip(jobs, resume)]
+                self.launcher.launch(lists, initial_job_idx=self.jobs)
+                self.jobs += len(lists)
+
+            jobs = runner.run(bench, sweep_dir, launch, options.get("max_batch_size"), arguments=arguments)
+        except UserError as error:  # one message, before anything runs (or before a mixed-up folder is touched)
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(1) from None
+        written = report.write(bench, jobs, sweep_dir)
         log.info("benchmark report: %s", ", ".join(str(p) for p in written))
         print((sweep_dir / report.MARKDOWN).read_text(), end="")
         return []
+
+    def _check(self, bench, arguments: list[str]) -> None:
+        """Before anything runs: no sweep and no key every job sets itself on the command line, and the config of
+        each workload with each optimizer (at the middle of its space) composed and checked, so that a refusal
+        that does not depend on the point stops the benchmark instead of failing every one of its jobs."""
+        from rlhf.config.checks import check_config
+        from rlhf.core.errors import UserError
+        from rlhf.sweeps.bench.plan import SET_PER_JOB
+        from rlhf.sweeps.search import check_arguments
+
+        check_arguments(arguments, "hydra.sweeper.optimizers.<name>.space",
+                        "hydra.sweeper.optimizers.<name>.space.<key>={low: ..., high: ..., scale: ...}")
+        for argument in arguments:
+            key = argument.lstrip("~+").partition("=")[0]
+            if key in SET_PER_JOB:
+                raise UserError(f"{argument}: every job of the benchmark sets {key} itself (its workload, its "
+                                "optimizer, its study's seed). Fix: hydra.sweeper.workloads.<name>.* or "
+                                "hydra.sweeper.optimizers.<name> (conf/hydra/sweeper/optimizer_bench.yaml)")
+        lists = [[*arguments, *job.overrides] for job in bench.probes()]
+        self.validate_batch_is_legal(lists)  # an unknown key: Hydra's message
+        for job, overrides in zip(bench.probes(), lists):
+            config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+            try:
+                with open_dict(config):
+                    config.pop("hydra", None)
+                    config.output_dir = str(Path(self.config.hydra.sweep.dir) / job.folder)  # as the job's, unmade
+                check_config(config)
+            except UserError as error:
+                raise UserError(f"workload {job.workload} with {job.optimizer}: {error}") from None

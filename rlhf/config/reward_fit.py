@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hydra.utils import get_object
 
 from rlhf.config.signatures import signature_of
@@ -19,22 +21,15 @@ def check_rewards_fit_the_data(container: dict) -> None:
     ``eval=generate``'s ``eval.reward_funcs``. A local file's first prompt is asked (the embedded task's prompts
     written to a file pass); data that cannot be read cheaply (a Hub dataset) is taken for one's own."""
     data = container.get("data")
-    if not isinstance(data, dict):
+    if not isinstance(data, dict) or (data.get("path") is None and not isinstance(data.get("task"), dict)):
         return
-    if data.get("path") is not None:
-        first = paths.first_row(str(data["path"])) or {}
-        what = f"data.path={data['path']} is data of one's own"
-    elif isinstance(data.get("task"), dict) and isinstance(data["task"].get("_target_"), str):
-        try:  # a generated task's first held-out prompt (milliseconds: a few hundred rows)
-            task = get_object(data["task"]["_target_"])(**{k: v for k, v in data["task"].items() if k != "_target_"})
-            first = task.rows("eval", ("prompt",))[0]
-        except Exception:  # a task that cannot be built: the data check names it
-            return
-        what = f"data.task ({data['task']['_target_'].rsplit('.', 1)[-1]}) asks other questions"
-    else:
-        return
-    prompt = first.get("prompt")
-    prompt = prompt if isinstance(prompt, (str, list)) else None
+    found_prompt: list = []  # the data's first prompt, read once and only where a reward would be asked about it
+
+    def first_prompt() -> tuple[Any, str] | None:
+        if not found_prompt:
+            found_prompt.append(_first_prompt(data))
+        return found_prompt[0]
+
     for where, node, fix in (
             ("algo", container.get("algo"), "algo/reward_funcs=<your option>"),
             ("eval", container.get("eval"), "algo/reward_funcs@eval=<your option>, or eval=none")):
@@ -52,7 +47,13 @@ def check_rewards_fit_the_data(container: dict) -> None:
         for (name, function), weight in zip(functions.items(), weights):
             target = function.get("_target_") if isinstance(function, dict) else None
             fits = getattr(get_object(target), "fits_prompt", None) if isinstance(target, str) else None
-            if fits is not None and weight != 0 and not (prompt is not None and _fits(fits, prompt)):
+            if fits is None or weight == 0:
+                continue
+            asked = first_prompt()
+            if asked is None:  # a task that cannot be built: the data check names it
+                return
+            prompt, what = asked
+            if not (prompt is not None and _fits(fits, prompt)):
                 task.append(name)
                 embedded = embedded and fits is ReverseTask.is_prompt
         if task:
@@ -72,3 +73,23 @@ def _fits(fits, prompt) -> bool:
         return bool(fits(prompt))
     except (AttributeError, TypeError):
         return False
+
+
+def _first_prompt(data: dict) -> tuple[Any, str] | None:
+    """The data's first prompt (a file's first row; a generated task's first held-out row) and what the data is,
+    for the message; ``None`` where a task cannot be built."""
+    if data.get("path") is not None:
+        first = paths.first_row(str(data["path"])) or {}
+        what = f"data.path={data['path']} is data of one's own"
+    else:
+        node = data["task"]
+        if not isinstance(node.get("_target_"), str):
+            return None
+        try:  # a generated task's first held-out prompt (milliseconds: a few hundred rows)
+            task = get_object(node["_target_"])(**{k: v for k, v in node.items() if k != "_target_"})
+            first = task.rows("eval", ("prompt",))[0] if hasattr(task, "rows") else task.load(("prompt",))["eval"][0]
+        except Exception:
+            return None
+        what = f"data.task ({node['_target_'].rsplit('.', 1)[-1]}) asks other questions"
+    prompt = first.get("prompt")
+    return (prompt if isinstance(prompt, (str, list)) else None), what

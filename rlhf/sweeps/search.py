@@ -61,16 +61,17 @@ def grid(overrides: str | Sequence[str] | None) -> list[list[str]]:
     return BasicSweeper.split_arguments(parsed, None)[0]
 
 
-def check_arguments(arguments: Sequence[str]) -> None:
+def check_arguments(arguments: Sequence[str], where: str = "hydra.sweeper.search",
+                    fix: str = "hydra.sweeper.search='<key>=<v1>,<v2>' (or drop the override)") -> None:
     """Command-line overrides apply to every job; a sweep among them (``a=1,2``) is refused: the grid is
-    ``hydra.sweeper.search``."""
+    ``hydra.sweeper.search`` (``fix``: where it goes for another sweeper)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(list(arguments))
     sweeps = [text for text, override in zip(arguments, parsed) if override.is_sweep_override()]
     if sweeps:
-        raise UserError(f"{' '.join(sweeps)}: this sweeper takes its grid from hydra.sweeper.search, not from the "
-                        "command line. Fix: hydra.sweeper.search='<key>=<v1>,<v2>' (or drop the override)")
+        raise UserError(f"{' '.join(sweeps)}: this sweeper takes its grid from {where}, not from the command line. "
+                        f"Fix: {fix}")
 
 
 def as_overrides(values: Mapping[str, Any] | None) -> list[str]:

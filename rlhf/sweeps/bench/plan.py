@@ -22,7 +22,9 @@ gives the same folders, which is how a stopped benchmark continues (:mod:`rlhf.s
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import re
 import warnings
 import zlib
 from collections.abc import Mapping, Sequence
@@ -65,6 +67,8 @@ class Dimension:
                    else "low < high" if not dim.low < dim.high
                    else "low > 0 on a log scale" if dim.scale == "log" and dim.low <= 0
                    else "high < 1 on a log1m scale" if dim.scale == "log1m" and dim.high >= 1
+                   else "0 <= low and high <= 1 for a fraction of the steps" if dim.of_steps
+                   and not 0 <= dim.low < dim.high <= 1
                    else "")
         if problem:
             raise UserError(f"{where}.{key}: needs {problem} (got low={dim.low:g}, high={dim.high:g}, "
@@ -93,7 +97,7 @@ class Dimension:
             return f"{self.key}={round(value * steps)}"
         if self.integer:
             return f"{self.key}={round(value)}"
-        return f"{self.key}={value:.4g}"
+        return f"{self.key}={value:.6g}"
 
     def edge(self, value: float) -> str:
         """``"low"`` or ``"high"`` when ``value`` lies in the outer :data:`EDGE` of the range: the best may lie
@@ -142,6 +146,24 @@ class Job:
         return f"{self.stage}/{self.workload}/{self.optimizer}/s{self.study}_{kind}{self.index}"
 
 
+SET_PER_JOB = ("seed", "train.max_steps", "train.eval_every_steps", "train.eval_at_start", "objective.metric",
+               "objective.direction", "optimizer")  # what every job sets itself: not a command-line override
+SWEEPER_KEYS = ("workloads", "optimizers", "trials", "studies", "confirm_seeds", "self_tuning_budget", "reference",
+                "r_max", "select_on", "confirm_on", "max_batch_size", "plan_only")
+WORKLOAD_KEYS = ("overrides", "max_steps", "eval_every_steps", "metric", "direction", "target", "seconds_per_step")
+NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # a workload's or an entry's name: one folder, one override value
+
+
+def _unknown(keys: Any, known: Sequence[str], where: str) -> None:
+    """An unknown key of ``where`` refused, naming the known key it resembles."""
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"{where}.{close[0]} (the key it resembles)" if close else "one of " + ", ".join(known)
+            raise UserError(f"{where}.{key} is not a setting of the optimizer benchmark (it would be ignored). Fix: "
+                            f"{hint}")
+
+
 @dataclasses.dataclass
 class Bench:
     """The whole plan: :meth:`from_config` reads ``hydra.sweeper``; :meth:`search_jobs` and :meth:`confirm_jobs`
@@ -155,19 +177,22 @@ class Bench:
     confirm_seeds: int = 1
     self_tuning_budget: float = 1.5
     reference: str = "adamw"
+    r_max: float = 4.0  # the performance profile's range of tau: 1 to r_max (AlgoPerf: 4)
     select_on: list[str] = dataclasses.field(default_factory=list)
     confirm_on: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> Bench:
         where = "hydra.sweeper"
+        _unknown(cfg, (*SWEEPER_KEYS, "_target_"), where)
         for key in ("workloads", "optimizers"):
             if not cfg.get(key):
                 raise UserError(f"{where}.{key} is empty. Fix: see conf/experiment/optimizer_bench.yaml for a "
                                 "complete benchmark")
         workloads = []
         for name, node in cfg["workloads"].items():
-            node = dict(node)
+            node = dict(node or {})
+            _unknown(node, WORKLOAD_KEYS, f"{where}.workloads.{name}")
             missing = {"max_steps", "metric", "direction"} - set(node)
             if missing:
                 raise UserError(f"{where}.workloads.{name} lacks {sorted(missing)}. Fix: give max_steps, metric "
@@ -197,7 +222,7 @@ class Bench:
                                 *(overrides.split() if isinstance(overrides, str) else map(str, overrides))]
         bench = cls(workloads, spaces, fixed, int(cfg.get("trials", 5)), int(cfg.get("studies", 3)),
                     int(cfg.get("confirm_seeds", 1)), float(cfg.get("self_tuning_budget", 1.5)),
-                    str(cfg.get("reference", "adamw")),
+                    str(cfg.get("reference", "adamw")), float(cfg.get("r_max", 4.0)),
                     [f"{k}={v}" for k, v in (cfg.get("select_on") or {}).items()],
                     [f"{k}={v}" for k, v in (cfg.get("confirm_on") or {}).items()])
         bench.check()
@@ -210,6 +235,18 @@ class Bench:
         if self.self_tuning_budget <= 0:
             raise UserError(f"hydra.sweeper.self_tuning_budget={self.self_tuning_budget}: a factor of the step "
                             "budget, > 0. Fix: 1.5 (AlgoPerf's self-tuning track has more time in place of tuning)")
+        if not self.r_max > 1:
+            raise UserError(f"hydra.sweeper.r_max={self.r_max}: the profile runs from 1 to r_max, so it must exceed "
+                            "1. Fix: hydra.sweeper.r_max=4 (AlgoPerf's)")
+        for name in [*(w.name for w in self.workloads), *self.spaces]:
+            if not NAME.match(name):
+                raise UserError(f"hydra.sweeper: the name {name!r} is a folder and an override value: letters, "
+                                "digits, _ and - only. Fix: rename it")
+        for w in self.workloads:
+            if w.max_steps < 1 or w.eval_every_steps < 1:
+                raise UserError(f"hydra.sweeper.workloads.{w.name}: max_steps={w.max_steps}, eval_every_steps="
+                                f"{w.eval_every_steps}: each must be >= 1. Fix: e.g. max_steps: 40, "
+                                "eval_every_steps: 5")
         untargeted = [w.name for w in self.workloads if w.target is None]
         if untargeted and not self.spaces.get(self.reference):
             raise UserError(f"workloads {untargeted} take their target from the reference optimizer "
@@ -256,6 +293,15 @@ class Bench:
         return [self._job("search", w, name, study, trial, study, point, self.select_on)
                 for w in self.workloads for name in self.tuned() for study in range(self.studies)
                 for trial, point in enumerate(self.points(name, study))]
+
+    def probes(self) -> list[Job]:
+        """One job per workload and entry at the middle of its space (self-tuning: its confirm job), to check every
+        combination's config before anything runs: a refusal that does not depend on the point (a metric the
+        algorithm does not report, an option that does not exist) stops the benchmark, not each of its jobs."""
+        return [self._job("search" if self.spaces[name] else "confirm", w, name, 0, 0, 0,
+                          {d.key: d.at(0.5) for d in self.spaces[name]},
+                          self.select_on if self.spaces[name] else self.confirm_on)
+                for w in self.workloads for name in self.spaces]
 
     def better(self, direction: str, a: float, b: float) -> bool:
         return a > b if direction == "maximize" else a < b

@@ -36,7 +36,6 @@ FOLDER = "report"
 MARKDOWN = f"{FOLDER}/report.md"
 PACKAGES = ("torch", "transformers", "accelerate", "datasets", "peft", "bitsandbytes", "hydra-core", "numpy",
             "scipy", "heavyball", "schedulefree", "prodigyopt")
-TINY_S = 1e-9  # a target met at the start (0 s): timed as this, so that every optimizer meeting it there ties
 
 
 def _load(folder: Path, name: str) -> Any:
@@ -52,16 +51,19 @@ def _records(folder: Path) -> list[dict[str, Any]] | None:
 
 
 def target(bench: Bench, jobs: Sequence[Job], workload: str) -> float | None:
-    """The workload's target: its own, else the reference optimizer's median final score over its confirm runs,
-    the worse middle one for an even count (one of its runs' scores, so that at least half of them reach it)."""
+    """The workload's target: its own, else the reference optimizer's median final score over its confirm runs (a
+    failed run counting as the worst), the worse middle one for an even count: one of its runs' scores, so that at
+    least half of them reach it. ``None`` where it has none (most of the reference's runs failed)."""
     own = next(w for w in bench.workloads if w.name == workload)
     if own.target is not None:
         return own.target
-    values = [j.value for j in jobs if j.stage == "confirm" and j.workload == workload
-              and j.optimizer == bench.reference and j.value is not None]
+    worst = -math.inf if own.direction == "maximize" else math.inf  # a failed run counts as the worst score
+    values = [worst if j.value is None else j.value for j in jobs if j.stage == "confirm" and j.workload == workload
+              and j.optimizer == bench.reference]
     if not values:
         return None
-    return float(np.quantile(values, 0.5, method="lower" if own.direction == "maximize" else "higher"))
+    middle = float(np.quantile(values, 0.5, method="lower" if own.direction == "maximize" else "higher"))
+    return middle if math.isfinite(middle) else None  # most of the reference's runs failed: no target
 
 
 def rows(bench: Bench, jobs: Sequence[Job], sweep_dir: Path) -> list[dict[str, Any]]:
@@ -91,6 +93,7 @@ def rows(bench: Bench, jobs: Sequence[Job], sweep_dir: Path) -> list[dict[str, A
                 "final_high": final["high"] if final else None, "final_min": final["min"] if final else None,
                 "final_max": final["max"] if final else None, "runs": len(finals), "jobs": len(own),
                 "reached": sum(math.isfinite(s) for s in steps),
+                "met_at_start": sum(s == 0 for s in steps),
                 "steps_to_target": float(np.median(steps)) if steps else math.inf,
                 "seconds_to_target": float(np.median(seconds)) if seconds else math.inf,
                 "seconds_low": scores.summary(seconds)["low"] if seconds else math.inf,
@@ -140,12 +143,29 @@ def _partition(folder: Path | None) -> str:
     return f"{record.get('partition', '').rsplit('.', 1)[-1]}: " + "; ".join(parts)
 
 
+def ranked(bench: Bench, table: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The workloads that rank the optimizers: those with a target that no run met before training (met at the
+    start, every optimizer would tie at 0 s, or one would be infinitely faster)."""
+    return [w.name for w in bench.workloads
+            if not any(r["met_at_start"] or r["target"] is None for r in table if r["workload"] == w.name)]
+
+
+def times_to_target(bench: Bench, table: Sequence[Mapping[str, Any]], names: Sequence[str],
+                    label: Mapping[str, str] | None = None, key: str = "seconds_to_target") -> dict[str, dict]:
+    """``{workload: {optimizer: seconds to target}}`` over the workloads that rank (:func:`ranked`)."""
+    label = label or {}
+    return {w: {label.get(r["optimizer"], r["optimizer"]): r[key] for r in table
+                if r["workload"] == w and r["optimizer"] in names} for w in ranked(bench, table)}
+
+
 def profiles(bench: Bench, table: Sequence[Mapping[str, Any]], r_max: float,
              key: str = "seconds_to_target") -> dict[str, scores.Profile]:
     """The performance profile of each track; the self-tuning one holds the tuned reference as a yardstick."""
     def times(names: Sequence[str], label: Mapping[str, str]) -> dict[str, dict[str, float]]:
-        return {w.name: {label.get(r["optimizer"], r["optimizer"]): max(r[key], TINY_S) for r in table
-                         if r["workload"] == w.name and r["optimizer"] in names} for w in bench.workloads}
+        return times_to_target(bench, table, names, label, key)
+
+    if not ranked(bench, table):
+        return {}
 
     out = {}
     if bench.tuned():
@@ -186,13 +206,42 @@ def _number(value: Any, digits: int = 4) -> str:
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
-def _point(bench: Bench, optimizer: str, point: Mapping[str, float], edges: Mapping[str, str]) -> str:
+def _not_ranked(workload: str, goal: float | None, own: Sequence[Mapping[str, Any]]) -> str:
+    if goal is None:
+        why = f"no target (most of the reference's runs failed; give hydra.sweeper.workloads.{workload}.target)"
+    else:
+        why = "the target was met before training by " + ", ".join(
+            f"{r['optimizer']} ({r['met_at_start']})" for r in own if r["met_at_start"]) + " (raise the target)"
+    return f"**Not ranked**: {why}; this workload is left out of the profile and the speed-ups."
+
+
+def interval_note(bench: Bench) -> str:
+    """What the interval means with this many runs: the percentile bootstrap's interval of a median of n <= 5 runs
+    is their range, which holds the true median with probability 1 - 2 x 0.5^n (75% for 3), not 95%."""
+    n = bench.studies * bench.confirm_seeds
+    if n > 5:
+        return f"{n} runs each."
+    return (f"With {n} runs each, that interval is their range (min to max), which holds the true median with "
+            f"probability {1 - 2 * 0.5 ** n:.0%}, not 95%: more studies narrow it.")
+
+
+def consistent_edges(chosen: Sequence[Mapping[str, Any]], studies: int) -> dict[str, str]:
+    """The keys that every study chose on the same edge of its range (``{"optimizer.lr": "high"}``)."""
+    if len(chosen) < studies or not chosen:
+        return {}
+    keys = set.intersection(*(set(c["edges"]) for c in chosen))
+    return {k: chosen[0]["edges"][k] for k in keys if len({c["edges"][k] for c in chosen}) == 1}
+
+
+def _point(bench: Bench, optimizer: str, point: Mapping[str, float], edges: Mapping[str, str],
+           agreed: Mapping[str, str] = {}) -> str:  # noqa: B006 (read only)
     dims = {d.key: d for d in bench.spaces[optimizer]}
     texts = []
     for key, value in point.items():
         shown = f"{value:.3g}" + (" of the steps" if dims[key].of_steps else "")
-        texts.append(f"{key.removeprefix('optimizer.')}={shown}" + (f" **({edges[key]} edge)**" if key in edges
-                                                                       else ""))
+        mark = ("" if key not in edges else f" **({edges[key]} edge in every study)**" if key in agreed
+                else f" ({edges[key]} edge)")
+        texts.append(f"{key.removeprefix('optimizer.')}={shown}{mark}")
     return ", ".join(texts)
 
 
@@ -207,14 +256,15 @@ def markdown(bench: Bench, table: Sequence[Mapping[str, Any]], profs: Mapping[st
              + (": " + "; ".join(f"{j.folder}: {j.reason[:120]}" for j in failed[:8]) if failed else "")
              + (f"; {len(unrun)} confirm runs not run, every trial of their study having failed (misses)"
                 if unrun else "") + ".", "",
-             "Every figure is from the confirm runs (the held-out rows, fresh seeds): median, [bootstrap 95% interval "
-             "of the median], min-max over the runs. With 3 runs the interval is the min-max: it says little.", "",
+             "Every figure is from the confirm runs (the held-out rows, fresh seeds): the median and the percentile "
+             f"bootstrap's 95% interval of the median over the runs. {interval_note(bench)}", "",
              where_they_ran(jobs, sweep_dir), ""]
     for w in bench.workloads:
         own = [r for r in table if r["workload"] == w.name]
         goal = own[0]["target"] if own else None
         lines += [f"## {w.name}: {w.metric} ({w.direction}), target {_number(goal)}"
                   + ("" if w.target is not None else f" (the tuned {bench.reference}'s median)"), "",
+                  *([_not_ranked(w.name, goal, own), ""] if w.name not in ranked(bench, table) else []),
                   "| optimizer | track | steps | final: median [95% CI] (runs) | reached | steps to target | "
                   "seconds to target [95% CI] | weights / grads / state / rest MB | peak MB | KL |",
                   "|---|---|---:|---|---:|---:|---|---|---:|---:|"]
@@ -239,18 +289,21 @@ def markdown(bench: Bench, table: Sequence[Mapping[str, Any]], profs: Mapping[st
         for name in prof.optimizers:
             plain = name.removesuffix(" (tuned)")
             s = speedups.get(plain)
-            speed = f"{_number(s.speedup, 3)} ({s.workloads_counted}; {s.optimizer_missed}; {s.baseline_missed})" \
-                if s else "-"
+            speed = (f"{'-' if math.isnan(s.speedup) else _number(s.speedup, 3)} ({s.workloads_counted}; "
+                     f"{s.optimizer_missed}; {s.baseline_missed})") if s else "-"
             lines.append(f"| {name} | {track} | {prof.scores[name]:.3f} | {speed} |")
     lines += ["", "![performance profile](profile.png)", ""]
     if SELF_TUNING in profs:
         lines += ["![performance profile, self-tuning](profile_self_tuning.png)", ""]
     lines += ["## Chosen points", "", "Each study's choice (best final score on the validation rows); a key in the "
-              "outer 10% of its range is marked: the best may lie beyond it (widen the range in the preset).", ""]
+              "outer 10% of its range is marked (edge). One study's mark is often chance (with 4 keys, 59% of "
+              "uniform draws have one); **bold**: every study chose that edge, so the best may lie beyond it: widen "
+              "the range.", ""]
     for r in table:
+        agreed = consistent_edges(r["chosen"], bench.studies)
         for choice in r["chosen"]:
             lines.append(f"- {r['workload']} / {r['optimizer']} / study {choice['study']}: "
-                         + _point(bench, r["optimizer"], choice["point"], choice["edges"]))
+                         + _point(bench, r["optimizer"], choice["point"], choice["edges"], agreed))
     lines += ["", "## Partitions", ""]
     for name in bench.spaces:
         partition = next((r["partition"] for r in table if r["optimizer"] == name and r["partition"]), "")
@@ -280,15 +333,17 @@ def manifest(bench: Bench, jobs: Sequence[Job], sweep_dir: Path) -> dict[str, An
             if env.get("tokenized_data"):
                 data.setdefault(job.workload, set()).add(env["tokenized_data"])
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "command": sys.argv, "commit": commit,
-            "versions": versions, "plan": bench.describe(), "counts": bench.counts(),
+            "versions": versions, "plan": bench.describe(), "counts": bench.counts(), "r_max": bench.r_max,
+            "targets": {w.name: target(bench, jobs, w.name) for w in bench.workloads},
             "seeds": {"search (a study's index)": sorted({j.seed for j in jobs if j.stage == "search"}),
                       "confirm": sorted({j.seed for j in jobs if j.stage == "confirm"})},
             "data_fingerprints": {k: sorted(v) for k, v in data.items()},
             "environments": [{"environment": json.loads(k), "jobs": len(v)} for k, v in environments.items()]}
 
 
-def write(bench: Bench, jobs: Sequence[Job], sweep_dir: Path, r_max: float = 4.0) -> list[Path]:
+def write(bench: Bench, jobs: Sequence[Job], sweep_dir: Path) -> list[Path]:
     """The report folder; returns its files."""
+    r_max = bench.r_max
     from rlhf.sweeps.bench.profile_plot import profile_plot
 
     folder = Path(sweep_dir) / FOLDER
@@ -296,9 +351,8 @@ def write(bench: Bench, jobs: Sequence[Job], sweep_dir: Path, r_max: float = 4.0
     table = rows(bench, jobs, Path(sweep_dir))
     profs = profiles(bench, table, r_max)
     everyone = [*bench.spaces]
-    times = {w.name: {r["optimizer"]: max(r["seconds_to_target"], TINY_S) for r in table
-                      if r["workload"] == w.name} for w in bench.workloads}
-    speedups = scores.geometric_mean_speedup(times, bench.reference) if bench.reference in everyone else {}
+    times = times_to_target(bench, table, everyone)
+    speedups = scores.geometric_mean_speedup(times, bench.reference) if times and bench.reference in everyone else {}
     written = [folder / "report.md", folder / "results.csv", folder / "runs.csv", folder / "manifest.json"]
     written[0].write_text(markdown(bench, table, profs, speedups, jobs, r_max, Path(sweep_dir)))
     fields = [k for k in table[0] if k not in ("chosen", "partition")] if table else []
@@ -317,7 +371,8 @@ def write(bench: Bench, jobs: Sequence[Job], sweep_dir: Path, r_max: float = 4.0
         for j in jobs:
             reached = j.reached
             out.writerow([j.stage, j.workload, j.optimizer, j.track, j.study, j.index, j.seed, j.steps, j.value,
-                          reached.steps if reached else "", reached.seconds if reached else "", j.reason, j.folder,
+                          reached.steps if reached else "",
+                          ("inf" if math.isnan(reached.seconds) else reached.seconds) if reached else "", j.reason, j.folder,
                           *(j.point.get(k, "") for k in keys)])
     written[3].write_text(json.dumps(manifest(bench, jobs, Path(sweep_dir)), indent=2, default=str))
     titles = {TUNED: "tuned optimizers", SELF_TUNING: f"self-tuning track (beside the tuned {bench.reference})"}

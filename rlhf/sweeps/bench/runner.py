@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rlhf.core.errors import UserError
+from rlhf.run.checkpoint import complete
 from rlhf.sweeps.bench.plan import Bench, Job
 from rlhf.sweeps.points import FAILED
 
 log = logging.getLogger(__name__)
 
 PLAN = "bench_plan.json"
+DIED = "ProcessDied"  # failed.json's error for a job whose process ended without a result (rlhf.launch.sweep_launchers)
 Launch = Callable[[Sequence[Job], Sequence[bool]], None]  # jobs, and whether each continues its folder (resume=auto)
 
 
@@ -36,27 +40,41 @@ def read(job: Job, sweep_dir: Path) -> bool:
         final = json.loads(summary.read_text()).get("final", {})
         metric = next(part.partition("=")[2] for part in job.overrides if part.startswith("objective.metric="))
         value = final.get(metric)
-        job.value = float(value) if isinstance(value, (int, float)) and value == value else None
-        job.reason = "" if job.value is not None else f"no {metric} in its summary.json"
+        job.value = float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+        job.reason = "" if job.value is not None else (
+            f"no {metric} in its summary.json" if value is None else f"{metric} is {value}")
         return True
     if failed.is_file():
         record = json.loads(failed.read_text())
         job.value, job.reason = None, f"{record.get('error')}: {record.get('message')}"
+        if record.get("error") == DIED and complete(folder):  # stopped (a signal, a preemption)
+            return False  # after its checkpoint: continued, not a result
         return True
     job.value, job.reason = None, "did not finish"
     return False
 
 
-def check_plan(bench: Bench, sweep_dir: Path) -> bool:
-    """Save the plan, or compare it with the one saved in the folder; whether this continues an earlier start."""
-    plan = {"describe": bench.describe(), "search": [[j.folder, j.overrides] for j in bench.search_jobs()]}
+def check_plan(bench: Bench, sweep_dir: Path, arguments: Sequence[str] = ()) -> bool:
+    """Save the plan (the command line's overrides, every search job and every confirm job's template: its
+    overrides but the chosen point), or compare it with the one saved in the folder; whether this continues an
+    earlier start. A difference is refused, named."""
+    ignored = ("hydra.sweep.dir=", "hydra.sweeper.max_batch_size=", "hydra.sweeper.plan_only=", "launcher=")
+    plan = {"arguments": [a for a in arguments if not a.startswith(ignored)],
+            "jobs": [[j.folder, j.overrides] for j in [*bench.search_jobs(), *bench.confirm_jobs([])]]}
     file = sweep_dir / PLAN
     if file.is_file():
         saved = json.loads(file.read_text())
-        if saved["search"] != plan["search"]:
-            raise UserError(f"{sweep_dir} holds a benchmark with another plan ({PLAN}): continuing it with this one "
-                            "would mix two benchmarks. Fix: the same command as it was started with, or a new "
-                            "hydra.sweep.dir")
+        differs = ("the command line's overrides", saved.get("arguments"), plan["arguments"])
+        if saved.get("arguments") == plan["arguments"]:
+            old = {f: tuple(o) for f, o in saved.get("jobs", [])}
+            new = {f: tuple(o) for f, o in plan["jobs"]}
+            folder = next((f for f in [*new, *old] if old.get(f) != new.get(f)), None)
+            differs = None if folder is None else (f"the job {folder}", old.get(folder), new.get(folder))
+        if differs is not None:
+            what, was, now = differs
+            raise UserError(f"{sweep_dir} holds a benchmark with another plan ({PLAN}): {what} was {was}, now "
+                            f"{now}. Continuing it would mix two benchmarks. Fix: the same command as it was "
+                            "started with, or a new hydra.sweep.dir")
         return True
     sweep_dir.mkdir(parents=True, exist_ok=True)
     file.write_text(json.dumps(plan, indent=1))
@@ -119,13 +137,16 @@ def stage(jobs: Sequence[Job], sweep_dir: Path, launch: Launch, clock: Clock, si
     """Run the jobs without a result yet, batch by batch, reading every result from its folder; log progress and
     the time left (``later``: jobs of the next stage, counted in it)."""
     todo = [j for j in jobs if j.launched and not read(j, sweep_dir)]
-    done = len(jobs) - len(todo)
+    done = sum(j.launched for j in jobs) - len(todo)
     if done:
         log.info("bench: %d of the %s jobs already have a result in %s (read, not run again)", done,
                  jobs[0].stage, sweep_dir)
     left = list(todo)
     for batch in _batches(todo, size):
         resume = [(sweep_dir / j.folder).exists() for j in batch]
+        for job in batch:  # a stopped job's record of its stop, set aside: its continuation writes its own result
+            if (sweep_dir / job.folder / FAILED).is_file():
+                os.replace(sweep_dir / job.folder / FAILED, sweep_dir / job.folder / f"stopped-{FAILED}")
         started = time.perf_counter()
         launch(batch, resume)
         clock.add(batch[0].workload, time.perf_counter() - started, sum(j.steps for j in batch))
@@ -137,10 +158,12 @@ def stage(jobs: Sequence[Job], sweep_dir: Path, launch: Launch, clock: Clock, si
                  len(jobs) - len(left), len(jobs), failed, clock.line([*left, *later]))
 
 
-def run(bench: Bench, sweep_dir: Path, launch: Launch, size: int | None = None) -> list[Job]:
-    """The whole benchmark: the search, each study's choice, the confirm runs; returns every job with its result."""
+def run(bench: Bench, sweep_dir: Path, launch: Launch, size: int | None = None,
+        arguments: Sequence[str] = ()) -> list[Job]:
+    """The whole benchmark: the search, each study's choice, the confirm runs; returns every job with its result.
+    ``arguments``: the command line's overrides (part of the plan a continued benchmark must keep)."""
     sweep_dir = Path(sweep_dir)
-    again = check_plan(bench, sweep_dir)
+    again = check_plan(bench, sweep_dir, arguments)
     clock = Clock(bench)
     search = bench.search_jobs()
     counts = bench.counts()

@@ -62,7 +62,7 @@ def test_the_points_are_quasi_random_in_range_on_their_scale_the_same_on_every_w
     bench = Bench.from_config(config(trials=8))
     points = [bench.points("muon", study) for study in range(3)]
     assert points[0] == bench.points("muon", 0)  # reproducible
-    assert points[0] != points[1] != points[2]
+    assert points[0] != points[1] and points[1] != points[2] and points[0] != points[2]
     lrs = sorted(p["optimizer.lr"] for p in points[0])
     assert all(1e-5 <= v <= 1e-2 for v in lrs)
     decades = {math.floor(math.log10(v)) for v in lrs}
@@ -124,3 +124,25 @@ def test_a_bad_space_or_plan_is_refused_with_its_fix():
         Bench.from_config(config(optimizers={"sgd": {"space": {"optimizer.lr": LR}}}))
     with pytest.raises(UserError, match=r"workloads.sft lacks \['metric'\]"):
         Bench.from_config(config(workloads={"sft": {"max_steps": 3, "direction": "maximize"}}))
+
+
+def test_unknown_keys_names_and_ranges_are_refused_naming_the_key_they_resemble():
+    with pytest.raises(UserError, match=r"hydra.sweeper.confirm_seed is not a setting .* Fix: "
+                                        r"hydra.sweeper.confirm_seeds \(the key it resembles\)"):
+        Bench.from_config(config(confirm_seed=3))
+    with pytest.raises(UserError, match=r"workloads.sft.eval_every_step is not a setting .* Fix: "
+                                        r"hydra.sweeper.workloads.sft.eval_every_steps"):
+        Bench.from_config(config(workloads={"sft": {"max_steps": 3, "metric": "eval/loss", "direction": "minimize",
+                                                    "eval_every_step": 1}}, optimizers={"adamw": {"space": {
+                                                        "optimizer.lr": LR}}}))
+    with pytest.raises(UserError, match=r"r_max=1.0: .* Fix: hydra.sweeper.r_max=4"):
+        Bench.from_config(config(r_max=1.0))
+    with pytest.raises(UserError, match=r"the name 'my adamw' is a folder"):
+        Bench.from_config(config(optimizers={"adamw": {"space": {"optimizer.lr": LR}}, "my adamw": {}}))
+    with pytest.raises(UserError, match=r"needs 0 <= low and high <= 1 for a fraction of the steps"):
+        Dimension.parse("scheduler.num_warmup_steps", {"low": 0, "high": 5, "of_steps": True}, "space")
+
+
+def test_an_override_keeps_six_significant_digits():
+    """A beta2 of 0.99987 written with 4 digits would run as 0.9999 (1 - beta2 off by 23%)."""
+    assert Dimension("optimizer.betas.1", 0.9, 0.9999, "log1m").override(0.99987, 10) == "optimizer.betas.1=0.99987"

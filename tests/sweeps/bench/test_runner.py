@@ -145,3 +145,64 @@ def test_a_stopped_benchmark_continues_what_it_had_not_finished_and_a_different_
     assert all(j.value is not None for j in jobs if j.launched)
     with pytest.raises(UserError, match="holds a benchmark with another plan"):
         runner.run(bench(trials=2), tmp_path, Launcher(tmp_path))
+
+
+def test_a_job_stopped_after_its_checkpoint_is_continued_not_counted_as_a_miss(tmp_path):
+    """Under submitit a job stopped by a signal (after writing its checkpoint) is recorded as ProcessDied: the next
+    start continues it (resume=auto) and sets the record aside. A job that died without a checkpoint stays a miss.
+    Red if failed.json alone decided."""
+    plan = bench(trials=1, studies=1)
+    runner.run(plan, tmp_path, Launcher(tmp_path))
+    stopped, dead = plan.search_jobs()[0], plan.search_jobs()[1]
+    for job in (stopped, dead):
+        folder = tmp_path / job.folder
+        (folder / "summary.json").unlink()
+        (folder / FAILED).write_text(json.dumps({"error": runner.DIED, "message": "the job's process ended"}))
+    meta = tmp_path / stopped.folder / "checkpoints" / "step_00000010"
+    meta.mkdir(parents=True)
+    (meta / "meta.json").write_text("{}")
+    again = Launcher(tmp_path)
+    jobs = runner.run(plan, tmp_path, again)
+    assert again.launched == [(stopped.folder, True)]
+    assert (tmp_path / stopped.folder / f"stopped-{FAILED}").is_file()
+    assert next(j for j in jobs if j.folder == dead.folder).value is None
+
+
+def test_a_change_to_the_confirm_runs_or_the_command_line_is_refused_naming_it(tmp_path):
+    runner.run(bench(trials=1, studies=1), tmp_path, Launcher(tmp_path), arguments=["data.validation_size=0.5"])
+    with pytest.raises(UserError, match=r"the job confirm/dpo/prodigy/s0_c0 was .*train.max_steps=30.* now "
+                                        r".*train.max_steps=40"):
+        runner.run(bench(trials=1, studies=1, self_tuning_budget=2.0), tmp_path, Launcher(tmp_path),
+                   arguments=["data.validation_size=0.5"])
+    with pytest.raises(UserError, match=r"the command line's overrides was \['data.validation_size=0.5'\], now "
+                                        r"\['data.validation_size=0.25'\]"):
+        runner.run(bench(trials=1, studies=1), tmp_path, Launcher(tmp_path), arguments=["data.validation_size=0.25"])
+    runner.run(bench(trials=1, studies=1), tmp_path, Launcher(tmp_path),  # where it runs may change
+               arguments=["data.validation_size=0.5", "launcher=slurm", "hydra.sweeper.max_batch_size=4"])
+
+
+def test_a_target_met_before_training_leaves_the_workload_out_of_the_profile_and_says_so(tmp_path):
+    """A target at or below the start score: every run meets it at step 0, and the workload ranks nothing."""
+    plan = bench(workloads={"dpo": {"max_steps": 20, "eval_every_steps": 5, "metric": "eval/exact_match",
+                                    "direction": "maximize", "target": 0.4},
+                            "sft": {"overrides": ["algo=sft"], "max_steps": 20, "eval_every_steps": 5,
+                                    "metric": "eval/exact_match", "direction": "maximize"}})
+    jobs = runner.run(plan, tmp_path, Launcher(tmp_path))
+    table = report.rows(plan, jobs, tmp_path)
+    assert report.ranked(plan, table) == ["sft"]
+    assert list(report.profiles(plan, table, 4.0)["tuned"].ratios) == ["sft"]
+    text = report.markdown(plan, table, report.profiles(plan, table, 4.0), {}, jobs, 4.0, tmp_path)
+    assert "**Not ranked**: the target was met before training by adamw (3), slow (3), prodigy (3)" in text
+
+
+def test_the_target_counts_a_failed_reference_run_as_the_worst():
+    """3 reference runs, one failed: the lower median of (-inf, a, b) is a, the worse one; 2 of 3 failed: none."""
+    plan = bench(trials=1)
+    jobs = plan.confirm_jobs([])
+    finals = iter([0.7, None, 0.9])
+    for job in jobs:
+        if job.optimizer == "adamw":
+            job.value = next(finals)
+    assert report.target(plan, jobs, "dpo") == 0.7
+    next(j for j in jobs if j.optimizer == "adamw" and j.value == 0.7).value = None
+    assert report.target(plan, jobs, "dpo") is None
