@@ -119,14 +119,17 @@ def manifest_line(folder: Path) -> str:
     env = manifest["environments"][0]["environment"] if manifest["environments"] else {}
     versions = manifest["versions"]
     return (f"{env.get('machine', '?')}, {env.get('threads_per_process', '?')} thread(s) per run, torch "
-            f"{versions.get('torch')}, transformers {versions.get('transformers')}, commit "
+            f"{versions.get('torch')}, transformers {versions.get('transformers')}, report written at commit "
             f"{(manifest.get('commit') or '?')[:7]}, {manifest['date'][:10]}")
 
 
 def wall_s(folder: Path) -> float:
-    """A benchmark's time, from its plan file (written as it starts) to its report (written as it ends): start-up
-    of the first process left out, a continued benchmark's pause counted."""
-    return (folder / "report" / "report.md").stat().st_mtime - (folder / "bench_plan.json").stat().st_mtime
+    """A benchmark's time from its first job's start (the job's recorded config) to its last job's end (its
+    summary.json or failed.json), read from the jobs' own files, so that writing the report again changes nothing;
+    the process's start-up and the report left out, a continued benchmark's pause counted."""
+    starts = [p.stat().st_mtime for p in folder.glob("*/*/*/*/.hydra/config.yaml")]
+    ends = [p.stat().st_mtime for name in ("summary.json", "failed.json") for p in folder.glob(f"*/*/*/*/{name}")]
+    return max(ends) - min(starts)
 
 
 def page(quick: Path, question: Path) -> str:
@@ -139,7 +142,7 @@ def page(quick: Path, question: Path) -> str:
         "## The quick variant", "",
         "```bash", "python train.py experiment=optimizer_bench", "```", "",
         f"Measured on {manifest_line(quick)}"
-        + f"; {wall['quick']} from its plan to its report. "
+        + f"; {wall['quick']} from its first job to its last. "
         "Three workloads on the embedded task (SFT 40 steps, DPO 40, GRPO 16), AdamW, SGD and Muon tuned with 3 "
         "studies of 3 Sobol trials each, every study's choice confirmed on the held-out rows with a fresh seed; "
         "schedule-free AdamW and Prodigy at their defaults with 1.5x the steps. Targets (the tuned AdamW's median): "
@@ -162,7 +165,7 @@ def page(quick: Path, question: Path) -> str:
         "Sobol trials over its own space, every choice confirmed with a fresh seed:", "",
         "```bash", "python train.py " + " ".join(f"'{a}'" if a.startswith("~") else a for a in QUESTION), "```", "",
         f"Measured on {manifest_line(question)}"
-        + f"; {wall['question']} from its plan to its report.", "",
+        + f"; {wall['question']} from its first job to its last.", "",
         *table(question_rows), "",
         answer(question_rows) + " With 5 runs the interval is their range, which holds the true median with "
         "probability 94%.", "",

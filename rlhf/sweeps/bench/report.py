@@ -375,9 +375,9 @@ def write(bench: Bench, jobs: Sequence[Job], sweep_dir: Path) -> list[Path]:
                           ("inf" if math.isnan(reached.seconds) else reached.seconds) if reached else "", j.reason, j.folder,
                           *(j.point.get(k, "") for k in keys)])
     written[3].write_text(json.dumps(manifest(bench, jobs, Path(sweep_dir)), indent=2, default=str))
-    titles = {TUNED: "tuned optimizers", SELF_TUNING: f"self-tuning track (beside the tuned {bench.reference})"}
+    titles = {TUNED: "tuned optimizers", SELF_TUNING: f"self-tuning, beside the tuned {bench.reference}"}
     for track, prof in profs.items():
         path = folder / ("profile.png" if track == TUNED else "profile_self_tuning.png")
-        profile_plot(prof, path, f"Performance profile, seconds to target: {titles[track]}")
+        profile_plot(prof, path, f"Seconds to target: {titles[track]}")
         written.append(path)
     return written
