@@ -1,7 +1,7 @@
 """The optimizer benchmark's results page: the quick variant as a user runs it, and one published question asked
 with the same machinery, each answered with intervals.
 
-    python benchmarks/optimizer_bench_page.py --run                 # runs both (about 40 minutes on 2 idle cores)
+    python benchmarks/optimizer_bench_page.py --run                 # runs both (about 31 minutes on 2 idle cores)
     python benchmarks/optimizer_bench_page.py                       # renders the page from runs already made
 
 The question (arXiv 2602.07729): is SGD as good as AdamW for RL with verifiable rewards? Asked on the GRPO workload

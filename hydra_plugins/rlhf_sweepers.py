@@ -163,7 +163,8 @@ class OptimizerBench(Sweeper):
                       f"{clock.line([*bench.search_jobs(), *bench.confirm_jobs([])])}")
                 return []
             sweep_dir.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+            if not (sweep_dir / "multirun.yaml").exists():  # how it was started: kept when it is continued
+                OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
 
             def launch(jobs, resume) -> None:
                 lists = [[*arguments, *job.overrides, *(["resume=auto"] if again else []),
@@ -191,15 +192,17 @@ class OptimizerBench(Sweeper):
 
         check_arguments(arguments, "hydra.sweeper.optimizers.<name>.space",
                         "hydra.sweeper.optimizers.<name>.space.<key>={low: ..., high: ..., scale: ...}")
+        probes = bench.probes()
+        set_by_jobs = {*SET_PER_JOB, *(o.lstrip("~+").partition("=")[0] for job in probes for o in job.overrides)}
         for argument in arguments:
             key = argument.lstrip("~+").partition("=")[0]
-            if key in SET_PER_JOB:
-                raise UserError(f"{argument}: every job of the benchmark sets {key} itself (its workload, its "
-                                "optimizer, its study's seed). Fix: hydra.sweeper.workloads.<name>.* or "
+            if key in set_by_jobs:  # the job's own value comes after the command line's and wins, for some jobs
+                raise UserError(f"{argument}: the benchmark's jobs set {key} themselves (a workload's overrides, an "
+                                "optimizer's space or overrides, a study's seed), so it would apply to some of them "
+                                "only. Fix: hydra.sweeper.workloads.<name>.overrides or "
                                 "hydra.sweeper.optimizers.<name> (conf/hydra/sweeper/optimizer_bench.yaml)")
-        lists = [[*arguments, *job.overrides] for job in bench.probes()]
-        self.validate_batch_is_legal(lists)  # an unknown key: Hydra's message
-        for job, overrides in zip(bench.probes(), lists):
+        for job in probes:
+            overrides = [*arguments, *job.overrides]  # an unknown key: Hydra's message, from composing it
             config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
             try:
                 with open_dict(config):

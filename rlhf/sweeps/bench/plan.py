@@ -203,7 +203,8 @@ class Bench:
             overrides = node.get("overrides") or []
             workloads.append(Workload(
                 str(name), tuple(overrides.split() if isinstance(overrides, str) else map(str, overrides)),
-                int(node["max_steps"]), int(node.get("eval_every_steps") or node["max_steps"]),
+                int(node["max_steps"]), int(node["max_steps"] if node.get("eval_every_steps") is None
+                                            else node["eval_every_steps"]),
                 str(node["metric"]), str(node["direction"]),
                 None if node.get("target") is None else float(node["target"]),
                 None if node.get("seconds_per_step") is None else float(node["seconds_per_step"])))

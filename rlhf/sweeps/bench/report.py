@@ -53,7 +53,7 @@ def _records(folder: Path) -> list[dict[str, Any]] | None:
 def target(bench: Bench, jobs: Sequence[Job], workload: str) -> float | None:
     """The workload's target: its own, else the reference optimizer's median final score over its confirm runs (a
     failed run counting as the worst), the worse middle one for an even count: one of its runs' scores, so that at
-    least half of them reach it. ``None`` where it has none (most of the reference's runs failed)."""
+    least half of them reach it. ``None`` where it has none (half or more of the reference's runs failed)."""
     own = next(w for w in bench.workloads if w.name == workload)
     if own.target is not None:
         return own.target
@@ -63,7 +63,7 @@ def target(bench: Bench, jobs: Sequence[Job], workload: str) -> float | None:
     if not values:
         return None
     middle = float(np.quantile(values, 0.5, method="lower" if own.direction == "maximize" else "higher"))
-    return middle if math.isfinite(middle) else None  # most of the reference's runs failed: no target
+    return middle if math.isfinite(middle) else None  # half or more of the reference's runs failed: no target
 
 
 def rows(bench: Bench, jobs: Sequence[Job], sweep_dir: Path) -> list[dict[str, Any]]:
@@ -208,7 +208,7 @@ def _number(value: Any, digits: int = 4) -> str:
 
 def _not_ranked(workload: str, goal: float | None, own: Sequence[Mapping[str, Any]]) -> str:
     if goal is None:
-        why = f"no target (most of the reference's runs failed; give hydra.sweeper.workloads.{workload}.target)"
+        why = f"no target (half or more of the reference's runs failed; give hydra.sweeper.workloads.{workload}.target)"
     else:
         why = "the target was met before training by " + ", ".join(
             f"{r['optimizer']} ({r['met_at_start']})" for r in own if r["met_at_start"]) + " (raise the target)"
@@ -227,7 +227,7 @@ def interval_note(bench: Bench) -> str:
 
 def consistent_edges(chosen: Sequence[Mapping[str, Any]], studies: int) -> dict[str, str]:
     """The keys that every study chose on the same edge of its range (``{"optimizer.lr": "high"}``)."""
-    if len(chosen) < studies or not chosen:
+    if studies < 2 or len(chosen) < studies:  # one study agreeing with itself says nothing
         return {}
     keys = set.intersection(*(set(c["edges"]) for c in chosen))
     return {k: chosen[0]["edges"][k] for k in keys if len({c["edges"][k] for c in chosen}) == 1}
@@ -292,7 +292,11 @@ def markdown(bench: Bench, table: Sequence[Mapping[str, Any]], profs: Mapping[st
             speed = (f"{'-' if math.isnan(s.speedup) else _number(s.speedup, 3)} ({s.workloads_counted}; "
                      f"{s.optimizer_missed}; {s.baseline_missed})") if s else "-"
             lines.append(f"| {name} | {track} | {prof.scores[name]:.3f} | {speed} |")
-    lines += ["", "![performance profile](profile.png)", ""]
+    if not profs:
+        lines.append("| - | - | - | nothing ranked: no workload has a target that no run met before training |")
+    lines.append("")
+    if TUNED in profs:
+        lines += ["![performance profile](profile.png)", ""]
     if SELF_TUNING in profs:
         lines += ["![performance profile, self-tuning](profile_self_tuning.png)", ""]
     lines += ["## Chosen points", "", "Each study's choice (best final score on the validation rows); a key in the "

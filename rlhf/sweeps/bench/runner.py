@@ -55,11 +55,11 @@ def read(job: Job, sweep_dir: Path) -> bool:
 
 
 def check_plan(bench: Bench, sweep_dir: Path, arguments: Sequence[str] = ()) -> bool:
-    """Save the plan (the command line's overrides, every search job and every confirm job's template: its
-    overrides but the chosen point), or compare it with the one saved in the folder; whether this continues an
-    earlier start. A difference is refused, named."""
-    ignored = ("hydra.sweep.dir=", "hydra.sweeper.max_batch_size=", "hydra.sweeper.plan_only=", "launcher=")
-    plan = {"arguments": [a for a in arguments if not a.startswith(ignored)],
+    """Save the plan (the command line's overrides but the launcher, every search job and every confirm job's
+    template: its overrides but the chosen point), or compare it with the one saved in the folder; whether this
+    continues an earlier start. A difference is refused, named. What only scores (a target, the reference, r_max)
+    is no part of it: changed, the report is written again from the same runs."""
+    plan = {"arguments": [a for a in arguments if not a.startswith("launcher=")],  # where it runs may change
             "jobs": [[j.folder, j.overrides] for j in [*bench.search_jobs(), *bench.confirm_jobs([])]]}
     file = sweep_dir / PLAN
     if file.is_file():

@@ -68,5 +68,8 @@ def test_a_refusal_that_does_not_depend_on_the_point_stops_the_bench_before_it_r
     assert out.returncode == 1
     assert "error: workload sft with adamw: objective.metric=eval/reward" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "search").exists()
-    out = run(*SMALL, "seed=3", f"hydra.sweep.dir={tmp_path}")
-    assert out.returncode == 1 and "error: seed=3: every job of the benchmark sets seed itself" in out.stderr
+    for argument in ("seed=3", "optimizer.lr=0.001"):  # the second one would reach the self-tuning entries only
+        out = run(*SMALL, argument, f"hydra.sweep.dir={tmp_path}")
+        key = argument.partition("=")[0]
+        assert out.returncode == 1, out.stderr[-2000:]
+        assert f"error: {argument}: the benchmark's jobs set {key} themselves" in out.stderr, out.stderr[-2000:]
