@@ -182,7 +182,7 @@ class OptimizerBench(Sweeper):
         return []
 
     def _check(self, bench, arguments: list[str]) -> None:
-        """Before anything runs: no sweep and no key every job sets itself on the command line, and the config of
+        """Before anything runs: no sweep and no key the jobs set themselves on the command line, and the config of
         each workload with each optimizer (at the middle of its space) composed and checked, so that a refusal
         that does not depend on the point stops the benchmark instead of failing every one of its jobs."""
         from rlhf.config.checks import check_config
