@@ -25,9 +25,10 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from datasets import Dataset, DatasetDict
+from datasets import DatasetDict
 
 from rlhf.core.errors import UserError
+from rlhf.data.tasks import COLUMNS, task_splits
 
 QUESTION = "What is {a} + {b}? Reply with the number only."
 # The question as it appears in a prompt, plain or rendered by a chat template (the last one counts).
@@ -198,8 +199,6 @@ class SumsTask:
     def load(self, columns: Sequence[str]) -> DatasetDict:
         """Train and eval splits with the given columns (any of prompt, completion, chosen, rejected); asked for a
         ``label``, the preference pairs."""
-        unknown = set(columns) - {"prompt", "completion", "chosen", "rejected", "label"}
-        if unknown:
-            raise UserError(f"the sums task has no column(s) {sorted(unknown)}. Fix: an algorithm that takes prompts, "
-                            "demonstrations or preference pairs (algo=sft, dpo, kto, grpo, ...)")
-        return DatasetDict({s: Dataset.from_list(self.rows(s, columns)) for s in ("train", "eval")})
+        return task_splits(self, columns, "the sums task", UserError(
+            f"the sums task has no column(s) {sorted(set(columns) - set(COLUMNS))}. Fix: an algorithm that takes "
+            "prompts, demonstrations or preference pairs (algo=sft, dpo, kto, grpo, ...)"))

@@ -120,7 +120,17 @@ class ReverseTask:
     def load(self, columns: Sequence[str]) -> DatasetDict:
         """Train and eval splits with the given columns (any of prompt, completion, chosen, rejected); asked for a
         ``label``, the preference pairs."""
-        unknown = set(columns) - {"prompt", "completion", "chosen", "rejected", "label"}
-        if unknown:
-            raise ValueError(f"the reverse task has no column(s) {sorted(unknown)}")
-        return DatasetDict({s: Dataset.from_list(self.rows(s, columns)) for s in ("train", "eval")})
+        return task_splits(self, columns, "the reverse task", ValueError(
+            f"the reverse task has no column(s) {sorted(set(columns) - set(COLUMNS))}"))
+
+
+COLUMNS = ("prompt", "completion", "chosen", "rejected", "label")  # what a generated task's rows can hold
+
+
+def task_splits(task, columns: Sequence[str], name: str, unknown_error: Exception | None = None) -> DatasetDict:
+    """A generated task's train and eval splits with ``columns`` (of :data:`COLUMNS`), from its ``rows(split,
+    columns)``; another column raises ``unknown_error`` (default: a ValueError naming ``name`` and the columns)."""
+    unknown = set(columns) - set(COLUMNS)
+    if unknown:
+        raise unknown_error or ValueError(f"{name} has no column(s) {sorted(unknown)}")
+    return DatasetDict({s: Dataset.from_list(task.rows(s, columns)) for s in ("train", "eval")})
